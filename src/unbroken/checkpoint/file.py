@@ -1,0 +1,193 @@
+"""Checkpoints as files: one file per rank per step, written atomically.
+
+Layout::
+
+    <dir>/step-000000040/rank-00000.pt   (each: write tmp, fsync, rename, fsync dir)
+    <dir>/step-000000040/manifest.json   (rank 0: world size, step; written the same way)
+
+A step counts as committed only when its manifest and all ``world_size`` rank
+files exist; since every file appears by an atomic rename, a rank killed in
+the middle of a save leaves only a ``*.tmp`` that is never read. No barrier
+is needed in ``save``, so a slow rank never stalls the others there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from unbroken.checkpoint import rng
+from unbroken.checkpoint.api import Restored
+from unbroken.errors import CheckpointError
+
+_STEP_DIR = re.compile(r"^step-(\d{9})$")
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:09d}"
+
+
+def rank_file(root: Path, step: int, rank: int) -> Path:
+    return step_dir(root, step) / f"rank-{rank:05d}.pt"
+
+
+def write_atomically(path: Path, write: Callable[[Any], None]) -> None:
+    """Write through ``write(file)`` to ``path.tmp``, fsync it, rename, fsync the folder."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def committed_steps(root: Path, world_size: int) -> list[int]:
+    """Steps whose manifest and every rank file are present, newest first."""
+    if not root.is_dir():
+        return []
+    steps = []
+    for entry in root.iterdir():
+        match = _STEP_DIR.match(entry.name)
+        if not match:
+            continue
+        step = int(match.group(1))
+        if not (entry / "manifest.json").exists():
+            continue
+        if all(rank_file(root, step, r).exists() for r in range(world_size)):
+            steps.append(step)
+    return sorted(steps, reverse=True)
+
+
+class FileCheckpointer:
+    """The foundation's checkpointer: local or shared filesystem, every rank its own file."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        keep: int = 2,
+        on_restored: Callable[[int], None] | None = None,
+    ) -> None:
+        self.directory = directory
+        self.rank = rank
+        self.world_size = world_size
+        self.keep = keep
+        self._on_restored = on_restored
+
+    def save(self, step: int, state: dict[str, Any]) -> None:
+        if step < 0:
+            raise CheckpointError(f"checkpoint step must be >= 0, got {step}")
+        target = step_dir(self.directory, step)
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+            payload = {"step": step, "state": state, "rng": rng.capture()}
+            write_atomically(rank_file(self.directory, step, self.rank), lambda f: torch.save(payload, f))
+            if self.rank == 0:
+                manifest = {"step": step, "world_size": self.world_size, "format": "unbroken.file/1"}
+                write_atomically(target / "manifest.json", lambda f: f.write(json.dumps(manifest).encode()))
+                self._apply_retention()
+        except OSError as exc:
+            raise CheckpointError(f"cannot write checkpoint step {step} to {target}: {exc.strerror or exc}") from exc
+
+    def restore(self) -> Restored | None:
+        """Newest committed step that *every* rank loads cleanly; older steps on any failure."""
+        for step in self._agreed_candidates():
+            payload = self._try_load(step)
+            if self._all_ranks_ok(payload is not None):
+                assert payload is not None
+                self._discard_abandoned(after=step)
+                rng.apply(payload["rng"])
+                if self._on_restored:
+                    self._on_restored(step)
+                return Restored(step=step, state=payload["state"], source=str(step_dir(self.directory, step)))
+        self._discard_abandoned(after=-1)
+        return None
+
+    def _discard_abandoned(self, *, after: int) -> None:
+        """Delete step folders newer than the one we resume from (rank 0 only).
+
+        They belong to the timeline that just failed: torn (some ranks' files
+        missing) or unreadable. Left in place, the resumed run's rank files
+        would mix with the old run's in the same folder and could look committed.
+        Folders written for another world size are left alone: they are not ours.
+        """
+        if self.rank != 0 or not self.directory.is_dir():
+            return
+        for entry in sorted(self.directory.iterdir()):
+            match = _STEP_DIR.match(entry.name)
+            if not match or int(match.group(1)) <= after:
+                continue
+            manifest = entry / "manifest.json"
+            try:
+                world_size = json.loads(manifest.read_text())["world_size"] if manifest.exists() else self.world_size
+            except (OSError, ValueError, KeyError):
+                world_size = self.world_size
+            if world_size == self.world_size:
+                print(f"unbroken: discarding {entry.name}: newer than the resumed step and not restorable", flush=True)
+                shutil.rmtree(entry, ignore_errors=True)
+
+    def _try_load(self, step: int) -> dict[str, Any] | None:
+        path = rank_file(self.directory, step, self.rank)
+        try:
+            payload = torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as exc:  # noqa: BLE001 - any unreadable file means: try the older step
+            print(f"unbroken: checkpoint {path} unreadable ({type(exc).__name__}: {exc}); trying an older step", flush=True)
+            return None
+        if not isinstance(payload, dict) or payload.get("step") != step or "state" not in payload:
+            print(f"unbroken: checkpoint {path} is not a step-{step} checkpoint; trying an older step", flush=True)
+            return None
+        return payload
+
+    def _agreed_candidates(self) -> list[int]:
+        """Rank 0's list of committed steps, so every rank walks the same candidates."""
+        steps = committed_steps(self.directory, self.world_size)
+        if not _distributed():
+            return steps
+        import torch.distributed as dist
+
+        box: list[Any] = [steps]
+        dist.broadcast_object_list(box, src=0)
+        return list(box[0])
+
+    def _all_ranks_ok(self, ok: bool) -> bool:
+        if not _distributed():
+            return ok
+        import torch.distributed as dist
+
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def _apply_retention(self) -> None:
+        """Keep the newest ``keep`` committed steps; drop anything older than the oldest kept.
+
+        Runs on rank 0 only. Only steps *older* than a committed step are deleted,
+        so an in-progress newer step (other ranks still writing) is never touched.
+        """
+        committed = committed_steps(self.directory, self.world_size)
+        if len(committed) <= self.keep:
+            return
+        oldest_kept = committed[self.keep - 1]
+        for entry in self.directory.iterdir():
+            match = _STEP_DIR.match(entry.name)
+            if match and int(match.group(1)) < oldest_kept:
+                shutil.rmtree(entry, ignore_errors=True)
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

@@ -1,0 +1,87 @@
+"""The cluster file, modelled on HyperPod's ``create-cluster`` input.
+
+Field names are PascalCase on purpose: a HyperPod cluster JSON (minus the
+AWS-only fields it does not need) loads unchanged.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
+
+
+class DeepHealthCheck(StrEnum):
+    INSTANCE_STRESS = "InstanceStress"
+    INSTANCE_CONNECTIVITY = "InstanceConnectivity"
+
+
+class NodeRecovery(StrEnum):
+    AUTOMATIC = "Automatic"
+    NONE = "None"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class InstanceGroup(_Strict):
+    InstanceGroupName: str = Field(pattern=NAME_PATTERN)
+    """Names the group in node listings; DNS-label rules so it can be a k8s label value."""
+    InstanceType: str = "cpu-dev"
+    """Selects the health profile (issue: health checks). ``cpu-dev`` is this kind of machine."""
+    InstanceCount: int = Field(ge=1, le=64)
+    """Nodes kept in service; replacements keep the count. 64 is the local backend's sane cap."""
+    OnStartDeepHealthChecks: list[DeepHealthCheck] = Field(default_factory=list)
+    """Suites a node must pass on join before it takes work."""
+
+
+class LocalSettings(_Strict):
+    """Timings of the local backend. Defaults favour fast recovery on one machine."""
+
+    HeartbeatIntervalSeconds: float = Field(default=0.5, gt=0, le=60)
+    """How often an agent writes its heartbeat; cheap (one SQLite row)."""
+    NodeLostAfterSeconds: float = Field(default=4.0, gt=0, le=600)
+    """A node whose heartbeat is older than this is lost. Several heartbeats long, so
+    one slow SQLite write under load never takes a healthy node out."""
+    RebootTimeoutSeconds: float = Field(default=60.0, gt=0)
+    """A rebooted node that has not re-registered by then is replaced instead."""
+
+    @model_validator(mode="after")
+    def _lost_after_heartbeat(self) -> "LocalSettings":
+        if self.NodeLostAfterSeconds < 2 * self.HeartbeatIntervalSeconds:
+            raise ValueError(
+                f"NodeLostAfterSeconds ({self.NodeLostAfterSeconds}) must be at least twice "
+                f"HeartbeatIntervalSeconds ({self.HeartbeatIntervalSeconds})"
+            )
+        return self
+
+
+class ClusterConfig(_Strict):
+    ClusterName: str = Field(pattern=NAME_PATTERN)
+    InstanceGroups: list[InstanceGroup] = Field(min_length=1)
+    NodeRecovery: NodeRecovery = NodeRecovery.AUTOMATIC
+    """Automatic: lost or faulty nodes are rebooted/replaced without an operator."""
+    Local: LocalSettings = Field(default_factory=LocalSettings)
+
+    @field_validator("InstanceGroups")
+    @classmethod
+    def _unique_group_names(cls, groups: list[InstanceGroup]) -> list[InstanceGroup]:
+        names = [g.InstanceGroupName for g in groups]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"InstanceGroupName must be unique, repeated: {', '.join(duplicates)}")
+        return groups
+
+    @classmethod
+    def with_nodes(cls, count: int, name: str = "local") -> "ClusterConfig":
+        """The cluster ``cluster up --nodes N`` makes: one cpu-dev group, automatic recovery."""
+        return cls(
+            ClusterName=name,
+            InstanceGroups=[InstanceGroup(InstanceGroupName="workers", InstanceCount=count)],
+        )
+
+    def group(self, name: str) -> InstanceGroup:
+        return next(g for g in self.InstanceGroups if g.InstanceGroupName == name)

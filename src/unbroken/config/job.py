@@ -1,0 +1,132 @@
+"""The job file: what to run, on how many nodes, and how to survive failures.
+
+Relative paths (the entry script, ``working_dir``, ``checkpoint.dir``) are
+resolved against the job file's folder at load time, so a job file can be
+submitted from anywhere. ``resilience`` mirrors the HyperPod job annotations
+``unbroken.dev/enable-job-auto-resume`` and ``unbroken.dev/job-max-retry-count``.
+"""
+
+from __future__ import annotations
+
+import shlex
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from unbroken.config.cluster import NAME_PATTERN
+
+
+class RestartPolicy(StrEnum):
+    """Which failures a restart is spent on (Kubeflow's vocabulary)."""
+
+    ON_FAILURE = "OnFailure"
+    """Any failure: a worker exit, a lost node, a hang."""
+    EXIT_CODE = "ExitCode"
+    """Like Kubeflow: a worker exit code 1-127 is the program's own error and is not
+    retried; signals, codes >= 128, lost nodes and hangs are."""
+    NEVER = "Never"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ResilienceSpec(_Strict):
+    auto_resume: bool = False
+    """Off unless asked for, as HyperPod's annotation: a restart costs GPU time."""
+    max_retry: int = Field(default=3, ge=0, le=1000)
+    """Restarts allowed over the job's life; the next failure after that is final."""
+    restart_policy: RestartPolicy = RestartPolicy.ON_FAILURE
+    hang_timeout: float = Field(default=300.0, gt=0)
+    """Seconds without ``ctx.progress`` from any rank before the job counts as hung.
+    5 minutes covers a slow checkpoint or evaluation step; tighten it per job."""
+    startup_timeout: float = Field(default=600.0, gt=0)
+    """Seconds from launch to a rank's first ``ctx.progress``: imports, rendezvous,
+    restore. Longer than ``hang_timeout`` because a cold start is slower than a step."""
+    require_deep_health_passed: bool = True
+    """Only place the job on nodes whose deep-health-check-status is Passed."""
+
+
+class CheckpointSpec(_Strict):
+    dir: Path | None = None
+    """Where ``ctx.checkpoint`` writes. Default: ``<cluster dir>/checkpoints/<job name>``."""
+    keep: int = Field(default=2, ge=1, le=1000)
+    """Committed steps kept; 2 so that a torn newest step still leaves one behind."""
+
+
+class JobSpec(_Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    """A DNS label, so the same name works as a PyTorchJob name on Kubernetes."""
+    nodes: int = Field(default=1, ge=1, le=64)
+    procs_per_node: int = Field(default=1, ge=1, le=64)
+    command: list[str] = Field(min_length=1)
+    """Entry script then its arguments; ``["-m", "pkg.module", ...]`` runs a module."""
+    env: dict[str, str] = Field(default_factory=dict)
+    working_dir: Path | None = None
+    """Default: the job file's folder."""
+    resilience: ResilienceSpec = Field(default_factory=ResilienceSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+
+    @field_validator("command", mode="before")
+    @classmethod
+    def _split_command(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return shlex.split(value)
+        if isinstance(value, list):
+            return [str(v) if isinstance(v, (int, float)) else v for v in value]
+        return value
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_strings(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: str(v) if isinstance(v, (int, float, bool)) else v for k, v in value.items()}
+        return value
+
+    @model_validator(mode="after")
+    def _resolve_paths(self, info: ValidationInfo) -> "JobSpec":
+        context = info.context or {}
+        if context.get("trusted"):
+            return self  # read back from the store: paths were resolved at submit time
+        base = Path(context.get("base_dir", Path.cwd()))
+        working_dir = (base / self.working_dir) if self.working_dir else base
+        command = list(self.command)
+        if command[0] == "-m":
+            if len(command) < 2:
+                raise ValueError("command: '-m' must be followed by a module name")
+        else:
+            script = Path(command[0])
+            resolved = script if script.is_absolute() else working_dir / script
+            if not resolved.is_file():
+                raise ValueError(f"command: entry script {command[0]!r} not found (looked at {resolved})")
+            command[0] = str(resolved.resolve())
+        ckpt = self.checkpoint
+        if ckpt.dir is not None and not ckpt.dir.is_absolute():
+            ckpt = ckpt.model_copy(update={"dir": (base / ckpt.dir).resolve()})
+        object.__setattr__(self, "command", command)
+        object.__setattr__(self, "working_dir", working_dir.resolve())
+        object.__setattr__(self, "checkpoint", ckpt)
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.procs_per_node
+
+
+def load_job(path: Path, *, overrides: dict[str, Any] | None = None) -> JobSpec:
+    """Load a job file; ``overrides`` are dotted paths from CLI flags (``resilience.max_retry``)."""
+    from unbroken.config.loading import read_mapping, validate_mapping
+
+    data = read_mapping(path)
+    for dotted, value in (overrides or {}).items():
+        target = data
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            target = target.setdefault(part, {})
+            if not isinstance(target, dict):
+                break
+        else:
+            target[leaf] = value
+    return validate_mapping(data, JobSpec, source=str(path), context={"base_dir": path.parent.resolve()})

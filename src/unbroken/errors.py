@@ -1,0 +1,46 @@
+"""The one error hierarchy of unbroken.
+
+Everything the user can cause raises a subclass of :class:`UnbrokenError`; the
+CLI catches it once, prints ``error: <message>`` on one line and exits with
+``exit_code``. Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class UnbrokenError(Exception):
+    """Base of every error unbroken raises on purpose."""
+
+    exit_code: int = 1
+
+
+class ConfigError(UnbrokenError):
+    """A cluster or job file (or a flag) is invalid. Nothing was changed."""
+
+    exit_code = 2
+
+
+class UsageError(UnbrokenError):
+    """The command was called wrongly (unknown job, node, rank...)."""
+
+    exit_code = 2
+
+
+class NotFoundError(UsageError):
+    """A named object (job, node, cluster) does not exist."""
+
+
+class ConflictError(UnbrokenError):
+    """The request conflicts with the current state (name taken, cluster up)."""
+
+
+class StoreError(UnbrokenError):
+    """The state store is missing, too new, or unreadable."""
+
+
+class BackendError(UnbrokenError):
+    """Starting or stopping a node or worker failed."""
+
+
+class CheckpointError(UnbrokenError):
+    """A checkpoint could not be written or read."""

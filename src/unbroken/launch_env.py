@@ -1,0 +1,57 @@
+"""Environment variables the agent sets for a job's ranks (on top of torchrun's).
+
+One place for the names, read by :mod:`unbroken.train` and written by the
+agent's launcher, so the two sides cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+CLUSTER_DIR = "UNBROKEN_CLUSTER_DIR"
+NODE = "UNBROKEN_NODE"
+JOB = "UNBROKEN_JOB"
+ATTEMPT = "UNBROKEN_ATTEMPT"
+CHECKPOINT_DIR = "UNBROKEN_CHECKPOINT_DIR"
+CHECKPOINT_KEEP = "UNBROKEN_CHECKPOINT_KEEP"
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """What a rank learns about its job; every field has a plain-torchrun fallback."""
+
+    cluster_dir: Path | None
+    node: str
+    job: str
+    attempt: int
+    checkpoint_dir: Path | None
+    checkpoint_keep: int
+
+    @property
+    def managed(self) -> bool:
+        """Launched by an unbroken agent (as opposed to plain torchrun or python)."""
+        return self.cluster_dir is not None
+
+    @classmethod
+    def from_environ(cls, environ: dict[str, str] | None = None) -> "LaunchEnv":
+        env = os.environ if environ is None else environ
+        cluster_dir = env.get(CLUSTER_DIR)
+        checkpoint_dir = env.get(CHECKPOINT_DIR)
+        return cls(
+            cluster_dir=Path(cluster_dir) if cluster_dir else None,
+            node=env.get(NODE) or os.uname().nodename,
+            job=env.get(JOB) or env.get("TORCHELASTIC_RUN_ID") or "local",
+            attempt=int(env.get(ATTEMPT, "0")),
+            checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None,
+            checkpoint_keep=int(env.get(CHECKPOINT_KEEP, "2")),
+        )
+
+    def to_environ(self) -> dict[str, str]:
+        env = {NODE: self.node, JOB: self.job, ATTEMPT: str(self.attempt), CHECKPOINT_KEEP: str(self.checkpoint_keep)}
+        if self.cluster_dir is not None:
+            env[CLUSTER_DIR] = str(self.cluster_dir)
+        if self.checkpoint_dir is not None:
+            env[CHECKPOINT_DIR] = str(self.checkpoint_dir)
+        return env

@@ -1,0 +1,106 @@
+"""Typed rows of the store. Field names are the column names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+from unbroken.state.phases import DeepHealthStatus, JobPhase, NodeState, WorkerPhase
+
+if TYPE_CHECKING:
+    from unbroken.config.job import JobSpec
+
+
+class Desired(StrEnum):
+    """What the controller wants of a worker; the agent makes it so."""
+
+    RUN = "Run"
+    STOP = "Stop"
+
+
+class EventType(StrEnum):
+    NORMAL = "Normal"
+    WARNING = "Warning"
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    group: str
+    instance_type: str
+    state: NodeState
+    deep_health: DeepHealthStatus
+    address: str = "127.0.0.1"
+    fault_type: str | None = None
+    fault_reason: str | None = None
+    agent_pid: int | None = None
+    heartbeat_at: float | None = None
+    registered_at: float | None = None
+    state_changed_at: float = 0.0
+    reboots: int = 0
+    replaced_by: str | None = None
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    local_rank: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    spec_json: str
+    phase: JobPhase
+    attempt: int = 0
+    """0 for the first run; each restart adds one, so it is also the retries used."""
+    reason: str | None = None
+    created_at: float = 0.0
+    started_at: float | None = None
+    ended_at: float | None = None
+    phase_changed_at: float = 0.0
+    cancel_requested: bool = False
+
+    def spec(self) -> "JobSpec":
+        from unbroken.config.job import JobSpec
+
+        return JobSpec.model_validate_json(self.spec_json, context={"trusted": True})
+
+
+@dataclass(frozen=True)
+class Worker:
+    job: str
+    attempt: int
+    node: str
+    node_rank: int
+    desired: Desired
+    phase: WorkerPhase
+    rdzv_endpoint: str
+    id: int = 0
+    pid: int | None = None
+    created_at: float = 0.0
+    started_at: float | None = None
+    ended_at: float | None = None
+    exit_code: int | None = None
+    message: str | None = None
+    log_dir: str | None = None
+    first_step: int | None = None
+    first_progress_at: float | None = None
+    last_step: int | None = None
+    last_progress_at: float | None = None
+    """Oldest of the node's ranks' latest progress: a single stuck rank shows here."""
+    restored_step: int | None = None
+    ranks: tuple[RankInfo, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class Event:
+    ts: float
+    object_kind: str
+    object_name: str
+    type: EventType
+    reason: str
+    message: str
+    id: int = 0

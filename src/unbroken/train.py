@@ -1,0 +1,118 @@
+"""The training-side API: ``ctx = unbroken.init()``.
+
+Works the same under an unbroken agent and under plain ``torchrun`` (or plain
+``python``): outside an agent, progress goes nowhere and checkpoints go to
+``checkpoint_dir`` (argument, ``$UNBROKEN_CHECKPOINT_DIR``, or ``./checkpoints``).
+torch is imported lazily so that ``import unbroken`` stays cheap for the CLI.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from unbroken.channel import MessageKind, RankMessage, RankSender, agent_address
+from unbroken.checkpoint.api import Checkpointer
+from unbroken.launch_env import LaunchEnv
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class Context:
+    rank: int
+    world_size: int
+    local_rank: int
+    job: str
+    node: str
+    attempt: int
+    checkpoint: Checkpointer
+    _sender: RankSender = field(repr=False)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def progress(self, step: int, **metrics: float) -> None:
+        """Report that ``step`` finished. Cheap (one datagram) and never blocks.
+
+        The agent uses it as this rank's heartbeat: no call for
+        ``resilience.hang_timeout`` seconds means the job is hung.
+        """
+        self._send(MessageKind.PROGRESS, step, {k: float(v) for k, v in metrics.items()})
+
+    def _send(self, kind: MessageKind, step: int | None, metrics: dict[str, float] | None = None) -> None:
+        self._sender.send(
+            RankMessage(
+                kind=kind, job=self.job, attempt=self.attempt, rank=self.rank, local_rank=self.local_rank,
+                pid=os.getpid(), ts=time.time(), step=step, metrics=metrics or {},
+            )
+        )
+
+
+def init(
+    *,
+    checkpoint_dir: str | Path | None = None,
+    backend: str | None = None,
+    init_process_group: bool = True,
+) -> Context:
+    """Join the job: read rank and world size, start ``torch.distributed``, say hello to the agent.
+
+    ``backend`` defaults to NCCL when CUDA is available, else gloo.
+    """
+    env = LaunchEnv.from_environ()
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if env.managed:
+        _die_with_parent()
+    if init_process_group and world_size > 1:
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            chosen = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+            if chosen == "nccl":
+                torch.cuda.set_device(local_rank)
+            dist.init_process_group(backend=chosen)
+    sender = RankSender(agent_address(env.cluster_dir, env.node) if env.managed and env.cluster_dir else None)
+    directory = Path(checkpoint_dir) if checkpoint_dir else env.checkpoint_dir or Path("checkpoints")
+
+    from unbroken.checkpoint.file import FileCheckpointer
+
+    ctx_box: list[Context] = []
+    checkpointer = FileCheckpointer(
+        directory,
+        rank=rank,
+        world_size=world_size,
+        keep=env.checkpoint_keep,
+        on_restored=lambda step: ctx_box[0]._send(MessageKind.RESTORED, step),
+    )
+    ctx = Context(
+        rank=rank, world_size=world_size, local_rank=local_rank, job=env.job, node=env.node,
+        attempt=env.attempt, checkpoint=checkpointer, _sender=sender,
+    )
+    ctx_box.append(ctx)
+    ctx._send(MessageKind.HELLO, None)
+    return ctx
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this rank when its torchrun dies.
+
+    torchrun starts ranks in their own sessions, so a torchrun killed with
+    SIGKILL (a node "losing power" under chaos, or an agent stopping a hung
+    group) would otherwise leave orphaned ranks holding GPU memory and ports.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        return
+    if os.getppid() == 1:  # parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGKILL)
