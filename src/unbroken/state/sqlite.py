@@ -146,6 +146,14 @@ class SqliteStore:
             raise StoreError(f"{self.path}: holds no cluster configuration")
         return row[0]
 
+    def get_meta(self, key: str) -> str | None:
+        row = self._conn().execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return row[0] if row else None
+
+    def set_meta(self, key: str, value: str) -> None:
+        with self.transaction():
+            self._conn().execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
+
     def allocate_node_index(self) -> int:
         with self.transaction():
             conn = self._conn()

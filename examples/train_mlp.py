@@ -1,0 +1,164 @@
+"""A small, fully deterministic DDP workload that resumes exactly.
+
+An MLP (with dropout, so RNG state matters) learns a fixed random "teacher"
+network on a synthetic dataset. Every source of randomness is seeded and the
+data order is a pure function of (seed, epoch), so two runs — or one run that
+was killed and resumed from a checkpoint — end with bit-identical parameters.
+
+Runs under ``unbroken job start`` and under plain ``torchrun``::
+
+    torchrun --nproc-per-node 2 examples/train_mlp.py --steps 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import unbroken
+
+FEATURES = 32
+CLASSES = 8
+
+
+class TeacherDataset:
+    """``size`` inputs labelled by a frozen random network: learnable, deterministic."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.inputs = torch.randn(size, FEATURES, generator=gen)
+        teacher = torch.randn(FEATURES, CLASSES, generator=gen)
+        self.labels = (self.inputs @ teacher).argmax(dim=1)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+class ResumableSampler:
+    """Per-rank batches of a per-epoch shuffle; its position is part of the checkpoint."""
+
+    def __init__(self, size: int, batch_size: int, rank: int, world_size: int, seed: int) -> None:
+        self.size, self.batch_size, self.rank, self.world_size, self.seed = size, batch_size, rank, world_size, seed
+        self.epoch = 0
+        self.batch_in_epoch = 0
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.size // (self.batch_size * self.world_size)
+
+    def next_indices(self) -> torch.Tensor:
+        if self.batch_in_epoch == self.batches_per_epoch:
+            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+        order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        global_batch = self.batch_size * self.world_size
+        start = self.batch_in_epoch * global_batch + self.rank * self.batch_size
+        self.batch_in_epoch += 1
+        return order[start : start + self.batch_size]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.batch_in_epoch = state["epoch"], state["batch_in_epoch"]
+
+
+def build_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(FEATURES, 128), nn.ReLU(), nn.Dropout(0.1),
+        nn.Linear(128, 128), nn.ReLU(), nn.Dropout(0.1),
+        nn.Linear(128, CLASSES),
+    )
+
+
+def parameters_digest(model: nn.Module) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=200, help="optimizer steps in total")
+    parser.add_argument("--checkpoint-every", type=int, default=20, help="steps between checkpoints")
+    parser.add_argument("--batch-size", type=int, default=64, help="samples per rank per step")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--step-time", type=float, default=0.0,
+                        help="extra seconds per step, standing in for a bigger model's compute")
+    parser.add_argument("--output", help="rank 0 writes the final parameters here (torch.save)")
+    parser.add_argument("--crash-at-step", type=int, default=None,
+                        help="fault injection: --crash-rank exits with code 3 when it reaches this step")
+    parser.add_argument("--crash-rank", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)  # deterministic CPU kernels; 2 cores are shared by all ranks anyway
+    ctx = unbroken.init()
+    model = build_model(args.seed)
+    ddp = DistributedDataParallel(model) if ctx.world_size > 1 else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    data = TeacherDataset(size=16384, seed=args.seed + 1)
+    sampler = ResumableSampler(len(data), args.batch_size, ctx.rank, ctx.world_size, seed=args.seed + 2)
+
+    step = 0
+    restored = ctx.checkpoint.restore()
+    if restored is not None:
+        model.load_state_dict(restored.state["model"])
+        optimizer.load_state_dict(restored.state["optimizer"])
+        sampler.load_state_dict(restored.state["sampler"])
+        step = restored.step
+        print(f"rank {ctx.rank}: resumed at step {step} from {restored.source}", flush=True)
+
+    loss_fn = nn.CrossEntropyLoss()
+    first_loss = None
+    while step < args.steps:
+        started = time.monotonic()
+        indices = sampler.next_indices()
+        loss = loss_fn(ddp(data.inputs[indices]), data.labels[indices])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        step += 1
+        first_loss = first_loss if first_loss is not None else loss.item()
+        if args.crash_at_step is not None and step == args.crash_at_step and ctx.rank == args.crash_rank:
+            print(f"rank {ctx.rank}: injected crash at step {step}", flush=True)
+            sys.stdout.flush()
+            os._exit(3)
+        remaining = args.step_time - (time.monotonic() - started)
+        if remaining > 0:
+            time.sleep(remaining)  # simulated compute, not synchronisation
+        ctx.progress(step, loss=loss.item())
+        if step % args.checkpoint_every == 0 or step == args.steps:
+            state: dict[str, Any] = {
+                "model": model.state_dict(), "optimizer": optimizer.state_dict(), "sampler": sampler.state_dict(),
+            }
+            ctx.checkpoint.save(step, state)
+        if ctx.rank == 0 and (step % 50 == 0 or step == args.steps):
+            print(f"step {step} loss {loss.item():.4f}", flush=True)
+
+    if ctx.rank == 0:
+        print(f"done: {step} steps, first loss {first_loss}, final loss {loss.item():.4f}, "
+              f"params sha256 {parameters_digest(model)}", flush=True)
+        if args.output:
+            torch.save(model.state_dict(), args.output)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,3 @@
+from unbroken.cli.main import run
+
+run()

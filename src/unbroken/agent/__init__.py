@@ -1,0 +1,1 @@
+"""The node agent: one per node; registers, heartbeats, checks, runs the node's workers."""

@@ -1,0 +1,5 @@
+import sys
+
+from unbroken.agent.main import main
+
+sys.exit(main())

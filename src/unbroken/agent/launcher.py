@@ -1,0 +1,149 @@
+"""Start and stop one worker: the ``torchrun`` group of a job attempt on this node."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from unbroken import procs
+from unbroken.config.job import JobSpec
+from unbroken.launch_env import LaunchEnv
+from unbroken.state.records import Worker
+
+STOP_GRACE_SECONDS = 3.0
+"""SIGTERM lets torchrun tear its ranks down cleanly; 3 s is plenty for that and
+short enough that a hung (SIGSTOPped) group does not delay the restart."""
+
+# Sets PDEATHSIG then execs torchrun: if the agent dies (a node losing power),
+# the kernel kills torchrun too. Done in a trampoline instead of preexec_fn
+# because the agent is multi-threaded and preexec_fn is not fork-safe there.
+_TRAMPOLINE = (
+    "import ctypes, os, signal, sys; "
+    "ctypes.CDLL('libc.so.6').prctl(1, signal.SIGKILL); "
+    "os.getppid() == 1 and os._exit(137); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+)
+
+
+def torchrun_argv(spec: JobSpec, worker: Worker, log_dir: Path) -> list[str]:
+    host, port = worker.rdzv_endpoint.rsplit(":", 1)
+    is_host = "1" if worker.node_rank == 0 else "0"
+    argv = [
+        "-m", "torch.distributed.run",
+        "--nnodes", str(spec.nodes),
+        "--nproc-per-node", str(spec.procs_per_node),
+        "--node-rank", str(worker.node_rank),
+        "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"{host}:{port}",
+        "--rdzv-id", f"{worker.job}-attempt-{worker.attempt}",
+        "--rdzv-conf", f"is_host={is_host},join_timeout={int(spec.resilience.startup_timeout)}",
+        # unbroken owns restarts (on healthy nodes, with a retry budget), not torchrun.
+        "--max-restarts", "0",
+        "--monitor-interval", "0.2",
+        "--log-dir", str(log_dir),
+        "--redirects", "3",
+    ]
+    command = list(spec.command)
+    if command[0] == "-m":
+        argv += ["--module", *command[1:]]
+    else:
+        argv += command
+    return argv
+
+
+@dataclass
+class RunningWorker:
+    worker_id: int
+    process: subprocess.Popen[bytes]
+    log_dir: Path
+    stop_started: float | None = None
+    members: list[psutil.Process] = field(default_factory=list)
+
+    def begin_stop(self) -> None:
+        """SIGTERM (+SIGCONT) the whole tree once; :meth:`continue_stop` escalates."""
+        if self.stop_started is not None:
+            return
+        self.stop_started = time.monotonic()
+        self.members = procs.tree(self.process.pid)
+        procs.signal_all(self.members, signal.SIGTERM)
+        procs.signal_all(self.members, signal.SIGCONT)
+
+    def continue_stop(self) -> None:
+        if self.stop_started is not None and time.monotonic() - self.stop_started > STOP_GRACE_SECONDS:
+            procs.kill_now(self.members + procs.tree(self.process.pid))
+
+    def kill(self) -> None:
+        procs.kill_now(procs.tree(self.process.pid))
+        self.process.wait()
+
+    def exited(self) -> int | None:
+        """torchrun's return code once the whole tree is gone, else None."""
+        code = self.process.poll()
+        if code is None:
+            return None
+        if any(procs.alive(p.pid) for p in self.members):
+            return None  # torchrun is gone but a rank lingers: not stopped yet
+        return code
+
+
+def launch(
+    spec: JobSpec, worker: Worker, *, cluster_dir: Path, node: str, log_dir: Path, checkpoint_dir: Path
+) -> RunningWorker:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    launch_env = LaunchEnv(
+        cluster_dir=cluster_dir.resolve(), node=node, job=worker.job, attempt=worker.attempt,
+        checkpoint_dir=checkpoint_dir, checkpoint_keep=spec.checkpoint.keep,
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **spec.env, **launch_env.to_environ()}
+    argv = [sys.executable, "-c", _TRAMPOLINE, *torchrun_argv(spec, worker, log_dir)]
+    with open(log_dir / "torchrun.log", "ab") as out:
+        process = subprocess.Popen(
+            argv, cwd=spec.working_dir, env=env, stdout=out, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+    return RunningWorker(worker_id=worker.id, process=process, log_dir=log_dir)
+
+
+_ROOT_CAUSE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)", re.MULTILINE)
+
+
+def describe_exit(code: int, log_dir: Path) -> tuple[int, str]:
+    """The failing rank's exit code (negative: signal) and a sentence for the event.
+
+    torchrun exits 1 whatever killed its rank; its "Root Cause" block in the
+    log names the rank and the real exit code, which is what a person (and the
+    ExitCode restart policy) needs.
+    """
+    text = _tail(log_dir / "torchrun.log")
+    matches = _ROOT_CAUSE.findall(text)
+    if code != 0 and matches:
+        rank, local_rank, rank_code = matches[-1]
+        return int(rank_code), f"rank {rank} (local rank {local_rank}) {_exit_words(int(rank_code))}"
+    return code, f"torchrun {_exit_words(code)}"
+
+
+def _exit_words(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "unknown"
+        return f"exited with signal {-code} ({name})"
+    return f"exited with code {code}"
+
+
+def _tail(path: Path, size: int = 64 * 1024) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - size))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""

@@ -1,0 +1,209 @@
+"""The node agent process: ``python -m unbroken.agent --dir DIR --node NAME``.
+
+A reconciler like the controller: it reads what the store wants of its node
+(workers to run or stop) and reports what it observes (heartbeat, join-check
+verdict, worker exits, rank progress). It keeps only the ``Popen`` handles of
+the workers it started; if it is restarted, workers it cannot see are
+stopped and reported lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from unbroken import logs, procs
+from unbroken.agent import join_checks, launcher
+from unbroken.agent.progress import ProgressBook
+from unbroken.channel import AgentReceiver, agent_address
+from unbroken.config.cluster import ClusterConfig
+from unbroken.layout import ClusterLayout
+from unbroken.state.phases import DeepHealthStatus, NodeState, WorkerPhase
+from unbroken.state.records import Desired, EventType, Worker
+from unbroken.state.sqlite import SqliteStore
+
+log = logging.getLogger("unbroken.agent")
+
+LOOP_SECONDS = 0.1
+PROGRESS_FLUSH_SECONDS = 0.5
+"""Rank progress reaches the store at most twice a second per worker: fresh
+enough for hang timeouts of seconds, cheap enough for thousands of steps/s."""
+
+_REJOIN_FROM = {NodeState.JOINING, NodeState.REBOOTING, NodeState.SCHEDULABLE}
+
+
+class Agent:
+    def __init__(self, layout: ClusterLayout, node: str) -> None:
+        self.layout = layout
+        self.node = node
+        self.store = SqliteStore(layout.state_db)
+        self.cluster = ClusterConfig.model_validate_json(self.store.cluster_json())
+        self.running: dict[int, launcher.RunningWorker] = {}
+        self.book = ProgressBook()
+        self.stopping = threading.Event()
+        self._last_flush = 0.0
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    def register(self) -> bool:
+        """Announce this agent; False if the node is not ours to run any more."""
+        node = self.store.get_node(self.node)
+        if node.state in (NodeState.RETIRED, NodeState.PENDING_REPLACEMENT, NodeState.PENDING_REBOOT):
+            log.warning("node is %s; agent exits", node.state.value, extra={"node": self.node})
+            return False
+        state = NodeState.JOINING if node.state in _REJOIN_FROM else node.state
+        now = time.time()
+        self.store.update_node(
+            self.node, state=state, deep_health=DeepHealthStatus.IN_PROGRESS, agent_pid=os.getpid(),
+            heartbeat_at=now, registered_at=now, fault_type=None, fault_reason=None,
+        )
+        self.store.add_event("Node", self.node, "NodeRegistered", f"agent pid {os.getpid()} registered; running join checks")
+        log.info("registered", extra={"node": self.node, "state": state.value})
+        self._stop_orphans()
+        return True
+
+    def run(self) -> None:
+        if not self.register():
+            return
+        receiver = AgentReceiver(agent_address(self.layout.root, self.node))
+        heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        heartbeat.start()
+        checks = threading.Thread(target=self._join_checks, name="join-checks", daemon=True)
+        checks.start()
+        try:
+            while not self.stopping.is_set():
+                node = self.store.get_node(self.node)
+                if node.state is NodeState.RETIRED:
+                    log.info("node retired; stopping", extra={"node": self.node})
+                    break
+                self.book.apply(receiver.drain())
+                self._reconcile_workers()
+                self._flush_progress()
+                self.stopping.wait(LOOP_SECONDS)
+        finally:
+            for running in list(self.running.values()):
+                running.kill()
+            receiver.close()
+
+    def _heartbeat_loop(self) -> None:
+        interval = self.cluster.Local.HeartbeatIntervalSeconds
+        store = SqliteStore(self.layout.state_db)  # own connection: the main loop may be busy
+        while not self.stopping.wait(interval):
+            store.update_node(self.node, heartbeat_at=time.time())
+
+    def _join_checks(self) -> None:
+        node = self.store.get_node(self.node)
+        suites = [s.value for s in self.cluster.group(node.group).OnStartDeepHealthChecks]
+        result, notes = join_checks.run_join_checks(self.node, self.layout.node_dir(self.node), suites)
+        store = SqliteStore(self.layout.state_db)
+        for note in notes:
+            store.add_event("Node", self.node, "DeepHealthCheckNote", note)
+        status = DeepHealthStatus.PASSED if result.passed else DeepHealthStatus.FAILED
+        changes = {"deep_health": status}
+        if not result.passed:
+            changes.update(fault_type=result.fault_type, fault_reason=result.reason)
+        store.update_node(self.node, **changes)
+        store.add_event(
+            "Node", self.node, f"JoinChecks{status.value}", result.reason,
+            type=EventType.NORMAL if result.passed else EventType.WARNING,
+        )
+        log.info("join checks %s: %s", status.value, result.reason, extra={"node": self.node})
+
+    # -- workers --------------------------------------------------------------------
+
+    def _reconcile_workers(self) -> None:
+        for worker in self.store.list_workers(node=self.node):
+            if worker.phase.is_terminal:
+                continue
+            running = self.running.get(worker.id)
+            if running is None:
+                self._reconcile_unstarted(worker)
+                continue
+            code = running.exited()
+            if code is not None:
+                self._record_exit(worker, running, code)
+            elif worker.desired is Desired.STOP:
+                running.begin_stop()
+                running.continue_stop()
+
+    def _reconcile_unstarted(self, worker: Worker) -> None:
+        if worker.desired is Desired.STOP:
+            self.store.update_worker(worker.id, phase=WorkerPhase.STOPPED, ended_at=time.time(), message="stopped before launch")
+        elif worker.phase is WorkerPhase.PENDING:
+            self._launch(worker)
+        else:  # Running but not ours: launched by a previous incarnation of this agent
+            if worker.pid:
+                procs.terminate_tree(worker.pid, grace=1.0)
+            self.store.update_worker(worker.id, phase=WorkerPhase.STOPPED, ended_at=time.time(), message="lost: node agent restarted")
+
+    def _launch(self, worker: Worker) -> None:
+        job = self.store.get_job(worker.job)
+        spec = job.spec()
+        log_dir = self.layout.worker_log_dir(worker.job, worker.attempt, self.node)
+        checkpoint_dir = spec.checkpoint.dir or self.layout.checkpoint_dir(worker.job)
+        running = launcher.launch(
+            spec, worker, cluster_dir=self.layout.root, node=self.node, log_dir=log_dir, checkpoint_dir=checkpoint_dir
+        )
+        self.running[worker.id] = running
+        self.store.update_worker(
+            worker.id, phase=WorkerPhase.RUNNING, pid=running.process.pid, started_at=time.time(), log_dir=str(log_dir)
+        )
+        log.info("launched worker", extra={"node": self.node, "job": worker.job, "attempt": worker.attempt, "pid": running.process.pid})
+
+    def _record_exit(self, worker: Worker, running: launcher.RunningWorker, code: int) -> None:
+        del self.running[worker.id]
+        self._flush_progress(force=True)
+        if worker.desired is Desired.STOP or running.stop_started is not None:
+            phase, exit_code, message = WorkerPhase.STOPPED, code, "stopped by the controller"
+        elif code == 0:
+            phase, exit_code, message = WorkerPhase.SUCCEEDED, 0, "all ranks exited 0"
+        else:
+            phase = WorkerPhase.FAILED
+            exit_code, message = launcher.describe_exit(code, running.log_dir)
+        self.store.update_worker(worker.id, phase=phase, exit_code=exit_code, ended_at=time.time(), message=message)
+        self.book.forget(worker.job, worker.attempt)
+        level = logging.WARNING if phase is WorkerPhase.FAILED else logging.INFO
+        log.log(level, "worker %s: %s", phase.value, message, extra={"node": self.node, "job": worker.job, "attempt": worker.attempt})
+
+    def _flush_progress(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_flush < PROGRESS_FLUSH_SECONDS:
+            return
+        self._last_flush = now
+        updates = self.book.take_dirty()
+        if not updates:
+            return
+        by_key = {(w.job, w.attempt): w for w in self.store.list_workers(node=self.node) if not w.phase.is_terminal}
+        with self.store.transaction():
+            for key, changes in updates.items():
+                worker = by_key.get(key)
+                if worker is not None:
+                    self.store.update_worker(worker.id, **changes)
+
+    def _stop_orphans(self) -> None:
+        """Workers this node ran before the agent restarted are gone or unmanageable: stop them."""
+        for worker in self.store.list_workers(node=self.node):
+            if worker.phase is WorkerPhase.RUNNING and worker.pid and procs.alive(worker.pid):
+                procs.terminate_tree(worker.pid, grace=1.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="unbroken-agent", description="unbroken node agent")
+    parser.add_argument("--dir", required=True, help="cluster directory")
+    parser.add_argument("--node", required=True, help="name of the node this agent runs")
+    args = parser.parse_args(argv)
+    logs.setup(component="agent", node=args.node)
+    agent = Agent(ClusterLayout.at(args.dir), args.node)
+    signal.signal(signal.SIGTERM, lambda *_: agent.stopping.set())
+    agent.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Where nodes come from: the local backend (agent processes on this machine)."""

@@ -1,0 +1,1 @@
+"""The ``unbroken`` command line: one module per command group."""

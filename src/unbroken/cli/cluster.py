@@ -1,0 +1,110 @@
+"""``unbroken cluster up|down|status``."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from unbroken.backends import local_cluster
+from unbroken.backends.local import LocalBackend
+from unbroken.cli.common import DirOption, Output, OutputOption, console, layout_for, open_store, print_json, table
+from unbroken.config.cluster import ClusterConfig
+from unbroken.config.loading import load_model
+from unbroken.errors import UsageError
+from unbroken.state.phases import NodeState
+
+app = typer.Typer(help="Start, inspect and stop a local cluster.", no_args_is_help=True)
+
+
+@app.command("up")
+def up(
+    file: Annotated[Path | None, typer.Option("--file", "-f", help="Cluster file (YAML/JSON, HyperPod create-cluster fields)")] = None,
+    nodes: Annotated[int | None, typer.Option("--nodes", "-n", min=1, max=64, help="Quick start: N cpu-dev nodes, automatic recovery")] = None,
+    directory: DirOption = None,
+    wait: Annotated[bool, typer.Option(help="Wait until every node has finished its join checks")] = True,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for nodes to join")] = 120.0,
+) -> None:
+    """Start the controller and one agent per node as background processes.
+
+    Examples:  unbroken cluster up --nodes 3    |    unbroken cluster up -f cluster.yaml --dir /tmp/c1
+    """
+    if (file is None) == (nodes is None):
+        raise UsageError("give exactly one of --file/-f CLUSTER_FILE or --nodes N")
+    config = load_model(file, ClusterConfig) if file else ClusterConfig.with_nodes(nodes or 1)
+    layout = layout_for(directory)
+    store, resumed = local_cluster.up(layout, config)
+    if resumed:
+        console.print(f"cluster in {layout.root} was up without a controller: controller restarted")
+        return
+    console.print(f"cluster [bold]{config.ClusterName}[/] starting in {layout.root}")
+    if wait:
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True) as bar:
+            task = bar.add_task("nodes joining")
+            local_cluster.wait_ready(
+                store, timeout, lambda counts: bar.update(task, description="nodes: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
+            )
+        _print_nodes(store)
+
+
+@app.command("down")
+def down(directory: DirOption = None) -> None:
+    """Stop the controller, every agent and every worker; nothing of the cluster keeps running.
+
+    The directory (state.db, logs, checkpoints) stays for a post-mortem; the next
+    'cluster up' in it starts afresh.
+    """
+    layout = layout_for(directory)
+    if not layout.state_db.exists():
+        raise UsageError(f"no cluster in {layout.root}")
+    left = local_cluster.down(layout)
+    if left:
+        raise UsageError(f"processes still alive after SIGKILL: {left}")
+    console.print(f"cluster in {layout.root} is down; no process left")
+
+
+@app.command("status")
+def status(directory: DirOption = None, output: OutputOption = Output.table) -> None:
+    """Controller, nodes by state, and jobs by phase."""
+    layout, store = open_store(directory)
+    config = ClusterConfig.model_validate_json(store.cluster_json())
+    pid = LocalBackend(layout).controller_pid()
+    nodes = store.list_nodes()
+    jobs = store.list_jobs()
+    data = {
+        "cluster": config.ClusterName,
+        "dir": str(layout.root),
+        "up": local_cluster.is_up(store),
+        "controller_pid": pid,
+        "node_recovery": config.NodeRecovery.value,
+        "nodes": _count(n.state.value for n in nodes if n.state is not NodeState.RETIRED),
+        "retired_nodes": sum(n.state is NodeState.RETIRED for n in nodes),
+        "jobs": _count(j.phase.value for j in jobs),
+        "time": time.time(),
+    }
+    if output is Output.json:
+        print_json(data)
+        return
+    console.print(f"cluster [bold]{config.ClusterName}[/] in {layout.root}: "
+                  f"{'up' if data['up'] else 'down'}, controller {'pid ' + str(pid) if pid else '[red]not running[/]'}, "
+                  f"NodeRecovery {config.NodeRecovery.value}")
+    _print_nodes(store)
+    if jobs:
+        console.print("jobs: " + ", ".join(f"{v} {k}" for k, v in sorted(data["jobs"].items())))
+
+
+def _count(values) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for v in values:
+        out[v] = out.get(v, 0) + 1
+    return out
+
+
+def _print_nodes(store) -> None:
+    from unbroken.cli.node import node_rows
+
+    columns, rows = node_rows(store, include_retired=False)
+    console.print(table(None, columns, rows))

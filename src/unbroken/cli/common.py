@@ -1,0 +1,94 @@
+"""Options, output and store access shared by every command group."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from dataclasses import asdict, is_dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from unbroken.errors import UsageError
+from unbroken.layout import ClusterLayout, default_cluster_dir
+from unbroken.state.sqlite import SqliteStore
+
+# Outside a terminal (pipes, CI logs) rich would wrap tables at 80 columns; $COLUMNS
+# or a width that fits a node table on one line reads better there.
+_WIDTH = None if sys.stdout.isatty() else shutil.get_terminal_size((180, 24)).columns
+console = Console(width=_WIDTH)
+err_console = Console(stderr=True, width=_WIDTH)
+
+
+class Output(str, Enum):
+    table = "table"
+    json = "json"
+
+
+DirOption = Annotated[
+    Path | None,
+    typer.Option("--dir", help="Cluster directory. Default: $UNBROKEN_DIR, else ./.unbroken", show_default=False),
+]
+OutputOption = Annotated[Output, typer.Option("--output", "-o", help="table for people, json for scripts")]
+
+
+def layout_for(directory: Path | None) -> ClusterLayout:
+    return ClusterLayout.at(directory or default_cluster_dir())
+
+
+def open_store(directory: Path | None) -> tuple[ClusterLayout, SqliteStore]:
+    layout = layout_for(directory)
+    return layout, SqliteStore(layout.state_db)
+
+
+def print_json(data: Any) -> None:
+    print(json.dumps(_plain(data), indent=2, default=str))
+
+
+def _plain(data: Any) -> Any:
+    if is_dataclass(data) and not isinstance(data, type):
+        return _plain(asdict(data))
+    if isinstance(data, dict):
+        return {k: _plain(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_plain(v) for v in data]
+    if isinstance(data, Enum):
+        return data.value
+    return data
+
+
+def table(title: str | None, columns: list[str], rows: list[list[Any]]) -> Table:
+    t = Table(title=title, header_style="bold", title_justify="left")
+    for column in columns:
+        t.add_column(column, overflow="fold")
+    for row in rows:
+        t.add_row(*("-" if v is None or v == "" else str(v) for v in row))
+    return t
+
+
+def ago(ts: float | None, now: float | None = None) -> str:
+    if ts is None:
+        return "-"
+    seconds = (now or time.time()) - ts
+    if seconds < 120:
+        return f"{seconds:.1f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def clock(ts: float | None) -> str:
+    if ts is None:
+        return "-"
+    return time.strftime("%H:%M:%S", time.localtime(ts)) + f".{int(ts % 1 * 1000):03d}"
+
+
+def require(condition: bool, message: str) -> None:
+    if not condition:
+        raise UsageError(message)

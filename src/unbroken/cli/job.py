@@ -1,0 +1,162 @@
+"""``unbroken job start|list|describe|logs|cancel``."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from unbroken import report
+from unbroken.cli import logs_view
+from unbroken.cli.common import DirOption, Output, OutputOption, ago, clock, console, open_store, print_json, table
+from unbroken.config.job import load_job
+from unbroken.errors import UsageError
+from unbroken.state.phases import JobPhase
+from unbroken.state.records import Job
+from unbroken.state.store import Store
+
+app = typer.Typer(help="Submit, follow and cancel training jobs.", no_args_is_help=True)
+
+JobArg = Annotated[str, typer.Argument(help="Job name (the job file's 'name')")]
+
+
+@app.command("start")
+def start(
+    file: Annotated[Path, typer.Option("--file", "-f", help="Job file (YAML/JSON)")],
+    directory: DirOption = None,
+    auto_resume: Annotated[bool | None, typer.Option("--auto-resume/--no-auto-resume", help="Override resilience.auto_resume")] = None,
+    max_retry: Annotated[int | None, typer.Option("--max-retry", min=0, help="Override resilience.max_retry")] = None,
+    name: Annotated[str | None, typer.Option("--name", help="Override the job's name (names are unique per cluster)")] = None,
+    wait: Annotated[bool, typer.Option("--wait", help="Follow the job with a progress bar until it ends; exit 1 unless it Succeeded")] = False,
+    total_steps: Annotated[int | None, typer.Option("--steps", help="With --wait: steps in the whole run, for the progress bar")] = None,
+) -> None:
+    """Submit a job; the controller places it on schedulable nodes (all or nothing).
+
+    Example:  unbroken job start -f examples/job.yaml --auto-resume --max-retry 2
+    """
+    overrides: dict[str, Any] = {}
+    if auto_resume is not None:
+        overrides["resilience.auto_resume"] = auto_resume
+    if max_retry is not None:
+        overrides["resilience.max_retry"] = max_retry
+    if name is not None:
+        overrides["name"] = name
+    spec = load_job(file, overrides=overrides)
+    _, store = open_store(directory)
+    now = time.time()
+    with store.transaction():
+        store.add_job(Job(name=spec.name, spec_json=spec.model_dump_json(), phase=JobPhase.PENDING,
+                          created_at=now, phase_changed_at=now))
+        store.add_event("Job", spec.name, "JobCreated",
+                        f"{spec.nodes} nodes x {spec.procs_per_node} procs; auto_resume={spec.resilience.auto_resume}, "
+                        f"max_retry={spec.resilience.max_retry}")
+    console.print(f"job [bold]{spec.name}[/] submitted ({spec.nodes} x {spec.procs_per_node}); "
+                  f"follow it with: unbroken job describe {spec.name}")
+    if wait:
+        job = follow(store, spec.name, total_steps)
+        if job.phase is not JobPhase.SUCCEEDED:
+            raise typer.Exit(1)
+
+
+def follow(store: Store, name: str, total_steps: int | None = None, on_tick=None) -> Job:
+    """Show a progress bar (step, phase, restarts) until the job is terminal."""
+    with Progress(TextColumn("[bold]{task.fields[job]}"), BarColumn(), TextColumn("step {task.completed:.0f}"),
+                  TextColumn("{task.fields[phase]}"), TimeElapsedColumn(), console=console) as bar:
+        task = bar.add_task("job", total=total_steps, job=name, phase="Pending")
+        while True:
+            job = store.get_job(name)
+            step = max((w.last_step or 0 for w in store.list_workers(job=name, attempt=job.attempt)), default=0)
+            phase = job.phase.value + (f" (restarts {job.attempt})" if job.attempt else "")
+            bar.update(task, completed=step, phase=phase)
+            if on_tick:
+                on_tick(job, step)
+            if job.phase.is_terminal:
+                return job
+            time.sleep(0.2)
+
+
+@app.command("list")
+def list_jobs(directory: DirOption = None, output: OutputOption = Output.table) -> None:
+    """Jobs with phase, restarts, step and nodes."""
+    _, store = open_store(directory)
+    rows, records = [], []
+    for job in store.list_jobs():
+        summary = report.summarize(job, store.list_workers(job=job.name), [])
+        spec = job.spec()
+        nodes = summary.attempts[-1].nodes if summary.attempts else []
+        records.append({"name": job.name, "phase": job.phase.value, "restarts": job.attempt,
+                        "max_retry": spec.resilience.max_retry, "step": summary.step, "nodes": nodes,
+                        "created_at": job.created_at, "reason": job.reason})
+        rows.append([job.name, job.phase.value, f"{job.attempt}/{spec.resilience.max_retry}", summary.step,
+                     ",".join(nodes), ago(job.created_at), job.reason])
+    if output is Output.json:
+        print_json(records)
+        return
+    console.print(table(None, ["JOB", "PHASE", "RESTARTS", "STEP", "NODES", "AGE", "REASON"], rows))
+
+
+@app.command("describe")
+def describe(name: JobArg, directory: DirOption = None, output: OutputOption = Output.table) -> None:
+    """Phase, restarts, every attempt, steps lost, recovery times, goodput and events in order."""
+    _, store = open_store(directory)
+    job = store.get_job(name)
+    spec = job.spec()
+    events = store.list_events(object_kind="Job", object_name=name)
+    summary = report.summarize(job, store.list_workers(job=name), events)
+    if output is Output.json:
+        print_json({"spec": spec.model_dump(mode="json"), "report": summary.to_dict(), "reason": job.reason, "events": events})
+        return
+    res = spec.resilience
+    lines = [
+        ("name", job.name),
+        ("phase", f"{job.phase.value}" + (f" ({job.reason})" if job.reason else "")),
+        ("restarts", f"{job.attempt} of max {res.max_retry} (auto_resume {'on' if res.auto_resume else 'off'}, "
+                     f"restart_policy {res.restart_policy.value}, hang_timeout {res.hang_timeout:g}s)"),
+        ("size", f"{spec.nodes} nodes x {spec.procs_per_node} procs"),
+        ("command", " ".join(spec.command)),
+        ("step", summary.step),
+        ("steps lost", summary.steps_lost),
+        ("recovery", ", ".join(f"{s:.1f}s" for s in summary.recovery_seconds) or "-"),
+        ("goodput", f"{summary.goodput:.1%}" if summary.goodput is not None else "-"),
+    ]
+    for key, value in lines:
+        console.print(f"[bold]{key:>10}[/]: {value if value is not None else '-'}")
+    console.print(table("attempts", ["ATTEMPT", "NODES", "SCHEDULED", "RESUMED FROM", "FIRST STEP AT", "LAST STEP", "OUTCOME"],
+                        [[a.attempt, ",".join(a.nodes), clock(a.scheduled_at),
+                          a.restored_step if a.restored_step is not None else "scratch", clock(a.first_step_at),
+                          a.last_step, a.outcome] for a in summary.attempts]))
+    console.print(table("events", ["TIME", "TYPE", "REASON", "MESSAGE"],
+                        [[clock(e.ts), e.type.value, e.reason, e.message] for e in events]))
+
+
+@app.command("logs")
+def logs(
+    name: JobArg,
+    directory: DirOption = None,
+    node: Annotated[str | None, typer.Option("--node", help="Only this node (its torchrun log and its ranks)")] = None,
+    rank: Annotated[int | None, typer.Option("--rank", help="Only this global rank")] = None,
+    attempt: Annotated[int | None, typer.Option("--attempt", help="Attempt to show (default: the latest)")] = None,
+    follow_: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines until the job ends")] = False,
+) -> None:
+    """Print the job's logs: torchrun's per node and each rank's, prefixed with where they came from."""
+    layout, store = open_store(directory)
+    job = store.get_job(name)
+    chosen = job.attempt if attempt is None else attempt
+    if not 0 <= chosen <= job.attempt:
+        raise UsageError(f"job {name} has attempts 0..{job.attempt}, not {chosen}")
+    logs_view.show(store, layout, job, chosen, node=node, rank=rank, follow=follow_)
+
+
+@app.command("cancel")
+def cancel(name: JobArg, directory: DirOption = None) -> None:
+    """Stop the job's workers and mark it Cancelled."""
+    _, store = open_store(directory)
+    job = store.get_job(name)
+    if job.phase.is_terminal:
+        raise UsageError(f"job {name} already ended ({job.phase.value})")
+    store.update_job(name, cancel_requested=True)
+    store.add_event("Job", name, "JobCancelRequested", "cancel requested by user")
+    console.print(f"job {name}: cancel requested")

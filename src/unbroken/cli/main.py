@@ -1,0 +1,49 @@
+"""Entry point: ``unbroken <group> <command>``. Errors are caught here, once."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from unbroken.cli import chaos, cluster, job, node
+from unbroken.cli.common import err_console
+from unbroken.errors import UnbrokenError
+
+app = typer.Typer(
+    name="unbroken",
+    help="Keep distributed PyTorch training alive through failures.\n\n"
+    "Start here:  unbroken cluster up --nodes 3;  unbroken job start -f examples/job.yaml;  unbroken job describe mlp",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+app.add_typer(cluster.app, name="cluster")
+app.add_typer(job.app, name="job")
+app.add_typer(node.app, name="node")
+app.add_typer(chaos.app, name="chaos")
+
+
+@app.command("demo")
+def demo_command(
+    directory: cluster.DirOption = None,
+    steps: int = typer.Option(300, help="Training steps of the demo job"),
+    keep: bool = typer.Option(False, "--keep", help="Leave the cluster up afterwards for inspection"),
+) -> None:
+    """3 nodes, a 2-node job with auto-resume, a node killed mid-run; prints what recovery cost."""
+    from unbroken.demo import run_demo
+
+    run_demo(directory, steps=steps, keep=keep)
+
+
+def run() -> None:
+    """Typer handles usage errors (exit 2) and --help; our own errors end here as one line."""
+    try:
+        app()
+    except UnbrokenError as exc:
+        err_console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        sys.exit(exc.exit_code)
+
+
+if __name__ == "__main__":
+    run()

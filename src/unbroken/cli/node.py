@@ -1,0 +1,129 @@
+"""``unbroken node list|describe|cordon|uncordon|reboot|replace``."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated
+
+import typer
+
+from unbroken.cli.common import DirOption, Output, OutputOption, ago, clock, console, open_store, print_json, table
+from unbroken.controller.node_decisions import MANUAL
+from unbroken.errors import UsageError
+from unbroken.state.phases import NodeState
+from unbroken.state.records import EventType, Node
+from unbroken.state.store import Store
+
+app = typer.Typer(help="Inspect nodes and take them in or out of service.", no_args_is_help=True)
+
+NodeArg = Annotated[str, typer.Argument(help="Node name, e.g. node-2")]
+
+
+def running_jobs(store: Store) -> dict[str, str]:
+    return {w.node: w.job for w in store.list_workers() if not w.phase.is_terminal}
+
+
+def node_record(node: Node, job: str | None) -> dict:
+    return {
+        "name": node.name, "group": node.group, "instance_type": node.instance_type,
+        "state": node.state.value,
+        "labels": {
+            "unbroken.dev/node-health-status": node.state.health_status_label,
+            "unbroken.dev/deep-health-check-status": node.deep_health.value,
+            "unbroken.dev/fault-type": node.fault_type,
+            "unbroken.dev/fault-reason": node.fault_reason,
+        },
+        "health_status": node.state.health_status_label,
+        "deep_health_check_status": node.deep_health.value,
+        "fault_type": node.fault_type, "fault_reason": node.fault_reason,
+        "job": job, "address": node.address, "agent_pid": node.agent_pid,
+        "heartbeat_at": node.heartbeat_at, "reboots": node.reboots, "replaced_by": node.replaced_by,
+    }
+
+
+def node_rows(store: Store, include_retired: bool) -> tuple[list[str], list[list]]:
+    jobs = running_jobs(store)
+    now = time.time()
+    rows = [
+        [n.name, n.group, n.instance_type, n.state.value, n.deep_health.value, n.fault_type,
+         n.fault_reason, jobs.get(n.name), ago(n.heartbeat_at, now)]
+        for n in store.list_nodes() if include_retired or n.state is not NodeState.RETIRED
+    ]
+    return ["NODE", "GROUP", "TYPE", "HEALTH", "DEEP-CHECK", "FAULT", "REASON", "JOB", "HEARTBEAT"], rows
+
+
+@app.command("list")
+def list_nodes(
+    directory: DirOption = None,
+    output: OutputOption = Output.table,
+    all_: Annotated[bool, typer.Option("--all", "-a", help="Include retired (replaced) nodes")] = False,
+) -> None:
+    """Nodes with health status, deep-check status, fault reason and running job."""
+    _, store = open_store(directory)
+    if output is Output.json:
+        jobs = running_jobs(store)
+        print_json([node_record(n, jobs.get(n.name)) for n in store.list_nodes() if all_ or n.state is not NodeState.RETIRED])
+        return
+    columns, rows = node_rows(store, include_retired=all_)
+    console.print(table(None, columns, rows))
+
+
+@app.command("describe")
+def describe(name: NodeArg, directory: DirOption = None, output: OutputOption = Output.table) -> None:
+    """Labels, agent, fault history and the node's events in order."""
+    _, store = open_store(directory)
+    node = store.get_node(name)
+    record = node_record(node, running_jobs(store).get(name))
+    events = store.list_events(object_kind="Node", object_name=name)
+    if output is Output.json:
+        print_json({**record, "events": events})
+        return
+    for key in ("name", "group", "instance_type", "state", "address", "agent_pid", "job", "reboots", "replaced_by"):
+        console.print(f"[bold]{key:>14}[/]: {record[key] if record[key] is not None else '-'}")
+    console.print(f"[bold]{'heartbeat':>14}[/]: {ago(node.heartbeat_at)} ago")
+    for label, value in record["labels"].items():
+        console.print(f"[bold]{'label':>14}[/]: {label}={value if value is not None else ''}")
+    console.print(table("events", ["TIME", "TYPE", "REASON", "MESSAGE"],
+                        [[clock(e.ts), e.type.value, e.reason, e.message] for e in events]))
+
+
+def _move(directory, name: str, target: NodeState, allowed: set[NodeState], reason: str, event: str, fault: bool) -> None:
+    _, store = open_store(directory)
+    node = store.get_node(name)
+    if node.state not in allowed:
+        raise UsageError(f"node {name} is {node.state.value}; {event} needs one of: {', '.join(sorted(s.value for s in allowed))}")
+    changes = {"state": target}
+    if fault:
+        changes.update(fault_type=MANUAL, fault_reason=reason)
+    store.update_node(name, expect_state=node.state, **changes)
+    store.add_event("Node", name, event, reason, type=EventType.WARNING if fault else EventType.NORMAL)
+    console.print(f"node {name}: {node.state.value} -> {target.value}")
+
+
+@app.command("cordon")
+def cordon(name: NodeArg, directory: DirOption = None) -> None:
+    """Take a node out of scheduling; its running job keeps running (like kubectl cordon)."""
+    _move(directory, name, NodeState.UNSCHEDULABLE, {NodeState.SCHEDULABLE, NodeState.JOINING},
+          "cordoned by operator", "NodeCordoned", fault=False)
+
+
+@app.command("uncordon")
+def uncordon(name: NodeArg, directory: DirOption = None) -> None:
+    """Put a cordoned node back into scheduling."""
+    _move(directory, name, NodeState.SCHEDULABLE, {NodeState.UNSCHEDULABLE}, "uncordoned by operator", "NodeUncordoned", fault=False)
+
+
+@app.command("reboot")
+def reboot(name: NodeArg, directory: DirOption = None) -> None:
+    """Reboot a node: its workers stop (jobs resume elsewhere), its agent restarts and re-runs join checks."""
+    _move(directory, name, NodeState.PENDING_REBOOT,
+          {NodeState.SCHEDULABLE, NodeState.UNSCHEDULABLE, NodeState.JOINING},
+          "reboot requested by operator", "NodeRebootRequested", fault=True)
+
+
+@app.command("replace")
+def replace(name: NodeArg, directory: DirOption = None) -> None:
+    """Retire a node and bring up a new one (new name) in its instance group."""
+    _move(directory, name, NodeState.PENDING_REPLACEMENT,
+          {NodeState.SCHEDULABLE, NodeState.UNSCHEDULABLE, NodeState.JOINING, NodeState.PENDING_REBOOT},
+          "replacement requested by operator", "NodeReplacementRequested", fault=True)

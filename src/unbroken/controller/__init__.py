@@ -1,0 +1,1 @@
+"""The controller: a job reconciler and a node reconciler over the store."""

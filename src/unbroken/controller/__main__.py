@@ -1,0 +1,5 @@
+import sys
+
+from unbroken.controller.main import main
+
+sys.exit(main())

@@ -1,0 +1,150 @@
+"""What the job reconciler should do next: pure functions of (now, job, workers, nodes).
+
+No I/O here, so every branch is tested with plain records and an injected
+clock. Each decision carries the reason that becomes the job's event.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from unbroken.config.job import JobSpec, RestartPolicy
+from unbroken.state.phases import DeepHealthStatus, JobPhase, NodeState, WorkerPhase
+from unbroken.state.records import Desired, Job, Node, Worker
+
+
+class Action(StrEnum):
+    WAIT = "Wait"
+    SCHEDULE = "Schedule"
+    """Place the next attempt on ``nodes`` (from Pending or Restarting)."""
+    RESTART = "Restart"
+    """Stop this attempt's workers; the job goes Restarting."""
+    FAIL = "Fail"
+    """Stop this attempt's workers; the job is Failed for good."""
+    SUCCEED = "Succeed"
+    CANCEL = "Cancel"
+    FORGET_LOST = "ForgetLost"
+    """Workers whose node is gone can never report that they stopped: mark them Stopped."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: str = ""
+    nodes: tuple[str, ...] = ()
+    workers: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Failure:
+    reason: str
+    retryable: bool
+
+
+def decide(now: float, job: Job, spec: JobSpec, workers: list[Worker], nodes: dict[str, Node], free: list[str]) -> Decision:
+    """``workers`` are the current attempt's; ``free`` the eligible idle nodes in preference order."""
+    if job.phase.is_terminal:
+        return Decision(Action.WAIT, "terminal")
+    if job.cancel_requested:
+        return Decision(Action.CANCEL, "cancelled by user")
+    if job.phase is JobPhase.PENDING:
+        return _place(spec, free, "waiting")
+    if job.phase is JobPhase.RESTARTING:
+        lost = tuple(w.id for w in workers if not w.phase.is_terminal and not _node_alive(nodes.get(w.node)))
+        if lost:
+            return Decision(Action.FORGET_LOST, "node lost; its workers cannot report", workers=lost)
+        stopping = [w for w in workers if not w.phase.is_terminal]
+        if stopping:
+            return Decision(Action.WAIT, f"stopping attempt {job.attempt} on {', '.join(w.node for w in stopping)}")
+        return _place(spec, free, "waiting to restart")
+    # Running
+    failure = detect_failure(now, spec, workers, nodes)
+    if failure is not None:
+        if can_restart(job, spec, failure):
+            return Decision(Action.RESTART, f"{failure.reason}; restart {job.attempt + 1} of {spec.resilience.max_retry}")
+        return Decision(Action.FAIL, _final_reason(job, spec, failure))
+    if workers and all(w.phase is WorkerPhase.SUCCEEDED for w in workers):
+        return Decision(Action.SUCCEED, f"all {len(workers)} workers succeeded")
+    return Decision(Action.WAIT, "running")
+
+
+def detect_failure(now: float, spec: JobSpec, workers: list[Worker], nodes: dict[str, Node]) -> Failure | None:
+    """First reason this attempt cannot finish, in order: worker exit, lost node, hang."""
+    for w in workers:
+        if w.phase is WorkerPhase.FAILED:
+            return Failure(f"worker on {w.node}: {w.message}", _retryable_exit(spec, w.exit_code))
+        if w.phase is WorkerPhase.STOPPED and w.desired is Desired.RUN:
+            return Failure(f"worker on {w.node} {w.message or 'stopped unexpectedly'}", True)
+    for w in workers:
+        node = nodes.get(w.node)
+        if not w.phase.is_terminal and not _node_usable_for_running(node):
+            detail = f": {node.fault_reason}" if node and node.fault_reason else ""
+            state = node.state.value if node else "missing"
+            return Failure(f"node {w.node} is {state}{detail}", True)
+    hang = spec.resilience.hang_timeout
+    for w in workers:
+        if w.phase is not WorkerPhase.RUNNING:
+            continue
+        if w.last_progress_at is not None:
+            silent = now - w.last_progress_at
+            if silent > hang:
+                return Failure(
+                    f"hang: no progress from a rank on {w.node} for {silent:.1f} s "
+                    f"(hang_timeout {hang:g} s, last step {w.last_step})", True,
+                )
+        elif w.started_at is not None and now - w.started_at > spec.resilience.startup_timeout:
+            return Failure(
+                f"hang: no rank on {w.node} reported progress within startup_timeout "
+                f"{spec.resilience.startup_timeout:g} s", True,
+            )
+    return None
+
+
+def can_restart(job: Job, spec: JobSpec, failure: Failure) -> bool:
+    policy = spec.resilience
+    if not policy.auto_resume or policy.restart_policy is RestartPolicy.NEVER:
+        return False
+    if not failure.retryable:
+        return False
+    return job.attempt < policy.max_retry
+
+
+def eligible(node: Node, spec: JobSpec) -> bool:
+    if node.state is not NodeState.SCHEDULABLE:
+        return False
+    return not spec.resilience.require_deep_health_passed or node.deep_health is DeepHealthStatus.PASSED
+
+
+def _place(spec: JobSpec, free: list[str], waiting: str) -> Decision:
+    if len(free) >= spec.nodes:
+        return Decision(Action.SCHEDULE, "placed", nodes=tuple(free[: spec.nodes]))
+    return Decision(Action.WAIT, f"{waiting}: needs {spec.nodes} schedulable idle nodes, {len(free)} available")
+
+
+def _retryable_exit(spec: JobSpec, exit_code: int | None) -> bool:
+    if spec.resilience.restart_policy is not RestartPolicy.EXIT_CODE or exit_code is None:
+        return True
+    return exit_code < 0 or exit_code >= 128
+
+
+def _final_reason(job: Job, spec: JobSpec, failure: Failure) -> str:
+    policy = spec.resilience
+    if not policy.auto_resume:
+        why = "auto_resume is off"
+    elif policy.restart_policy is RestartPolicy.NEVER:
+        why = "restart_policy is Never"
+    elif not failure.retryable:
+        why = "exit code 1-127 is not retried under restart_policy ExitCode"
+    else:
+        why = f"max_retry {policy.max_retry} restarts used"
+    return f"{failure.reason}; {why}"
+
+
+def _node_alive(node: Node | None) -> bool:
+    return node is not None and node.state.is_active
+
+
+def _node_usable_for_running(node: Node | None) -> bool:
+    """Cordoning (Unschedulable) keeps running work, as on Kubernetes; faults do not."""
+    return node is not None and node.state in (NodeState.SCHEDULABLE, NodeState.UNSCHEDULABLE)

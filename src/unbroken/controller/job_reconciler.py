@@ -1,0 +1,106 @@
+"""Applies job decisions to the store: read → decide → write, one transaction per job."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+
+from unbroken.controller import job_decisions
+from unbroken.controller.job_decisions import Action, Decision
+from unbroken.state.phases import JobPhase, WorkerPhase
+from unbroken.state.records import Desired, EventType, Job, Node, Worker
+from unbroken.state.sqlite import StaleUpdate
+from unbroken.state.store import Store
+
+log = logging.getLogger("unbroken.controller.jobs")
+
+
+class JobReconciler:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def reconcile_all(self, now: float) -> None:
+        for job in self.store.list_jobs():
+            if not job.phase.is_terminal:
+                try:
+                    self.reconcile(now, job)
+                except StaleUpdate:
+                    continue  # changed under us (e.g. cancel); the next pass sees the new state
+
+    def reconcile(self, now: float, job: Job) -> Decision:
+        spec = job.spec()
+        nodes = {n.name: n for n in self.store.list_nodes()}
+        workers = self.store.list_workers(job=job.name, attempt=job.attempt)
+        free = self._free_nodes(spec, nodes, job)
+        decision = job_decisions.decide(now, job, spec, workers, nodes, free)
+        if decision.action is not Action.WAIT:
+            log.info("job %s: %s: %s", job.name, decision.action.value, decision.reason, extra={"job": job.name})
+        self._apply(now, job, decision, workers, nodes)
+        self._note_resume(job, workers)
+        return decision
+
+    def _free_nodes(self, spec, nodes: dict[str, Node], job: Job) -> list[str]:
+        busy = {w.node for w in self.store.list_workers() if not w.phase.is_terminal and w.job != job.name}
+        busy |= {w.node for w in self.store.list_workers(job=job.name) if not w.phase.is_terminal}
+        return [n.name for n in nodes.values() if n.name not in busy and job_decisions.eligible(n, spec)]
+
+    def _apply(self, now: float, job: Job, decision: Decision, workers: list[Worker], nodes: dict[str, Node]) -> None:
+        store = self.store
+        action = decision.action
+        with store.transaction():
+            if action is Action.SCHEDULE:
+                attempt = job.attempt + (1 if job.phase is JobPhase.RESTARTING else 0)
+                endpoint = f"{nodes[decision.nodes[0]].address}:{_free_port(nodes[decision.nodes[0]].address)}"
+                for node_rank, node in enumerate(decision.nodes):
+                    store.add_worker(
+                        Worker(job=job.name, attempt=attempt, node=node, node_rank=node_rank, desired=Desired.RUN,
+                               phase=WorkerPhase.PENDING, rdzv_endpoint=endpoint, created_at=now)
+                    )
+                store.update_job(job.name, expect_phase=job.phase, phase=JobPhase.RUNNING, attempt=attempt,
+                                 started_at=job.started_at or now, reason=None)
+                store.add_event("Job", job.name, "JobScheduled", f"attempt {attempt} on {', '.join(decision.nodes)} (rendezvous {endpoint})")
+            elif action in (Action.RESTART, Action.FAIL, Action.CANCEL):
+                self._stop_workers(workers)
+                phase = {Action.RESTART: JobPhase.RESTARTING, Action.FAIL: JobPhase.FAILED, Action.CANCEL: JobPhase.CANCELLED}[action]
+                ended = now if phase.is_terminal else None
+                store.update_job(job.name, expect_phase=job.phase, phase=phase, reason=decision.reason, ended_at=ended)
+                reason = {Action.RESTART: "JobRestarting", Action.FAIL: "JobFailed", Action.CANCEL: "JobCancelled"}[action]
+                store.add_event("Job", job.name, reason, decision.reason,
+                                type=EventType.NORMAL if action is Action.CANCEL else EventType.WARNING)
+            elif action is Action.SUCCEED:
+                store.update_job(job.name, expect_phase=job.phase, phase=JobPhase.SUCCEEDED, reason=decision.reason, ended_at=now)
+                store.add_event("Job", job.name, "JobSucceeded", decision.reason)
+            elif action is Action.FORGET_LOST:
+                for worker_id in decision.workers:
+                    store.update_worker(worker_id, phase=WorkerPhase.STOPPED, desired=Desired.STOP, ended_at=now,
+                                        message="lost with its node")
+            elif job.reason != decision.reason and job.phase is JobPhase.PENDING:
+                store.update_job(job.name, reason=decision.reason)
+
+    def _stop_workers(self, workers: list[Worker]) -> None:
+        for worker in workers:
+            if not worker.phase.is_terminal and worker.desired is not Desired.STOP:
+                self.store.update_worker(worker.id, desired=Desired.STOP)
+
+    def _note_resume(self, job: Job, workers: list[Worker]) -> None:
+        """One JobResumed event per restarted attempt, once its first step is reported."""
+        if job.attempt == 0 or job.phase is not JobPhase.RUNNING:
+            return
+        progressed = [w for w in workers if w.first_progress_at is not None]
+        if not progressed or any(e.reason == "JobResumed" and e.message.startswith(f"attempt {job.attempt} ")
+                                 for e in self.store.list_events(object_kind="Job", object_name=job.name)):
+            return
+        restored = next((w.restored_step for w in workers if w.restored_step is not None), None)
+        previous = self.store.list_workers(job=job.name, attempt=job.attempt - 1)
+        reached = max((w.last_step for w in previous if w.last_step is not None), default=None)
+        origin = f"step {restored}" if restored is not None else "scratch (no checkpoint)"
+        lost = (reached or 0) - (restored or 0) if reached is not None else 0
+        self.store.add_event("Job", job.name, "JobResumed", f"attempt {job.attempt} resumed from {origin}; {lost} steps lost")
+
+
+def _free_port(address: str) -> int:
+    """A port free on ``address`` now, for the attempt's rendezvous store."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((address, 0))
+        return int(sock.getsockname()[1])

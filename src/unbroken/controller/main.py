@@ -1,0 +1,70 @@
+"""The controller process: ``python -m unbroken.controller --dir DIR``.
+
+Holds no state of its own: every pass reads the store, decides, writes back.
+Kill it at any moment and start it again; it carries on where the store says.
+An exclusive ``flock`` on ``controller.lock`` keeps a second one from running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import logging
+import signal
+import sys
+import threading
+import time
+
+from unbroken import logs
+from unbroken.backends.local import LocalBackend
+from unbroken.config.cluster import ClusterConfig
+from unbroken.controller.job_reconciler import JobReconciler
+from unbroken.controller.node_reconciler import NodeReconciler
+from unbroken.layout import ClusterLayout
+from unbroken.state.sqlite import SqliteStore
+
+log = logging.getLogger("unbroken.controller")
+
+LOOP_SECONDS = 0.2
+"""Reaction time to any change; a pass over a small cluster costs ~1 ms of SQLite reads."""
+
+
+def run(layout: ClusterLayout, stopping: threading.Event) -> None:
+    store = SqliteStore(layout.state_db)
+    cluster = ClusterConfig.model_validate_json(store.cluster_json())
+    nodes = NodeReconciler(store, LocalBackend(layout), cluster)
+    jobs = JobReconciler(store)
+    log.info("controller started", extra={"cluster": cluster.ClusterName})
+    while not stopping.is_set():
+        now = time.time()
+        try:
+            nodes.reconcile_all(now)
+            jobs.reconcile_all(now)
+        except Exception:  # noqa: BLE001 - the supervisor loop must outlive one bad pass; it is logged
+            log.exception("reconcile pass failed; retrying")
+            stopping.wait(1.0)
+        stopping.wait(LOOP_SECONDS)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="unbroken-controller", description="unbroken controller")
+    parser.add_argument("--dir", required=True, help="cluster directory")
+    args = parser.parse_args(argv)
+    layout = ClusterLayout.at(args.dir)
+    logs.setup(component="controller")
+    lock = open(layout.controller_lock, "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        log.error("another controller holds %s; exiting", layout.controller_lock)
+        return 1
+    # Agents this process starts (replacements) are never waited on: let the kernel reap them.
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    run(layout, stopping)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""Where a local cluster keeps its files, in one place.
+
+    <dir>/state.db                         the store (SQLite, WAL)
+    <dir>/controller.{pid,log,lock}
+    <dir>/nodes/<node>/agent.{pid,log}     one folder per node (its "disk")
+    <dir>/logs/<job>/attempt-<k>/<node>/   torchrun.log + per-rank logs
+    <dir>/checkpoints/<job>/               default checkpoint directory
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+DIR_ENV = "UNBROKEN_DIR"
+
+
+def default_cluster_dir() -> Path:
+    return Path(os.environ.get(DIR_ENV) or ".unbroken")
+
+
+@dataclass(frozen=True)
+class ClusterLayout:
+    root: Path
+
+    @classmethod
+    def at(cls, root: Path | str) -> "ClusterLayout":
+        return cls(Path(root).resolve())
+
+    @property
+    def state_db(self) -> Path:
+        return self.root / "state.db"
+
+    @property
+    def controller_pid(self) -> Path:
+        return self.root / "controller.pid"
+
+    @property
+    def controller_log(self) -> Path:
+        return self.root / "controller.log"
+
+    @property
+    def controller_lock(self) -> Path:
+        return self.root / "controller.lock"
+
+    def node_dir(self, node: str) -> Path:
+        return self.root / "nodes" / node
+
+    def agent_pid(self, node: str) -> Path:
+        return self.node_dir(node) / "agent.pid"
+
+    def agent_log(self, node: str) -> Path:
+        return self.node_dir(node) / "agent.log"
+
+    def worker_log_dir(self, job: str, attempt: int, node: str) -> Path:
+        return self.root / "logs" / job / f"attempt-{attempt}" / node
+
+    def checkpoint_dir(self, job: str) -> Path:
+        return self.root / "checkpoints" / job

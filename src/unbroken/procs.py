@@ -1,0 +1,107 @@
+"""Process-tree plumbing shared by the agent, the local backend and chaos.
+
+torchrun puts each rank in its own session, so process groups do not cover a
+worker; we walk the parent/child tree with psutil instead and signal every
+member, collected *before* the first signal so nothing escapes by reparenting.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import psutil
+
+from unbroken.launch_env import CLUSTER_DIR
+
+
+def tree(pid: int) -> list[psutil.Process]:
+    """``pid`` and all its descendants that are alive now (empty if ``pid`` is gone)."""
+    if pid <= 1:
+        return []  # never walk from the idle task or init: that would be every process
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def signal_all(processes: list[psutil.Process], sig: int) -> None:
+    for proc in processes:
+        try:
+            proc.send_signal(sig)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+
+
+def kill_now(processes: list[psutil.Process]) -> None:
+    """SIGKILL every process in the list in one sweep, as a power loss would."""
+    signal_all(processes, signal.SIGKILL)
+
+
+def wait_gone(processes: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait up to ``timeout`` s; return those still alive (zombies count as gone)."""
+    _, alive = psutil.wait_procs(processes, timeout=timeout)
+    return [p for p in alive if _running(p)]
+
+
+def terminate_tree(pid: int, grace: float = 3.0) -> None:
+    """SIGTERM (and SIGCONT, for stopped ones) the tree, SIGKILL whatever outlives ``grace``."""
+    members = tree(pid)
+    if not members:
+        return
+    signal_all(members, signal.SIGTERM)
+    signal_all(members, signal.SIGCONT)
+    survivors = wait_gone(members, grace)
+    if survivors:
+        kill_now(survivors + tree(pid))
+        wait_gone(survivors, 5.0)
+
+
+def alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        return _running(psutil.Process(pid))
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def cluster_processes(cluster_dir: Path) -> list[psutil.Process]:
+    """Every live process started for this cluster (agents, controller, torchrun, ranks).
+
+    They all carry ``UNBROKEN_CLUSTER_DIR`` in their environment, which survives
+    reparenting: this finds orphans that no parent/child walk can.
+    """
+    wanted = str(cluster_dir.resolve())
+    found = []
+    me = os.getpid()
+    for proc in psutil.process_iter(["pid"]):
+        if proc.pid == me:
+            continue
+        try:
+            if proc.environ().get(CLUSTER_DIR) == wanted and _running(proc):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+            continue
+    return found
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout`` passes. Returns its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
