@@ -31,7 +31,7 @@ def demo_command(
     keep: bool = typer.Option(False, "--keep", help="Leave the cluster up afterwards for inspection"),
 ) -> None:
     """3 nodes, a 2-node job with auto-resume, a node killed mid-run; prints what recovery cost."""
-    from unbroken.demo import run_demo
+    from unbroken.cli.demo import run_demo
 
     run_demo(directory, steps=steps, keep=keep)
 

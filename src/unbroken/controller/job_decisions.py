@@ -42,8 +42,15 @@ class Failure:
     retryable: bool
 
 
-def decide(now: float, job: Job, spec: JobSpec, workers: list[Worker], nodes: dict[str, Node], free: list[str]) -> Decision:
-    """``workers`` are the current attempt's; ``free`` the eligible idle nodes in preference order."""
+def decide(
+    now: float, job: Job, spec: JobSpec, workers: list[Worker], nodes: dict[str, Node], free: list[str],
+    *, silent_after: float = 1.5,
+) -> Decision:
+    """``workers`` are the current attempt's; ``free`` the eligible idle nodes in preference order.
+
+    ``silent_after``: a node whose heartbeat is older than this is named as a
+    suspect in failure reasons (it is not declared lost until NodeLostAfterSeconds).
+    """
     if job.phase.is_terminal:
         return Decision(Action.WAIT, "terminal")
     if job.cancel_requested:
@@ -61,6 +68,7 @@ def decide(now: float, job: Job, spec: JobSpec, workers: list[Worker], nodes: di
     # Running
     failure = detect_failure(now, spec, workers, nodes)
     if failure is not None:
+        failure = _with_suspects(now, failure, workers, nodes, silent_after)
         if can_restart(job, spec, failure):
             return Decision(Action.RESTART, f"{failure.reason}; restart {job.attempt + 1} of {spec.resilience.max_retry}")
         return Decision(Action.FAIL, _final_reason(job, spec, failure))
@@ -101,6 +109,21 @@ def detect_failure(now: float, spec: JobSpec, workers: list[Worker], nodes: dict
     return None
 
 
+def _with_suspects(now: float, failure: Failure, workers: list[Worker], nodes: dict[str, Node], silent_after: float) -> Failure:
+    """Name attempt nodes that have gone quiet: a rank failing on a healthy node is
+    often only the first to notice that a peer's node died."""
+    suspects = []
+    for w in workers:
+        node = nodes.get(w.node)
+        if node is not None and node.state.is_active and node.heartbeat_at is not None:
+            silent = now - node.heartbeat_at
+            if silent > silent_after and w.node not in failure.reason:
+                suspects.append(f"{w.node} silent for {silent:.1f} s")
+    if not suspects:
+        return failure
+    return Failure(f"{failure.reason} (suspect: {', '.join(suspects)})", failure.retryable)
+
+
 def can_restart(job: Job, spec: JobSpec, failure: Failure) -> bool:
     policy = spec.resilience
     if not policy.auto_resume or policy.restart_policy is RestartPolicy.NEVER:
@@ -110,9 +133,11 @@ def can_restart(job: Job, spec: JobSpec, failure: Failure) -> bool:
     return job.attempt < policy.max_retry
 
 
-def eligible(node: Node, spec: JobSpec) -> bool:
+def eligible(node: Node, spec: JobSpec, now: float, silent_after: float) -> bool:
     if node.state is not NodeState.SCHEDULABLE:
         return False
+    if node.heartbeat_at is not None and now - node.heartbeat_at > silent_after:
+        return False  # probably dying: do not hand it a fresh attempt
     return not spec.resilience.require_deep_health_passed or node.deep_health is DeepHealthStatus.PASSED
 
 

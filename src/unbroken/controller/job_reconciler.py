@@ -17,8 +17,9 @@ log = logging.getLogger("unbroken.controller.jobs")
 
 
 class JobReconciler:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, *, silent_after: float) -> None:
         self.store = store
+        self.silent_after = silent_after
 
     def reconcile_all(self, now: float) -> None:
         for job in self.store.list_jobs():
@@ -32,18 +33,18 @@ class JobReconciler:
         spec = job.spec()
         nodes = {n.name: n for n in self.store.list_nodes()}
         workers = self.store.list_workers(job=job.name, attempt=job.attempt)
-        free = self._free_nodes(spec, nodes, job)
-        decision = job_decisions.decide(now, job, spec, workers, nodes, free)
+        free = self._free_nodes(now, spec, nodes, job)
+        decision = job_decisions.decide(now, job, spec, workers, nodes, free, silent_after=self.silent_after)
         if decision.action is not Action.WAIT:
             log.info("job %s: %s: %s", job.name, decision.action.value, decision.reason, extra={"job": job.name})
         self._apply(now, job, decision, workers, nodes)
         self._note_resume(job, workers)
         return decision
 
-    def _free_nodes(self, spec, nodes: dict[str, Node], job: Job) -> list[str]:
+    def _free_nodes(self, now: float, spec, nodes: dict[str, Node], job: Job) -> list[str]:
         busy = {w.node for w in self.store.list_workers() if not w.phase.is_terminal and w.job != job.name}
         busy |= {w.node for w in self.store.list_workers(job=job.name) if not w.phase.is_terminal}
-        return [n.name for n in nodes.values() if n.name not in busy and job_decisions.eligible(n, spec)]
+        return [n.name for n in nodes.values() if n.name not in busy and job_decisions.eligible(n, spec, now, self.silent_after)]
 
     def _apply(self, now: float, job: Job, decision: Decision, workers: list[Worker], nodes: dict[str, Node]) -> None:
         store = self.store

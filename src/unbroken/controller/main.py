@@ -33,7 +33,8 @@ def run(layout: ClusterLayout, stopping: threading.Event) -> None:
     store = SqliteStore(layout.state_db)
     cluster = ClusterConfig.model_validate_json(store.cluster_json())
     nodes = NodeReconciler(store, LocalBackend(layout), cluster)
-    jobs = JobReconciler(store)
+    # Three missed heartbeats make a node a suspect, well before it is declared lost.
+    jobs = JobReconciler(store, silent_after=3 * cluster.Local.HeartbeatIntervalSeconds)
     log.info("controller started", extra={"cluster": cluster.ClusterName})
     while not stopping.is_set():
         now = time.time()

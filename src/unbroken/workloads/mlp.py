@@ -7,7 +7,7 @@ was killed and resumed from a checkpoint — end with bit-identical parameters.
 
 Runs under ``unbroken job start`` and under plain ``torchrun``::
 
-    torchrun --nproc-per-node 2 examples/train_mlp.py --steps 100
+    torchrun --nproc-per-node 2 -m unbroken.workloads.mlp --steps 100
 """
 
 from __future__ import annotations
