@@ -108,7 +108,12 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(1)  # deterministic CPU kernels; 2 cores are shared by all ranks anyway
     ctx = unbroken.init()
     model = build_model(args.seed)
-    ddp = DistributedDataParallel(model) if ctx.world_size > 1 else model
+    # One gradient bucket per parameter, fixed from the first step. By default DDP
+    # starts with all parameters in one bucket and re-buckets after the first
+    # step of *every process*, so a resumed run's first step would all-reduce a
+    # differently laid-out buffer; with more than two ranks, gloo's ring then sums
+    # some elements in another order and the run stops being bit-identical.
+    ddp = DistributedDataParallel(model, bucket_cap_mb_list=[1e-6]) if ctx.world_size > 1 else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     data = TeacherDataset(size=16384, seed=args.seed + 1)
     sampler = ResumableSampler(len(data), args.batch_size, ctx.rank, ctx.world_size, seed=args.seed + 2)

@@ -1,0 +1,96 @@
+"""Test helpers: run the real CLI, poll for conditions (never sleep to synchronise)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from unbroken.layout import ClusterLayout
+from unbroken.state.sqlite import SqliteStore
+
+T = TypeVar("T")
+
+
+def run_cli(*args: str, cluster_dir: Path | None = None, check: bool = True, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "COLUMNS": "200"}
+    if cluster_dir is not None:
+        env["UNBROKEN_DIR"] = str(cluster_dir)
+    result = subprocess.run([sys.executable, "-m", "unbroken", *args], capture_output=True, text=True, env=env, timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"unbroken {' '.join(args)} exited {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}")
+    return result
+
+
+def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.1) -> T:
+    """Poll ``predicate`` until it returns something truthy; fail with ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for: {what} (last: {last!r})")
+
+
+@dataclass
+class Cluster:
+    dir: Path
+
+    @property
+    def store(self) -> SqliteStore:
+        return SqliteStore(ClusterLayout.at(self.dir).state_db)
+
+    @property
+    def layout(self) -> ClusterLayout:
+        return ClusterLayout.at(self.dir)
+
+    def cli(self, *args: str, check: bool = True, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+        return run_cli(*args, cluster_dir=self.dir, check=check, timeout=timeout)
+
+    def json(self, *args: str) -> Any:
+        return json.loads(self.cli(*args, "-o", "json").stdout)
+
+    def job(self, name: str):
+        return self.store.get_job(name)
+
+    def step(self, name: str) -> int:
+        job = self.store.get_job(name)
+        return max((w.last_step or 0 for w in self.store.list_workers(job=name, attempt=job.attempt)), default=0)
+
+    def wait_job_phase(self, name: str, phases: set[str], timeout: float):
+        return wait_for(lambda: (j := self.job(name)).phase.value in phases and j, timeout, f"job {name} in {phases}")
+
+    def wait_step(self, name: str, step: int, timeout: float, attempt: int = 0) -> int:
+        def reached() -> int:
+            job = self.job(name)
+            if job.phase.is_terminal:
+                raise AssertionError(f"job {name} ended {job.phase.value} before step {step}: {job.reason}")
+            if job.attempt != attempt:
+                return 0
+            return self.step(name) >= step and self.step(name)
+        return wait_for(reached, timeout, f"job {name} attempt {attempt} at step >= {step}")
+
+    def submit(self, tmp: Path, name: str, *, steps: int, nodes: int = 2, procs: int = 2, checkpoint_every: int = 10,
+               step_time: float = 0.02, extra_args: list[str] | None = None, **resilience: Any) -> Path:
+        output = tmp / f"{name}.params.pt"
+        spec = {
+            "name": name, "nodes": nodes, "procs_per_node": procs,
+            "command": ["-m", "unbroken.workloads.mlp", "--steps", str(steps), "--checkpoint-every", str(checkpoint_every),
+                        "--step-time", str(step_time), "--output", str(output), *(extra_args or [])],
+            "resilience": {"auto_resume": True, "max_retry": 3, "hang_timeout": 60, **resilience},
+            "checkpoint": {"dir": str(tmp / f"{name}-ckpt")},
+        }
+        job_file = tmp / f"{name}.yaml"
+        job_file.write_text(yaml.safe_dump(spec))
+        self.cli("job", "start", "-f", str(job_file))
+        return output

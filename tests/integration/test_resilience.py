@@ -1,0 +1,150 @@
+"""The foundation's promises, each with real processes, sockets, signals and files.
+
+Every job is the shipped MLP workload on a local cluster; its final parameters
+are compared bit for bit with an uninterrupted reference run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import Cluster, wait_for
+
+from unbroken import procs
+from unbroken.state.phases import NodeState
+
+STEPS = 60
+
+
+def assert_same_parameters(a: Path, b: Path) -> None:
+    left, right = torch.load(a), torch.load(b)
+    assert left.keys() == right.keys()
+    for key in left:
+        assert torch.equal(left[key], right[key]), f"parameter {key} differs"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """Final parameters of an uninterrupted 2-node x 2-process run (the fault tests' yardstick)."""
+    from helpers import run_cli
+
+    tmp = tmp_path_factory.mktemp("reference")
+    cluster = Cluster(tmp / "cluster")
+    run_cli("cluster", "up", "--nodes", "2", cluster_dir=cluster.dir)
+    try:
+        output = cluster.submit(tmp, "ref", steps=STEPS)
+        job = cluster.wait_job_phase("ref", {"Succeeded", "Failed"}, 180)
+        assert job.phase.value == "Succeeded", job.reason
+        assert job.attempt == 0
+    finally:
+        run_cli("cluster", "down", cluster_dir=cluster.dir, check=False)
+    assert not procs.cluster_processes(cluster.dir)
+    return output
+
+
+def test_two_runs_are_bit_identical(make_cluster, tmp_path, reference):
+    cluster = make_cluster("--nodes", "2")
+    output = cluster.submit(tmp_path, "again", steps=STEPS)
+    job = cluster.wait_job_phase("again", {"Succeeded", "Failed"}, 180)
+    assert job.phase.value == "Succeeded", job.reason
+    assert_same_parameters(reference, output)
+    # the loss went down: the workload really trains
+    logs = cluster.cli("job", "logs", "again", "--rank", "0").stdout
+    done = next(line for line in logs.splitlines() if "done:" in line)
+    first, final = float(done.split("first loss ")[1].split(",")[0]), float(done.split("final loss ")[1].split(",")[0])
+    assert final < first * 0.7, done
+
+
+def test_kill_9_worker_resumes_bit_identical(cluster3, tmp_path, reference):
+    output = cluster3.submit(tmp_path, "k9", steps=STEPS, step_time=0.1)
+    cluster3.wait_step("k9", 25, 120)
+    cluster3.cli("chaos", "kill-worker", "k9", "--rank", "3")
+    job = cluster3.wait_job_phase("k9", {"Succeeded", "Failed"}, 180)
+    assert job.phase.value == "Succeeded", job.reason
+    assert job.attempt == 1, "exactly one restart"
+    report = cluster3.json("job", "describe", "k9")["report"]
+    assert report["attempts"][1]["restored_step"] >= 20, report
+    reasons = [e["reason"] for e in cluster3.json("job", "describe", "k9")["events"]]
+    assert reasons.index("ChaosKillWorker") < reasons.index("JobRestarting") < reasons.index("JobResumed")
+    restarting = next(e for e in cluster3.json("job", "describe", "k9")["events"] if e["reason"] == "JobRestarting")
+    assert "signal 9" in restarting["message"] or "SIGKILL" in restarting["message"] or "exited" in restarting["message"]
+    assert_same_parameters(reference, output)
+
+
+def test_killed_agent_node_is_replaced_and_job_resumes(cluster3, tmp_path):
+    cluster3.submit(tmp_path, "agentkill", steps=STEPS, step_time=0.1)
+    cluster3.wait_step("agentkill", 15, 120)
+    victim = next(w.node for w in cluster3.store.list_workers(job="agentkill") if w.node_rank == 1)
+    agent_pid = cluster3.store.get_node(victim).agent_pid
+    os.kill(agent_pid, signal.SIGKILL)  # only the agent; its workers must not outlive it
+    wait_for(lambda: cluster3.store.get_node(victim).state in (NodeState.PENDING_REPLACEMENT, NodeState.RETIRED),
+             30, f"{victim} marked for replacement")
+    node = cluster3.store.get_node(victim)
+    assert node.fault_type == "NodeLost" and "heartbeat" in (node.fault_reason or "")
+    replacement = wait_for(lambda: cluster3.store.get_node(victim).replaced_by, 30, f"{victim} replaced")
+    wait_for(lambda: cluster3.store.get_node(replacement).state is NodeState.SCHEDULABLE, 60, f"{replacement} joins")
+    job = cluster3.wait_job_phase("agentkill", {"Succeeded", "Failed"}, 180)
+    assert job.phase.value == "Succeeded", job.reason
+    assert job.attempt >= 1
+    last_nodes = {w.node for w in cluster3.store.list_workers(job="agentkill", attempt=job.attempt)}
+    assert victim not in last_nodes
+    assert cluster3.store.get_node(victim).state is NodeState.RETIRED
+    assert not [p for p in procs.cluster_processes(cluster3.dir) if p.environ().get("UNBROKEN_NODE") == victim]
+
+
+def test_sigstopped_worker_is_detected_as_hang_and_job_restarts(cluster3, tmp_path):
+    cluster3.submit(tmp_path, "hang", steps=STEPS, step_time=0.05, hang_timeout=4)
+    cluster3.wait_step("hang", 15, 120)
+    cluster3.cli("chaos", "hang-worker", "hang", "--rank", "1")
+    job = cluster3.wait_job_phase("hang", {"Restarting", "Succeeded", "Failed"}, 60)
+    assert job.phase.value == "Restarting", job.reason
+    assert "hang" in job.reason and "hang_timeout 4" in job.reason
+    job = cluster3.wait_job_phase("hang", {"Succeeded", "Failed"}, 180)
+    assert job.phase.value == "Succeeded", job.reason
+    assert job.attempt == 1
+
+
+def test_crashing_worker_fails_after_max_retry_with_reason_and_no_process_left(cluster3, tmp_path):
+    cluster3.submit(tmp_path, "crash", steps=STEPS, checkpoint_every=2, max_retry=1,
+                    extra_args=["--crash-at-step", "3", "--crash-rank", "1"])
+    job = cluster3.wait_job_phase("crash", {"Succeeded", "Failed"}, 180)
+    assert job.phase.value == "Failed"
+    assert job.attempt == 1, "exactly one restart before giving up"
+    assert "exited with code 3" in job.reason and "max_retry 1" in job.reason, job.reason
+    events = [e.reason for e in cluster3.store.list_events(object_kind="Job", object_name="crash")]
+    assert events.count("JobRestarting") == 1 and events[-1] == "JobFailed"
+
+    def job_processes():
+        return [p for p in procs.cluster_processes(cluster3.dir) if p.environ().get("UNBROKEN_JOB") == "crash"]
+
+    wait_for(lambda: not job_processes(), 15, "no process of the failed job")
+    described = cluster3.cli("job", "describe", "crash").stdout
+    assert "exited with code 3" in described
+
+
+def test_controller_killed_and_restarted_mid_job_loses_nothing(cluster3, tmp_path, reference):
+    output = cluster3.submit(tmp_path, "ctl", steps=STEPS, step_time=0.1)
+    cluster3.wait_step("ctl", 10, 120)
+    cluster3.cli("chaos", "kill-controller")
+    before = cluster3.step("ctl")
+    wait_for(lambda: cluster3.step("ctl") > before + 5, 60, "training goes on without a controller")
+    restarted = cluster3.cli("cluster", "up", "--nodes", "3")
+    assert "controller restarted" in restarted.stdout
+    job = cluster3.wait_job_phase("ctl", {"Succeeded", "Failed"}, 180)
+    assert job.phase.value == "Succeeded", job.reason
+    assert job.attempt == 0, "a controller restart must not restart the job"
+    assert_same_parameters(reference, output)
+
+
+def test_cluster_down_leaves_no_process(make_cluster, tmp_path):
+    cluster = make_cluster("--nodes", "2")
+    cluster.submit(tmp_path, "down", steps=10_000, step_time=0.05)
+    cluster.wait_step("down", 3, 120)
+    assert len(procs.cluster_processes(cluster.dir)) >= 1 + 2 + 2 * 3  # controller, agents, torchrun + ranks
+    cluster.cli("cluster", "down")
+    assert procs.cluster_processes(cluster.dir) == []
