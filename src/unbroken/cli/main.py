@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 import typer
+from rich.markup import escape
 
 from unbroken.cli import chaos, cluster, job, node
 from unbroken.cli.common import err_console
@@ -41,7 +42,7 @@ def run() -> None:
     try:
         app()
     except UnbrokenError as exc:
-        err_console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        err_console.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(exc.exit_code)
 
 

@@ -6,6 +6,7 @@ clock. Each decision carries the reason that becomes the job's event.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -24,8 +25,6 @@ class Action(StrEnum):
     """Stop this attempt's workers; the job is Failed for good."""
     SUCCEED = "Succeed"
     CANCEL = "Cancel"
-    FORGET_LOST = "ForgetLost"
-    """Workers whose node is gone can never report that they stopped: mark them Stopped."""
 
 
 @dataclass(frozen=True)
@@ -33,7 +32,6 @@ class Decision:
     action: Action
     reason: str = ""
     nodes: tuple[str, ...] = ()
-    workers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -58,10 +56,11 @@ def decide(
     if job.phase is JobPhase.PENDING:
         return _place(spec, free, "waiting")
     if job.phase is JobPhase.RESTARTING:
-        lost = tuple(w.id for w in workers if not w.phase.is_terminal and not _node_alive(nodes.get(w.node)))
-        if lost:
-            return Decision(Action.FORGET_LOST, "node lost; its workers cannot report", workers=lost)
-        stopping = [w for w in workers if not w.phase.is_terminal]
+        # Wait for the old attempt's workers to confirm they stopped, except on nodes
+        # that have gone quiet: a dead node never confirms, and waiting for it to be
+        # declared lost would add NodeLostAfterSeconds to every recovery. Its workers
+        # stay in the books (the node stays busy) until it is declared lost.
+        stopping = [w for w in workers if not w.phase.is_terminal and not _silent(now, nodes.get(w.node), silent_after)]
         if stopping:
             return Decision(Action.WAIT, f"stopping attempt {job.attempt} on {', '.join(w.node for w in stopping)}")
         return _place(spec, free, "waiting to restart")
@@ -117,11 +116,16 @@ def _with_suspects(now: float, failure: Failure, workers: list[Worker], nodes: d
         node = nodes.get(w.node)
         if node is not None and node.state.is_active and node.heartbeat_at is not None:
             silent = now - node.heartbeat_at
-            if silent > silent_after and w.node not in failure.reason:
+            if silent > silent_after and not _names(failure.reason, w.node):
                 suspects.append(f"{w.node} silent for {silent:.1f} s")
     if not suspects:
         return failure
     return Failure(f"{failure.reason} (suspect: {', '.join(suspects)})", failure.retryable)
+
+
+def _names(text: str, node: str) -> bool:
+    """``node`` appears in ``text`` as a whole name (node-1 is not named by node-10)."""
+    return re.search(rf"(?<![\w-]){re.escape(node)}(?![\w-])", text) is not None
 
 
 def can_restart(job: Job, spec: JobSpec, failure: Failure) -> bool:
@@ -166,8 +170,11 @@ def _final_reason(job: Job, spec: JobSpec, failure: Failure) -> str:
     return f"{failure.reason}; {why}"
 
 
-def _node_alive(node: Node | None) -> bool:
-    return node is not None and node.state.is_active
+def _silent(now: float, node: Node | None, silent_after: float) -> bool:
+    """No agent is answering for this node (gone, lost, or heartbeat overdue)."""
+    if node is None or not node.state.is_active:
+        return True
+    return node.heartbeat_at is not None and now - node.heartbeat_at > silent_after
 
 
 def _node_usable_for_running(node: Node | None) -> bool:

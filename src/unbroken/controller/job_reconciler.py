@@ -22,6 +22,7 @@ class JobReconciler:
         self.silent_after = silent_after
 
     def reconcile_all(self, now: float) -> None:
+        self.forget_workers_on_lost_nodes(now)
         for job in self.store.list_jobs():
             if not job.phase.is_terminal:
                 try:
@@ -40,6 +41,17 @@ class JobReconciler:
         self._apply(now, job, decision, workers, nodes)
         self._note_resume(job, workers)
         return decision
+
+    def forget_workers_on_lost_nodes(self, now: float) -> None:
+        """Workers whose node is gone (lost, rebooting, retired) can never report that they
+        stopped: mark them Stopped so their node's books and their job's are closed."""
+        nodes = {n.name: n for n in self.store.list_nodes()}
+        for worker in self.store.list_workers():
+            node = nodes.get(worker.node)
+            if not worker.phase.is_terminal and (node is None or not node.state.is_active):
+                state = node.state.value if node else "missing"
+                self.store.update_worker(worker.id, phase=WorkerPhase.STOPPED, desired=Desired.STOP, ended_at=now,
+                                         message=f"lost with its node ({state})")
 
     def _free_nodes(self, now: float, spec, nodes: dict[str, Node], job: Job) -> list[str]:
         busy = {w.node for w in self.store.list_workers() if not w.phase.is_terminal and w.job != job.name}
@@ -72,10 +84,6 @@ class JobReconciler:
             elif action is Action.SUCCEED:
                 store.update_job(job.name, expect_phase=job.phase, phase=JobPhase.SUCCEEDED, reason=decision.reason, ended_at=now)
                 store.add_event("Job", job.name, "JobSucceeded", decision.reason)
-            elif action is Action.FORGET_LOST:
-                for worker_id in decision.workers:
-                    store.update_worker(worker_id, phase=WorkerPhase.STOPPED, desired=Desired.STOP, ended_at=now,
-                                        message="lost with its node")
             elif job.reason != decision.reason and job.phase is JobPhase.PENDING:
                 store.update_job(job.name, reason=decision.reason)
 

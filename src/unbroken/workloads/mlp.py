@@ -129,6 +129,7 @@ def main(argv: list[str]) -> int:
 
     loss_fn = nn.CrossEntropyLoss()
     first_loss = None
+    first_step_of_process: int | None = None
     while step < args.steps:
         started = time.monotonic()
         indices = sampler.next_indices()
@@ -146,6 +147,11 @@ def main(argv: list[str]) -> int:
         if remaining > 0:
             time.sleep(remaining)  # simulated compute, not synchronisation
         ctx.progress(step, loss=loss.item())
+        if first_step_of_process is None:
+            first_step_of_process = step
+            # Wall-clock mark of this process's first step: benchmarks read it to time
+            # recovery under plain torchrun, where there is no agent to report to.
+            print(f"rank {ctx.rank}: first step {step} at {time.time():.3f}", flush=True)
         if step % args.checkpoint_every == 0 or step == args.steps:
             state: dict[str, Any] = {
                 "model": model.state_dict(), "optimizer": optimizer.state_dict(), "sampler": sampler.state_dict(),

@@ -1,0 +1,355 @@
+"""Job reconciler decisions: hand-built records and an injected clock, no store, no processes."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from unbroken.config.job import JobSpec
+from unbroken.controller.job_decisions import Action, Decision, decide, eligible
+from unbroken.state.phases import DeepHealthStatus, JobPhase, NodeState, WorkerPhase
+from unbroken.state.records import Desired, Job, Node, Worker
+
+NOW = 50_000.0
+SILENT_AFTER = 1.5
+
+
+def spec(nodes: int = 2, **resilience: Any) -> JobSpec:
+    base = {"auto_resume": True, "max_retry": 3, "hang_timeout": 30.0, "startup_timeout": 120.0}
+    return JobSpec.model_validate(
+        {"name": "train", "nodes": nodes, "command": ["-m", "x"], "resilience": {**base, **resilience}}
+    )
+
+
+def job(phase: JobPhase = JobPhase.RUNNING, attempt: int = 0, **fields: Any) -> Job:
+    return Job(name="train", spec_json="{}", phase=phase, attempt=attempt, created_at=NOW - 1000, **fields)
+
+
+def node(name: str, state: NodeState = NodeState.SCHEDULABLE, **fields: Any) -> Node:
+    defaults: dict[str, Any] = dict(deep_health=DeepHealthStatus.PASSED, heartbeat_at=NOW - 0.2, state_changed_at=NOW - 500)
+    return Node(name=name, group="workers", instance_type="cpu-dev", state=state, **{**defaults, **fields})
+
+
+def worker(id: int, node_name: str, phase: WorkerPhase = WorkerPhase.RUNNING, **fields: Any) -> Worker:
+    defaults: dict[str, Any] = dict(
+        desired=Desired.RUN, started_at=NOW - 200, first_step=1, first_progress_at=NOW - 190,
+        last_step=100, last_progress_at=NOW - 1,
+    )
+    return Worker(job="train", attempt=0, node=node_name, node_rank=id - 1, phase=phase,
+                  rdzv_endpoint="127.0.0.1:29500", id=id, **{**defaults, **fields})
+
+
+def nodes(*items: Node) -> dict[str, Node]:
+    return {n.name: n for n in items}
+
+
+HEALTHY = nodes(node("node-1"), node("node-2"), node("node-3"))
+
+
+def running(*workers: Worker, j: Job | None = None, s: JobSpec | None = None, ns: dict[str, Node] | None = None) -> Decision:
+    return decide(NOW, j or job(), s or spec(), list(workers), HEALTHY if ns is None else ns, [], silent_after=SILENT_AFTER)
+
+
+# -- placement ------------------------------------------------------------------------
+
+
+def test_pending_with_enough_free_nodes_schedules_the_first_n():
+    d = decide(NOW, job(JobPhase.PENDING), spec(nodes=2), [], HEALTHY, ["node-3", "node-1", "node-2"])
+    assert d.action is Action.SCHEDULE
+    assert d.nodes == ("node-3", "node-1")
+
+
+def test_pending_without_enough_nodes_waits_all_or_nothing():
+    d = decide(NOW, job(JobPhase.PENDING), spec(nodes=2), [], HEALTHY, ["node-1"])
+    assert d.action is Action.WAIT
+    assert d.nodes == ()
+    assert "needs 2" in d.reason and "1 available" in d.reason
+
+
+def test_pending_with_no_nodes_waits():
+    d = decide(NOW, job(JobPhase.PENDING), spec(nodes=1), [], {}, [])
+    assert d.action is Action.WAIT and "0 available" in d.reason
+
+
+# -- eligibility ----------------------------------------------------------------------
+
+
+def test_eligible_requires_deep_health_passed_by_default():
+    s = spec()
+    assert s.resilience.require_deep_health_passed
+    assert eligible(node("node-1"), s, NOW, SILENT_AFTER)
+    for status in (DeepHealthStatus.IN_PROGRESS, DeepHealthStatus.FAILED):
+        assert not eligible(node("node-1", deep_health=status), s, NOW, SILENT_AFTER)
+
+
+def test_eligible_without_deep_health_requirement():
+    s = spec(require_deep_health_passed=False)
+    assert eligible(node("node-1", deep_health=DeepHealthStatus.IN_PROGRESS), s, NOW, SILENT_AFTER)
+    assert eligible(node("node-1", deep_health=DeepHealthStatus.FAILED), s, NOW, SILENT_AFTER)
+
+
+@pytest.mark.parametrize("state", [s for s in NodeState if s is not NodeState.SCHEDULABLE])
+@pytest.mark.parametrize("require", [True, False])
+def test_non_schedulable_nodes_are_never_eligible(state, require):
+    assert not eligible(node("node-1", state=state), spec(require_deep_health_passed=require), NOW, SILENT_AFTER)
+
+
+def test_silent_node_is_not_eligible():
+    s = spec()
+    assert not eligible(node("node-1", heartbeat_at=NOW - SILENT_AFTER - 0.1), s, NOW, SILENT_AFTER)
+    assert eligible(node("node-1", heartbeat_at=NOW - SILENT_AFTER + 0.1), s, NOW, SILENT_AFTER)
+
+
+# -- failed workers -------------------------------------------------------------------
+
+
+def failed(id: int = 1, node_name: str = "node-1", **fields: Any) -> Worker:
+    fields = {"exit_code": 1, "message": "exited with code 1", "ended_at": NOW - 1, **fields}
+    return worker(id, node_name, WorkerPhase.FAILED, **fields)
+
+
+def test_failed_worker_restarts_while_retries_remain():
+    d = running(failed(), worker(2, "node-2"))
+    assert d.action is Action.RESTART
+    assert "worker on node-1: exited with code 1" in d.reason
+    assert "restart 1 of 3" in d.reason
+
+
+def test_restart_count_follows_attempt():
+    d = running(failed(), worker(2, "node-2"), j=job(attempt=2))
+    assert d.action is Action.RESTART and "restart 3 of 3" in d.reason
+
+
+def test_failed_worker_fails_the_job_when_retries_are_used():
+    d = running(failed(), worker(2, "node-2"), j=job(attempt=3))
+    assert d.action is Action.FAIL
+    assert "worker on node-1: exited with code 1" in d.reason
+    assert "max_retry 3 restarts used" in d.reason
+
+
+def test_max_retry_zero_fails_first_failure():
+    d = running(failed(), worker(2, "node-2"), s=spec(max_retry=0))
+    assert d.action is Action.FAIL and "max_retry 0 restarts used" in d.reason
+
+
+def test_failed_worker_fails_the_job_without_auto_resume():
+    d = running(failed(), worker(2, "node-2"), s=spec(auto_resume=False))
+    assert d.action is Action.FAIL
+    assert "auto_resume is off" in d.reason
+
+
+def test_auto_resume_is_off_by_default():
+    s = JobSpec.model_validate({"name": "train", "command": ["-m", "x"]})
+    d = decide(NOW, job(), s, [failed()], HEALTHY, [])
+    assert d.action is Action.FAIL and "auto_resume is off" in d.reason
+
+
+def test_restart_policy_never_fails():
+    d = running(failed(), worker(2, "node-2"), s=spec(restart_policy="Never"))
+    assert d.action is Action.FAIL
+    assert "restart_policy is Never" in d.reason
+
+
+def test_exit_code_policy_does_not_retry_program_errors():
+    d = running(failed(exit_code=3, message="exited with code 3"), worker(2, "node-2"), s=spec(restart_policy="ExitCode"))
+    assert d.action is Action.FAIL
+    assert "not retried" in d.reason
+
+
+@pytest.mark.parametrize("code", [-9, 137, 128])
+def test_exit_code_policy_retries_signals(code):
+    d = running(failed(exit_code=code, message=f"exited with {code}"), worker(2, "node-2"), s=spec(restart_policy="ExitCode"))
+    assert d.action is Action.RESTART
+    assert "restart 1 of 3" in d.reason
+
+
+def test_on_failure_policy_retries_program_errors():
+    d = running(failed(exit_code=3), worker(2, "node-2"), s=spec(restart_policy="OnFailure"))
+    assert d.action is Action.RESTART
+
+
+def test_worker_stopped_while_desired_run_is_a_failure():
+    d = running(worker(1, "node-1", WorkerPhase.STOPPED, message=None), worker(2, "node-2"))
+    assert d.action is Action.RESTART
+    assert "worker on node-1 stopped unexpectedly" in d.reason
+
+
+# -- nodes of running workers -----------------------------------------------------------
+
+
+def test_node_pending_replacement_restarts_the_job():
+    ns = nodes(node("node-1"), node("node-2", NodeState.PENDING_REPLACEMENT, fault_type="NodeLost",
+                                    fault_reason="heartbeat lost: last seen 4.2 s ago"))
+    d = running(worker(1, "node-1"), worker(2, "node-2"), ns=ns)
+    assert d.action is Action.RESTART
+    assert "node node-2 is UnschedulablePendingReplacement: heartbeat lost: last seen 4.2 s ago" in d.reason
+
+
+def test_missing_node_restarts_the_job():
+    d = running(worker(1, "node-1"), worker(2, "node-9"))
+    assert d.action is Action.RESTART and "node node-9 is missing" in d.reason
+
+
+def test_cordoned_node_keeps_running_work():
+    ns = nodes(node("node-1"), node("node-2", NodeState.UNSCHEDULABLE))
+    d = running(worker(1, "node-1"), worker(2, "node-2"), ns=ns)
+    assert d == Decision(Action.WAIT, "running")
+
+
+def test_healthy_running_job_waits():
+    assert running(worker(1, "node-1"), worker(2, "node-2")) == Decision(Action.WAIT, "running")
+
+
+# -- hangs ----------------------------------------------------------------------------
+
+
+def test_no_progress_for_longer_than_hang_timeout_restarts():
+    d = running(worker(1, "node-1"), worker(2, "node-2", last_progress_at=NOW - 30.5, last_step=42))
+    assert d.action is Action.RESTART
+    assert "hang" in d.reason and "node-2" in d.reason and "last step 42" in d.reason
+
+
+def test_progress_just_under_hang_timeout_waits():
+    d = running(worker(1, "node-1"), worker(2, "node-2", last_progress_at=NOW - 29.9))
+    assert d.action is Action.WAIT
+
+
+def test_no_first_progress_past_startup_timeout_restarts():
+    starting = dict(first_step=None, first_progress_at=None, last_step=None, last_progress_at=None)
+    d = running(worker(1, "node-1", started_at=NOW - 121, **starting), worker(2, "node-2", started_at=NOW - 121, **starting))
+    assert d.action is Action.RESTART
+    assert "hang" in d.reason and "startup_timeout 120" in d.reason
+
+
+def test_no_first_progress_within_startup_timeout_waits():
+    # Older than hang_timeout (30 s) but younger than startup_timeout (120 s): still starting.
+    starting = dict(first_step=None, first_progress_at=None, last_step=None, last_progress_at=None)
+    d = running(worker(1, "node-1", started_at=NOW - 119, **starting), worker(2, "node-2", started_at=NOW - 60, **starting))
+    assert d.action is Action.WAIT
+
+
+def test_pending_worker_is_not_checked_for_hangs():
+    d = running(worker(1, "node-1", WorkerPhase.PENDING, started_at=None, last_progress_at=None, first_progress_at=None))
+    assert d.action is Action.WAIT
+
+
+# -- suspects -------------------------------------------------------------------------
+
+
+def test_failure_names_silent_peer_as_suspect():
+    ns = nodes(node("node-1"), node("node-2", heartbeat_at=NOW - 2.5))
+    d = running(failed(), worker(2, "node-2"), ns=ns)
+    assert d.action is Action.RESTART
+    assert "(suspect: node-2 silent for 2.5 s)" in d.reason
+    assert d.reason.endswith("restart 1 of 3")
+
+
+def test_no_suspect_when_peers_heartbeat():
+    d = running(failed(), worker(2, "node-2"))
+    assert "suspect" not in d.reason
+
+
+def test_failing_node_itself_is_not_its_own_suspect():
+    ns = nodes(node("node-1", heartbeat_at=NOW - 3), node("node-2"))
+    d = running(failed(), worker(2, "node-2"), ns=ns)
+    assert "suspect" not in d.reason
+
+
+def test_suspect_with_a_name_that_prefixes_the_failing_node():
+    # node-1 went quiet; the failure was seen on node-10 whose name contains "node-1".
+    ns = nodes(node("node-1", heartbeat_at=NOW - 2.0), node("node-10"))
+    d = running(worker(1, "node-1"), failed(id=2, node_name="node-10"), ns=ns)
+    assert d.action is Action.RESTART
+    assert "(suspect: node-1 silent for 2.0 s)" in d.reason
+
+
+# -- success and cancel -----------------------------------------------------------------
+
+
+def test_all_workers_succeeded_succeeds():
+    d = running(worker(1, "node-1", WorkerPhase.SUCCEEDED), worker(2, "node-2", WorkerPhase.SUCCEEDED))
+    assert d.action is Action.SUCCEED and "2 workers" in d.reason
+
+
+def test_some_workers_succeeded_waits():
+    d = running(worker(1, "node-1", WorkerPhase.SUCCEEDED), worker(2, "node-2"))
+    assert d.action is Action.WAIT
+
+
+def test_running_with_no_workers_does_not_succeed():
+    assert running().action is Action.WAIT
+
+
+@pytest.mark.parametrize("phase", [JobPhase.PENDING, JobPhase.RUNNING, JobPhase.RESTARTING])
+def test_cancel_requested_cancels(phase):
+    d = decide(NOW, job(phase, cancel_requested=True), spec(), [failed()], HEALTHY, ["node-1", "node-2"])
+    assert d.action is Action.CANCEL
+
+
+@pytest.mark.parametrize("phase", [JobPhase.SUCCEEDED, JobPhase.FAILED, JobPhase.CANCELLED])
+def test_terminal_jobs_wait(phase):
+    d = decide(NOW, job(phase, cancel_requested=True), spec(), [failed()], HEALTHY, ["node-1", "node-2"])
+    assert d.action is Action.WAIT
+
+
+# -- restarting -----------------------------------------------------------------------
+
+
+def restarting(*workers: Worker, ns: dict[str, Node] | None = None, free: list[str] | None = None) -> Decision:
+    return decide(NOW, job(JobPhase.RESTARTING), spec(nodes=2), list(workers), HEALTHY if ns is None else ns,
+                  free if free is not None else ["node-1", "node-2", "node-3"], silent_after=SILENT_AFTER)
+
+
+def stopping(id: int, node_name: str) -> Worker:
+    return worker(id, node_name, WorkerPhase.RUNNING, desired=Desired.STOP)
+
+
+def test_restarting_waits_for_workers_on_alive_nodes_to_stop():
+    d = restarting(failed(), stopping(2, "node-2"))
+    assert d.action is Action.WAIT
+    assert "node-2" in d.reason and d.nodes == ()
+
+
+def test_restarting_does_not_wait_for_workers_on_lost_or_missing_nodes():
+    ns = nodes(node("node-1"), node("node-2", NodeState.PENDING_REPLACEMENT))
+    d = restarting(failed(), stopping(2, "node-2"), stopping(3, "node-3"), ns=ns, free=["node-1", "node-4"])
+    assert d.action is Action.SCHEDULE  # node-3 is not in the map at all: also gone
+    assert d.nodes == ("node-1", "node-4")
+
+
+def test_restarting_does_not_wait_for_a_silent_node_but_waits_for_a_live_one():
+    ns = nodes(node("node-1"), node("node-2", heartbeat_at=NOW - 3.0))
+    d = restarting(failed(), stopping(2, "node-2"), ns=ns, free=["node-3", "node-4"])
+    assert d.action is Action.SCHEDULE
+    ns = nodes(node("node-1"), node("node-2", heartbeat_at=NOW - 0.5))
+    d = restarting(failed(), stopping(2, "node-2"), ns=ns, free=["node-3", "node-4"])
+    assert d.action is Action.WAIT and "node-2" in d.reason
+
+
+def test_restarting_does_not_forget_terminal_workers_on_lost_nodes():
+    ns = nodes(node("node-1"), node("node-2", NodeState.PENDING_REPLACEMENT))
+    d = restarting(failed(), worker(2, "node-2", WorkerPhase.STOPPED, desired=Desired.STOP), ns=ns, free=["node-1", "node-3"])
+    assert d.action is Action.SCHEDULE
+
+
+def test_restarting_schedules_when_all_stopped_and_nodes_free():
+    stopped = worker(2, "node-2", WorkerPhase.STOPPED, desired=Desired.STOP)
+    d = restarting(failed(), stopped, free=["node-3", "node-1"])
+    assert d.action is Action.SCHEDULE
+    assert d.nodes == ("node-3", "node-1")
+
+
+def test_restarting_waits_for_free_nodes():
+    stopped = worker(2, "node-2", WorkerPhase.STOPPED, desired=Desired.STOP)
+    d = restarting(failed(), stopped, free=["node-3"])
+    assert d.action is Action.WAIT
+    assert "needs 2" in d.reason and "1 available" in d.reason
+
+
+def test_decide_does_not_mutate_inputs():
+    ws = [failed(), worker(2, "node-2")]
+    before = [dataclasses.replace(w) for w in ws]
+    running(*ws)
+    assert ws == before
