@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from unbroken.errors import UsageError
@@ -68,7 +69,8 @@ def table(title: str | None, columns: list[str], rows: list[list[Any]]) -> Table
     for column in columns:
         t.add_column(column, overflow="fold")
     for row in rows:
-        t.add_row(*("-" if v is None or v == "" else str(v) for v in row))
+        # Cells hold user text (commands, reasons, paths): never let rich read it as markup.
+        t.add_row(*("-" if v is None or v == "" else escape(str(v)) for v in row))
     return t
 
 
@@ -87,6 +89,11 @@ def clock(ts: float | None) -> str:
     if ts is None:
         return "-"
     return time.strftime("%H:%M:%S", time.localtime(ts)) + f".{int(ts % 1 * 1000):03d}"
+
+
+def field_line(key: str, value: Any) -> None:
+    """``      key: value`` for describe views; the value is printed verbatim."""
+    console.print(f"[bold]{key:>14}[/]: {escape(str(value)) if value is not None else '-'}")
 
 
 def require(condition: bool, message: str) -> None:

@@ -11,7 +11,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from unbroken import report
 from unbroken.cli import logs_view
-from unbroken.cli.common import DirOption, Output, OutputOption, ago, clock, console, open_store, print_json, table
+from unbroken.cli.common import DirOption, Output, OutputOption, ago, clock, console, field_line, open_store, print_json, table
 from unbroken.config.job import load_job
 from unbroken.errors import UsageError
 from unbroken.state.phases import JobPhase
@@ -123,7 +123,7 @@ def describe(name: JobArg, directory: DirOption = None, output: OutputOption = O
         ("goodput", f"{summary.goodput:.1%}" if summary.goodput is not None else "-"),
     ]
     for key, value in lines:
-        console.print(f"[bold]{key:>10}[/]: {value if value is not None else '-'}")
+        field_line(key, value)
     console.print(table("attempts", ["ATTEMPT", "NODES", "SCHEDULED", "RESUMED FROM", "FIRST STEP AT", "LAST STEP", "OUTCOME"],
                         [[a.attempt, ",".join(a.nodes), clock(a.scheduled_at),
                           a.restored_step if a.restored_step is not None else "scratch", clock(a.first_step_at),

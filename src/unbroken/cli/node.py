@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from unbroken.cli.common import DirOption, Output, OutputOption, ago, clock, console, open_store, print_json, table
+from unbroken.cli.common import DirOption, Output, OutputOption, ago, clock, console, field_line, open_store, print_json, table
 from unbroken.controller.node_decisions import MANUAL
 from unbroken.errors import UsageError
 from unbroken.state.phases import NodeState
@@ -79,10 +79,10 @@ def describe(name: NodeArg, directory: DirOption = None, output: OutputOption = 
         print_json({**record, "events": events})
         return
     for key in ("name", "group", "instance_type", "state", "address", "agent_pid", "job", "reboots", "replaced_by"):
-        console.print(f"[bold]{key:>14}[/]: {record[key] if record[key] is not None else '-'}")
-    console.print(f"[bold]{'heartbeat':>14}[/]: {ago(node.heartbeat_at)} ago")
+        field_line(key, record[key])
+    field_line("heartbeat", f"{ago(node.heartbeat_at)} ago")
     for label, value in record["labels"].items():
-        console.print(f"[bold]{'label':>14}[/]: {label}={value if value is not None else ''}")
+        field_line("label", f"{label}={value if value is not None else ''}")
     console.print(table("events", ["TIME", "TYPE", "REASON", "MESSAGE"],
                         [[clock(e.ts), e.type.value, e.reason, e.message] for e in events]))
 
