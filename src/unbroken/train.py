@@ -51,7 +51,8 @@ class Context:
             RankMessage(
                 kind=kind, job=self.job, attempt=self.attempt, rank=self.rank, local_rank=self.local_rank,
                 pid=os.getpid(), ts=time.time(), step=step, metrics=metrics or {},
-            )
+            ),
+            must_arrive=kind is not MessageKind.PROGRESS,
         )
 
 

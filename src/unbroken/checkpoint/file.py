@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -62,8 +63,8 @@ def committed_steps(root: Path, world_size: int) -> list[int]:
         if not match:
             continue
         step = int(match.group(1))
-        if not (entry / "manifest.json").exists():
-            continue
+        if _manifest_world_size(entry) != world_size:
+            continue  # no manifest yet (torn), or written by a run of another size
         if all(rank_file(root, step, r).exists() for r in range(world_size)):
             steps.append(step)
     return sorted(steps, reverse=True)
@@ -130,18 +131,15 @@ class FileCheckpointer:
             match = _STEP_DIR.match(entry.name)
             if not match or int(match.group(1)) <= after:
                 continue
-            manifest = entry / "manifest.json"
-            try:
-                world_size = json.loads(manifest.read_text())["world_size"] if manifest.exists() else self.world_size
-            except (OSError, ValueError, KeyError):
-                world_size = self.world_size
-            if world_size == self.world_size:
+            world_size = _manifest_world_size(entry)
+            if world_size is None or world_size == self.world_size:
                 print(f"unbroken: discarding {entry.name}: newer than the resumed step and not restorable", flush=True)
                 shutil.rmtree(entry, ignore_errors=True)
 
     def _try_load(self, step: int) -> dict[str, Any] | None:
         path = rank_file(self.directory, step, self.rank)
         try:
+            _check_crc32(path)
             payload = torch.load(path, map_location="cpu", weights_only=False)
         except Exception as exc:  # noqa: BLE001 - any unreadable file means: try the older step
             print(f"unbroken: checkpoint {path} unreadable ({type(exc).__name__}: {exc}); trying an older step", flush=True)
@@ -185,6 +183,29 @@ class FileCheckpointer:
             match = _STEP_DIR.match(entry.name)
             if match and int(match.group(1)) < oldest_kept:
                 shutil.rmtree(entry, ignore_errors=True)
+
+
+def _manifest_world_size(folder: Path) -> int | None:
+    try:
+        return int(json.loads((folder / "manifest.json").read_text())["world_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _check_crc32(path: Path) -> None:
+    """Raise if a record of the torch.save zip archive fails its CRC-32.
+
+    ``torch.load`` does not check them, so a flipped byte inside tensor data
+    would load silently as a wrong value instead of falling back a step.
+    Records written with CRCs turned off (``torch.serialization.set_crc32_options``) store 0: skipped.
+    """
+    with zipfile.ZipFile(path) as archive:
+        for info in archive.infolist():
+            if info.CRC == 0:
+                continue
+            with archive.open(info) as record:  # raises BadZipFile at the end on a CRC mismatch
+                while record.read(1 << 20):
+                    pass
 
 
 def _distributed() -> bool:
