@@ -153,9 +153,11 @@ def run_torchrun(fault: str, root: Path) -> Result:
             os.kill(rank3, signal.SIGKILL if fault == "kill-worker" else signal.SIGSTOP)
         first = poll(lambda: _first_step_after(work, faulted_at), GIVE_UP_AFTER)
         if first is None:
-            why = {"hang-worker": "torchrun has no hang detection: the job stays stuck",
-                   "kill-node": "no spare node: the surviving agent gives up, the job fails"}.get(fault, "no resume")
-            return Result("torchrun", fault, None, None, None, why)
+            codes = [g.poll() for g in groups]
+            why = {"hang-worker": "no hang detection: the job stays stuck",
+                   "kill-node": "no spare node to resume on: the job fails"}.get(
+                       fault, "in-place restart (--max-restarts 1) did not reach a step")
+            return Result("torchrun", fault, None, None, None, f"{why}; torchrun exit codes {codes}")
         step_resumed, at = first
         # torchrun reports no progress, so the step reached at the fault is unknown: no "lost" figure.
         return Result("torchrun", fault, None, round(at - faulted_at, 2), None,
