@@ -148,3 +148,25 @@ def test_cluster_down_leaves_no_process(make_cluster, tmp_path):
     assert len(procs.cluster_processes(cluster.dir)) >= 1 + 2 + 2 * 3  # controller, agents, torchrun + ranks
     cluster.cli("cluster", "down")
     assert procs.cluster_processes(cluster.dir) == []
+
+
+def test_a_worker_that_cannot_start_fails_the_job_not_the_node(make_cluster, tmp_path):
+    """The working_dir vanishes after submit: the job fails with that reason; the node stays in service."""
+    import shutil
+
+    import yaml
+
+    cluster = make_cluster("--nodes", "1")
+    cluster.cli("node", "cordon", "node-1")  # hold the job in Pending while we pull the folder away
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    job_file = tmp_path / "gone.yaml"
+    job_file.write_text(yaml.safe_dump({"name": "gone", "nodes": 1, "command": ["-m", "unbroken.workloads.mlp"],
+                                         "working_dir": str(workdir)}))
+    cluster.cli("job", "start", "-f", str(job_file))
+    shutil.rmtree(workdir)
+    cluster.cli("node", "uncordon", "node-1")
+    job = cluster.wait_job_phase("gone", {"Failed", "Succeeded"}, 30)
+    assert job.phase.value == "Failed" and "cannot start torchrun" in job.reason, job.reason
+    node = cluster.store.get_node("node-1")
+    assert node.state is NodeState.SCHEDULABLE and procs.alive(node.agent_pid)

@@ -496,3 +496,11 @@ def test_loaded_spec_is_frozen(tmp_path: Path) -> None:
 
     with pytest.raises(ValidationError):
         spec.name = "other"  # type: ignore[misc]
+
+
+def test_missing_working_dir_is_a_config_error_naming_it(tmp_path: Path) -> None:
+    job_file = write(tmp_path / "job.yaml", "name: a\ncommand: [-m, mod]\nworking_dir: nowhere\n")
+    with pytest.raises(ConfigError) as err:
+        load_job(job_file)
+    message = str(err.value)
+    assert str(job_file) in message and "working_dir" in message and "nowhere" in message and "\n" not in message

@@ -220,6 +220,12 @@ def test_list_workers_filters(store):
     assert [w.id for w in store.list_workers(job="a", attempt=0)] == [w1.id, w2.id]
     assert [w.id for w in store.list_workers(job="a", attempt=0, node="node-2")] == [w2.id]
     assert store.list_workers(job="c") == []
+    store.update_worker(w1.id, phase=WorkerPhase.RUNNING)
+    store.update_worker(w2.id, phase=WorkerPhase.STOPPED)
+    store.update_worker(w3.id, phase=WorkerPhase.RUNNING)
+    store.update_worker(w3.id, phase=WorkerPhase.SUCCEEDED)
+    assert [w.id for w in store.list_workers(active=True)] == [w1.id, w4.id]
+    assert [w.id for w in store.list_workers(node="node-1", active=True)] == [w1.id, w4.id]
 
 
 def test_update_worker_enforces_transitions(store):

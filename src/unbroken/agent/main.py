@@ -118,9 +118,7 @@ class Agent:
     # -- workers --------------------------------------------------------------------
 
     def _reconcile_workers(self) -> None:
-        for worker in self.store.list_workers(node=self.node):
-            if worker.phase.is_terminal:
-                continue
+        for worker in self.store.list_workers(node=self.node, active=True):
             running = self.running.get(worker.id)
             if running is None:
                 self._reconcile_unstarted(worker)
@@ -147,9 +145,17 @@ class Agent:
         spec = job.spec()
         log_dir = self.layout.worker_log_dir(worker.job, worker.attempt, self.node)
         checkpoint_dir = spec.checkpoint.dir or self.layout.checkpoint_dir(worker.job)
-        running = launcher.launch(
-            spec, worker, cluster_dir=self.layout.root, node=self.node, log_dir=log_dir, checkpoint_dir=checkpoint_dir
-        )
+        try:
+            running = launcher.launch(
+                spec, worker, cluster_dir=self.layout.root, node=self.node, log_dir=log_dir, checkpoint_dir=checkpoint_dir
+            )
+        except OSError as exc:
+            # e.g. the working_dir was deleted: the job's fault, not the node's. Report it
+            # as a failed worker instead of letting the agent die and the node look lost.
+            message = f"cannot start torchrun in {spec.working_dir}: {exc.strerror or exc}"
+            self.store.update_worker(worker.id, phase=WorkerPhase.FAILED, ended_at=time.time(), exit_code=127, message=message)
+            log.error(message, extra={"node": self.node, "job": worker.job})
+            return
         self.running[worker.id] = running
         self.store.update_worker(
             worker.id, phase=WorkerPhase.RUNNING, pid=running.process.pid, started_at=time.time(), log_dir=str(log_dir)
@@ -179,7 +185,7 @@ class Agent:
         updates = self.book.take_dirty()
         if not updates:
             return
-        by_key = {(w.job, w.attempt): w for w in self.store.list_workers(node=self.node) if not w.phase.is_terminal}
+        by_key = {(w.job, w.attempt): w for w in self.store.list_workers(node=self.node, active=True)}
         with self.store.transaction():
             for key, changes in updates.items():
                 worker = by_key.get(key)
@@ -188,7 +194,7 @@ class Agent:
 
     def _stop_orphans(self) -> None:
         """Workers this node ran before the agent restarted are gone or unmanageable: stop them."""
-        for worker in self.store.list_workers(node=self.node):
+        for worker in self.store.list_workers(node=self.node, active=True):
             if worker.phase is WorkerPhase.RUNNING and worker.pid and procs.alive(worker.pid):
                 procs.terminate_tree(worker.pid, grace=1.0)
 

@@ -20,7 +20,7 @@ NodeArg = Annotated[str, typer.Argument(help="Node name, e.g. node-2")]
 
 
 def running_jobs(store: Store) -> dict[str, str]:
-    return {w.node: w.job for w in store.list_workers() if not w.phase.is_terminal}
+    return {w.node: w.job for w in store.list_workers(active=True)}
 
 
 def node_record(node: Node, job: str | None) -> dict:

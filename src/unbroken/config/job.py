@@ -92,6 +92,8 @@ class JobSpec(_Strict):
             return self  # read back from the store: paths were resolved at submit time
         base = Path(context.get("base_dir", Path.cwd()))
         working_dir = (base / self.working_dir) if self.working_dir else base
+        if not working_dir.is_dir():
+            raise ValueError(f"working_dir {str(self.working_dir)!r} is not a directory (resolved to {working_dir})")
         command = list(self.command)
         if command[0] == "-m":
             if len(command) < 2:

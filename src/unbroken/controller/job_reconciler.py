@@ -46,16 +46,15 @@ class JobReconciler:
         """Workers whose node is gone (lost, rebooting, retired) can never report that they
         stopped: mark them Stopped so their node's books and their job's are closed."""
         nodes = {n.name: n for n in self.store.list_nodes()}
-        for worker in self.store.list_workers():
+        for worker in self.store.list_workers(active=True):
             node = nodes.get(worker.node)
-            if not worker.phase.is_terminal and (node is None or not node.state.is_active):
+            if node is None or not node.state.is_active:
                 state = node.state.value if node else "missing"
                 self.store.update_worker(worker.id, phase=WorkerPhase.STOPPED, desired=Desired.STOP, ended_at=now,
                                          message=f"lost with its node ({state})")
 
     def _free_nodes(self, now: float, spec, nodes: dict[str, Node], job: Job) -> list[str]:
-        busy = {w.node for w in self.store.list_workers() if not w.phase.is_terminal and w.job != job.name}
-        busy |= {w.node for w in self.store.list_workers(job=job.name) if not w.phase.is_terminal}
+        busy = {w.node for w in self.store.list_workers(active=True)}
         return [n.name for n in nodes.values() if n.name not in busy and job_decisions.eligible(n, spec, now, self.silent_after)]
 
     def _apply(self, now: float, job: Job, decision: Decision, workers: list[Worker], nodes: dict[str, Node]) -> None:

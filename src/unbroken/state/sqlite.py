@@ -26,6 +26,7 @@ from unbroken.state.phases import (
     WORKER_TRANSITIONS,
     JobPhase,
     NodeState,
+    WorkerPhase,
     check_transition,
 )
 from unbroken.state.records import Event, EventType, Job, Node, RankInfo, Worker
@@ -221,13 +222,18 @@ class SqliteStore:
             return self._get_worker(int(cur.lastrowid or 0))
 
     def list_workers(
-        self, *, job: str | None = None, node: str | None = None, attempt: int | None = None
+        self, *, job: str | None = None, node: str | None = None, attempt: int | None = None, active: bool = False
     ) -> list[Worker]:
-        clauses, params = [], []
+        clauses: list[str] = []
+        params: list[Any] = []
         for column, value in (("job", job), ("node", node), ("attempt", attempt)):
             if value is not None:
                 clauses.append(f"{column} = ?")
                 params.append(value)
+        if active:
+            live = [p.value for p in WorkerPhase if not p.is_terminal]
+            clauses.append(f"phase IN ({', '.join('?' for _ in live)})")
+            params.extend(live)
         where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
         rows = self._conn().execute(f"SELECT * FROM workers {where} ORDER BY id", params).fetchall()
         return [_decode(Worker, r) for r in rows]

@@ -40,8 +40,9 @@ class Store(Protocol):
     # workers
     def add_worker(self, worker: Worker) -> Worker: ...
     def list_workers(
-        self, *, job: str | None = None, node: str | None = None, attempt: int | None = None
-    ) -> list[Worker]: ...
+        self, *, job: str | None = None, node: str | None = None, attempt: int | None = None, active: bool = False
+    ) -> list[Worker]:
+        """Oldest first; ``active`` keeps only Pending and Running workers."""
     def update_worker(self, worker_id: int, **changes: Any) -> Worker: ...
 
     # events
