@@ -55,6 +55,10 @@ class Result:
     recover_s: float | None
     steps_lost: int | None
     note: str = ""
+    reschedule_s: float | None = None
+    """detection -> next attempt placed (old workers stopped, nodes chosen)"""
+    startup_s: float | None = None
+    """placed -> first step: torchrun + ranks start, rendezvous, restore"""
 
 
 def workload_args() -> list[str]:
@@ -110,9 +114,14 @@ def run_unbroken(fault: str, root: Path) -> Result:
         poll(lambda: any(e.reason == "JobResumed" for e in store.list_events(object_kind="Job", object_name="bench")), 5)
         job = store.get_job("bench")
         summary = report.summarize(job, store.list_workers(job="bench"), store.list_events(object_kind="Job", object_name="bench"))
-        note = f"resumed on {','.join(summary.attempts[1].nodes)}"
+        resumed = summary.attempts[1]
+        note = f"resumed on {','.join(resumed.nodes)}"
+        reschedule = startup = None
+        if resumed.detected_at and resumed.scheduled_at and resumed.first_step_at:
+            reschedule = round(resumed.scheduled_at - resumed.detected_at, 2)
+            startup = round(resumed.first_step_at - resumed.scheduled_at, 2)
         return Result("unbroken", fault, _first(summary.detection_seconds), _first(summary.recovery_seconds),
-                      summary.steps_lost, note)
+                      summary.steps_lost, note, reschedule, startup)
     finally:
         local_cluster.down(layout)
 
@@ -220,11 +229,12 @@ def main() -> int:
     if args.json:
         print(json.dumps({"step_time_s": STEP_TIME, "hang_timeout_s": HANG_TIMEOUT, "results": [asdict(r) for r in results]}))
         return 0
-    print(f"| fault | system | detect (s) | fault -> first step after resume (s) | steps lost | note |")
-    print("|---|---|---|---|---|---|")
+    print("| fault | system | fault -> first step after resume (s) | detect (s) | reschedule (s) | startup (s) | steps lost | note |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
         fmt = lambda v: "-" if v is None else str(v)  # noqa: E731
-        print(f"| {r.fault} | {r.system} | {fmt(r.detect_s)} | {fmt(r.recover_s)} | {fmt(r.steps_lost)} | {r.note} |")
+        print(f"| {r.fault} | {r.system} | {fmt(r.recover_s)} | {fmt(r.detect_s)} | {fmt(r.reschedule_s)} | "
+              f"{fmt(r.startup_s)} | {fmt(r.steps_lost)} | {r.note} |")
     return 0
 
 

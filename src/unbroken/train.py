@@ -72,6 +72,25 @@ def init(
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if env.managed:
         _die_with_parent()
+    sender = RankSender(agent_address(env.cluster_dir, env.node) if env.managed and env.cluster_dir else None)
+    directory = Path(checkpoint_dir) if checkpoint_dir else env.checkpoint_dir or Path("checkpoints")
+
+    from unbroken.checkpoint.file import FileCheckpointer
+
+    checkpointer = FileCheckpointer(
+        directory,
+        rank=rank,
+        world_size=world_size,
+        keep=env.checkpoint_keep,
+        on_restored=lambda step: ctx._send(MessageKind.RESTORED, step),  # ctx is bound below
+    )
+    ctx = Context(
+        rank=rank, world_size=world_size, local_rank=local_rank, job=env.job, node=env.node,
+        attempt=env.attempt, checkpoint=checkpointer, _sender=sender,
+    )
+    # Hello before joining the process group: from here on the agent expects progress,
+    # so a rank stuck in rendezvous counts against startup_timeout.
+    ctx._send(MessageKind.HELLO, None)
     if init_process_group and world_size > 1:
         import torch
         import torch.distributed as dist
@@ -81,25 +100,6 @@ def init(
             if chosen == "nccl":
                 torch.cuda.set_device(local_rank)
             dist.init_process_group(backend=chosen)
-    sender = RankSender(agent_address(env.cluster_dir, env.node) if env.managed and env.cluster_dir else None)
-    directory = Path(checkpoint_dir) if checkpoint_dir else env.checkpoint_dir or Path("checkpoints")
-
-    from unbroken.checkpoint.file import FileCheckpointer
-
-    ctx_box: list[Context] = []
-    checkpointer = FileCheckpointer(
-        directory,
-        rank=rank,
-        world_size=world_size,
-        keep=env.checkpoint_keep,
-        on_restored=lambda step: ctx_box[0]._send(MessageKind.RESTORED, step),
-    )
-    ctx = Context(
-        rank=rank, world_size=world_size, local_rank=local_rank, job=env.job, node=env.node,
-        attempt=env.attempt, checkpoint=checkpointer, _sender=sender,
-    )
-    ctx_box.append(ctx)
-    ctx._send(MessageKind.HELLO, None)
     return ctx
 
 

@@ -10,7 +10,7 @@ import pytest
 from unbroken.config.job import JobSpec
 from unbroken.controller.job_decisions import Action, Decision, decide, eligible
 from unbroken.state.phases import DeepHealthStatus, JobPhase, NodeState, WorkerPhase
-from unbroken.state.records import Desired, Job, Node, Worker
+from unbroken.state.records import RankInfo, Desired, Job, Node, Worker
 
 NOW = 50_000.0
 SILENT_AFTER = 1.5
@@ -216,16 +216,26 @@ def test_progress_just_under_hang_timeout_waits():
     assert d.action is Action.WAIT
 
 
+HELLO = (RankInfo(rank=0, local_rank=0, pid=100),)
+
+
 def test_no_first_progress_past_startup_timeout_restarts():
-    starting = dict(first_step=None, first_progress_at=None, last_step=None, last_progress_at=None)
+    starting = dict(first_step=None, first_progress_at=None, last_step=None, last_progress_at=None, ranks=HELLO)
     d = running(worker(1, "node-1", started_at=NOW - 121, **starting), worker(2, "node-2", started_at=NOW - 121, **starting))
     assert d.action is Action.RESTART
     assert "hang" in d.reason and "startup_timeout 120" in d.reason
 
 
+def test_script_without_the_training_api_is_never_called_hung():
+    # No rank said hello: the script does not call unbroken.init(), so silence means nothing.
+    silent = dict(first_step=None, first_progress_at=None, last_step=None, last_progress_at=None, ranks=())
+    d = running(worker(1, "node-1", started_at=NOW - 10_000, **silent), worker(2, "node-2", started_at=NOW - 10_000, **silent))
+    assert d.action is Action.WAIT
+
+
 def test_no_first_progress_within_startup_timeout_waits():
     # Older than hang_timeout (30 s) but younger than startup_timeout (120 s): still starting.
-    starting = dict(first_step=None, first_progress_at=None, last_step=None, last_progress_at=None)
+    starting = dict(first_step=None, first_progress_at=None, last_step=None, last_progress_at=None, ranks=HELLO)
     d = running(worker(1, "node-1", started_at=NOW - 119, **starting), worker(2, "node-2", started_at=NOW - 60, **starting))
     assert d.action is Action.WAIT
 

@@ -100,7 +100,9 @@ def detect_failure(now: float, spec: JobSpec, workers: list[Worker], nodes: dict
                     f"hang: no progress from a rank on {w.node} for {silent:.1f} s "
                     f"(hang_timeout {hang:g} s, last step {w.last_step})", True,
                 )
-        elif w.started_at is not None and now - w.started_at > spec.resilience.startup_timeout:
+        elif w.ranks and w.started_at is not None and now - w.started_at > spec.resilience.startup_timeout:
+            # Only ranks that said hello (they called unbroken.init()) are expected to
+            # report progress; a script without the API is watched for exits only.
             return Failure(
                 f"hang: no rank on {w.node} reported progress within startup_timeout "
                 f"{spec.resilience.startup_timeout:g} s", True,
