@@ -133,7 +133,7 @@ def test_pending_reboot_without_recovery_waits_for_operator():
 
 
 def test_pending_reboot_manual_reboots_even_without_recovery():
-    n = node(NodeState.PENDING_REBOOT, fault_type=MANUAL, fault_reason=None)
+    n = node(NodeState.PENDING_REBOOT, fault_type=MANUAL, fault_reason=None, recovery_requested=True)
     d = decide(NOW, n, NO_RECOVERY)
     assert (d.action, d.target, d.reason) == (NodeAction.REBOOT, NodeState.REBOOTING, "reboot requested")
 
@@ -151,9 +151,15 @@ def test_pending_replacement_without_recovery_waits_for_operator():
 
 
 def test_pending_replacement_manual_replaces_even_without_recovery():
-    n = node(NodeState.PENDING_REPLACEMENT, fault_type=MANUAL)
+    n = node(NodeState.PENDING_REPLACEMENT, fault_type=MANUAL, recovery_requested=True)
     d = decide(NOW, n, NO_RECOVERY)
     assert (d.action, d.target, d.reason) == (NodeAction.REPLACE, NodeState.RETIRED, "replacement requested")
+
+
+def test_operator_go_ahead_replaces_a_lost_node_and_keeps_its_fault():
+    n = node(NodeState.PENDING_REPLACEMENT, fault_type="NodeLost", fault_reason="heartbeat lost", recovery_requested=True)
+    d = decide(NOW, n, NO_RECOVERY)
+    assert (d.action, d.reason) == (NodeAction.REPLACE, "heartbeat lost")
 
 
 def test_rebooting_past_timeout_is_replaced():

@@ -61,7 +61,7 @@ class Agent:
         now = time.time()
         self.store.update_node(
             self.node, state=state, deep_health=DeepHealthStatus.IN_PROGRESS, agent_pid=os.getpid(),
-            heartbeat_at=now, registered_at=now, fault_type=None, fault_reason=None,
+            heartbeat_at=now, registered_at=now, fault_type=None, fault_reason=None, recovery_requested=False,
         )
         self.store.add_event("Node", self.node, "NodeRegistered", f"agent pid {os.getpid()} registered; running join checks")
         log.info("registered", extra={"node": self.node, "state": state.value})

@@ -87,16 +87,24 @@ def describe(name: NodeArg, directory: DirOption = None, output: OutputOption = 
                         [[clock(e.ts), e.type.value, e.reason, e.message] for e in events]))
 
 
-def _move(directory, name: str, target: NodeState, allowed: set[NodeState], reason: str, event: str, fault: bool) -> None:
+def _move(directory, name: str, target: NodeState, allowed: set[NodeState], reason: str, event: str, recovery: bool) -> None:
+    """Move ``name`` to ``target``; ``recovery`` marks an operator's reboot/replace request.
+
+    A node already waiting in ``target`` (e.g. lost while NodeRecovery is None)
+    keeps its fault type and reason and only gets the operator's go-ahead.
+    """
     _, store = open_store(directory)
     node = store.get_node(name)
-    if node.state not in allowed:
-        raise UsageError(f"node {name} is {node.state.value}; {event} needs one of: {', '.join(sorted(s.value for s in allowed))}")
-    changes = {"state": target}
-    if fault:
-        changes.update(fault_type=MANUAL, fault_reason=reason)
+    if node.state not in allowed | ({target} if recovery else set()):
+        valid = ", ".join(sorted(s.value for s in allowed | ({target} if recovery else set())))
+        raise UsageError(f"node {name} is {node.state.value}; {event} needs one of: {valid}")
+    changes: dict = {"state": target}
+    if recovery:
+        changes["recovery_requested"] = True
+        if node.state is not target:
+            changes.update(fault_type=MANUAL, fault_reason=reason)
     store.update_node(name, expect_state=node.state, **changes)
-    store.add_event("Node", name, event, reason, type=EventType.WARNING if fault else EventType.NORMAL)
+    store.add_event("Node", name, event, reason, type=EventType.WARNING if recovery else EventType.NORMAL)
     console.print(f"node {name}: {node.state.value} -> {target.value}")
 
 
@@ -104,13 +112,13 @@ def _move(directory, name: str, target: NodeState, allowed: set[NodeState], reas
 def cordon(name: NodeArg, directory: DirOption = None) -> None:
     """Take a node out of scheduling; its running job keeps running (like kubectl cordon)."""
     _move(directory, name, NodeState.UNSCHEDULABLE, {NodeState.SCHEDULABLE, NodeState.JOINING},
-          "cordoned by operator", "NodeCordoned", fault=False)
+          "cordoned by operator", "NodeCordoned", recovery=False)
 
 
 @app.command("uncordon")
 def uncordon(name: NodeArg, directory: DirOption = None) -> None:
     """Put a cordoned node back into scheduling."""
-    _move(directory, name, NodeState.SCHEDULABLE, {NodeState.UNSCHEDULABLE}, "uncordoned by operator", "NodeUncordoned", fault=False)
+    _move(directory, name, NodeState.SCHEDULABLE, {NodeState.UNSCHEDULABLE}, "uncordoned by operator", "NodeUncordoned", recovery=False)
 
 
 @app.command("reboot")
@@ -118,7 +126,7 @@ def reboot(name: NodeArg, directory: DirOption = None) -> None:
     """Reboot a node: its workers stop (jobs resume elsewhere), its agent restarts and re-runs join checks."""
     _move(directory, name, NodeState.PENDING_REBOOT,
           {NodeState.SCHEDULABLE, NodeState.UNSCHEDULABLE, NodeState.JOINING},
-          "reboot requested by operator", "NodeRebootRequested", fault=True)
+          "reboot requested by operator", "NodeRebootRequested", recovery=True)
 
 
 @app.command("replace")
@@ -126,4 +134,4 @@ def replace(name: NodeArg, directory: DirOption = None) -> None:
     """Retire a node and bring up a new one (new name) in its instance group."""
     _move(directory, name, NodeState.PENDING_REPLACEMENT,
           {NodeState.SCHEDULABLE, NodeState.UNSCHEDULABLE, NodeState.JOINING, NodeState.PENDING_REBOOT},
-          "replacement requested by operator", "NodeReplacementRequested", fault=True)
+          "replacement requested by operator", "NodeReplacementRequested", recovery=True)

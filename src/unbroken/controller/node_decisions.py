@@ -14,7 +14,7 @@ from unbroken.state.phases import DeepHealthStatus, NodeState
 from unbroken.state.records import Node
 
 MANUAL = "Manual"
-"""fault-type of operator-requested reboots/replacements: acted on even with NodeRecovery None."""
+"""fault-type of a node an operator took out of service (``node reboot|replace``)."""
 
 
 class NodeAction(StrEnum):
@@ -54,7 +54,7 @@ def decide(now: float, node: Node, cluster: ClusterConfig) -> NodeDecision:
             return NodeDecision(
                 NodeAction.FAULT, f"join checks failed: {node.fault_reason}", target, node.fault_type or "DeepHealthCheckFailed"
             )
-    manual = node.fault_type == MANUAL
+    manual = node.recovery_requested
     if node.state is NodeState.PENDING_REBOOT and (automatic or manual):
         return NodeDecision(NodeAction.REBOOT, node.fault_reason or "reboot requested", NodeState.REBOOTING)
     if node.state is NodeState.REBOOTING and now - node.state_changed_at > settings.RebootTimeoutSeconds:

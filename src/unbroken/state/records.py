@@ -40,6 +40,8 @@ class Node:
     state_changed_at: float = 0.0
     reboots: int = 0
     replaced_by: str | None = None
+    recovery_requested: bool = False
+    """An operator asked for this node's reboot/replacement: carried out even with NodeRecovery None."""
 
 
 @dataclass(frozen=True)

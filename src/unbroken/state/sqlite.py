@@ -40,7 +40,7 @@ CREATE TABLE IF NOT EXISTS nodes (
     state TEXT NOT NULL, deep_health TEXT NOT NULL, address TEXT NOT NULL,
     fault_type TEXT, fault_reason TEXT, agent_pid INTEGER, heartbeat_at REAL,
     registered_at REAL, state_changed_at REAL NOT NULL, reboots INTEGER NOT NULL,
-    replaced_by TEXT
+    replaced_by TEXT, recovery_requested INTEGER NOT NULL
 );
 CREATE TABLE IF NOT EXISTS jobs (
     name TEXT PRIMARY KEY, spec_json TEXT NOT NULL, phase TEXT NOT NULL,
