@@ -9,9 +9,12 @@ torch is imported lazily so that ``import unbroken`` stays cheap for the CLI.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
+import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,6 +75,7 @@ def init(
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if env.managed:
         _die_with_parent()
+    _record_uncaught_errors()
     sender = RankSender(agent_address(env.cluster_dir, env.node) if env.managed and env.cluster_dir else None)
     directory = Path(checkpoint_dir) if checkpoint_dir else env.checkpoint_dir or Path("checkpoints")
 
@@ -101,6 +105,34 @@ def init(
                 torch.cuda.set_device(local_rank)
             dist.init_process_group(backend=chosen)
     return ctx
+
+
+def _record_uncaught_errors() -> None:
+    """Write an uncaught exception where torchrun looks for it (``TORCHELASTIC_ERROR_FILE``).
+
+    torchrun then names it as the root cause, and the job's failure reason reads
+    "rank 1 exited with code 1: CheckpointError: ... No space left on device"
+    instead of a bare exit code. Chains to the previous hook; does nothing
+    outside torchrun.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb) -> None:  # noqa: ANN001 - sys.excepthook's signature
+        record = {"message": {
+            "message": f"{exc_type.__name__}: {exc}",
+            "extraInfo": {"py_callstack": "".join(traceback.format_exception(exc_type, exc, tb)),
+                          "timestamp": str(int(time.time()))},
+        }}
+        try:
+            Path(path).write_text(json.dumps(record))
+        except OSError:
+            pass  # the error still reaches stderr through the previous hook
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = hook
 
 
 def _die_with_parent() -> None:

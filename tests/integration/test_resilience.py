@@ -170,3 +170,30 @@ def test_a_worker_that_cannot_start_fails_the_job_not_the_node(make_cluster, tmp
     assert job.phase.value == "Failed" and "cannot start torchrun" in job.reason, job.reason
     node = cluster.store.get_node("node-1")
     assert node.state is NodeState.SCHEDULABLE and procs.alive(node.agent_pid)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs to fill needs root")
+def test_full_checkpoint_disk_fails_the_job_with_the_reason(make_cluster, tmp_path):
+    import subprocess
+
+    disk = tmp_path / "full-disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(disk)], check=True)
+    try:
+        cluster = make_cluster("--nodes", "1")
+        spec = tmp_path / "full.yaml"
+        import yaml
+
+        spec.write_text(yaml.safe_dump({
+            "name": "full", "nodes": 1, "procs_per_node": 2,
+            "command": ["-m", "unbroken.workloads.mlp", "--steps", "20", "--checkpoint-every", "5"],
+            "checkpoint": {"dir": str(disk)},
+        }))
+        cluster.cli("job", "start", "-f", str(spec))
+        job = cluster.wait_job_phase("full", {"Succeeded", "Failed"}, 120)
+        assert job.phase.value == "Failed"
+        assert "CheckpointError" in job.reason and "No space left on device" in job.reason, job.reason
+        assert "auto_resume is off" in job.reason
+        assert not list(disk.rglob("*.tmp"))
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)

@@ -478,3 +478,23 @@ def test_a_step_written_by_another_world_size_is_not_committed_and_not_discarded
     restored = two[0].restore()
     assert restored is not None and restored.step == 10
     assert step_dir(tmp_path, 30).is_dir(), "another run's folder is left alone"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs to fill needs root")
+def test_disk_full_raises_checkpoint_error_and_leaves_the_previous_step_restorable(tmp_path: Path) -> None:
+    disk = tmp_path / "small-disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)], check=True)
+    try:
+        ckpt = FileCheckpointer(disk, rank=0, world_size=1)
+        ckpt.save(1, {"x": torch.zeros(1000)})
+        with pytest.raises(CheckpointError) as err:
+            ckpt.save(2, {"x": torch.zeros(1_000_000)})  # 4 MB onto a 256 KiB disk
+        message = str(err.value)
+        assert "step 2" in message and str(disk) in message and "No space left" in message
+        assert not list(disk.rglob("*.tmp")), "the half-written file is removed, not left filling the disk"
+        assert committed_steps(disk, 1) == [1]
+        restored = ckpt.restore()
+        assert restored is not None and restored.step == 1
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)

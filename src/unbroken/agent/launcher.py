@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -126,8 +127,23 @@ def describe_exit(code: int, log_dir: Path) -> tuple[int, str]:
     matches = _ROOT_CAUSE.findall(text)
     if code != 0 and matches:
         rank, local_rank, rank_code = matches[-1]
-        return int(rank_code), f"rank {rank} (local rank {local_rank}) {_exit_words(int(rank_code))}"
+        error = _rank_error(log_dir, int(local_rank))
+        detail = f": {error}" if error else ""
+        return int(rank_code), f"rank {rank} (local rank {local_rank}) {_exit_words(int(rank_code))}{detail}"
     return code, f"torchrun {_exit_words(code)}"
+
+
+def _rank_error(log_dir: Path, local_rank: int, limit: int = 300) -> str | None:
+    """The exception a rank recorded in torchrun's error file, on one line."""
+    for path in sorted(log_dir.glob(f"*/attempt_*/{local_rank}/error.json"), reverse=True):
+        try:
+            message = json.loads(path.read_text())["message"]
+            text = message["message"] if isinstance(message, dict) else str(message)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        text = " ".join(text.split())
+        return text if len(text) <= limit else text[: limit - 3] + "..."
+    return None
 
 
 def _exit_words(code: int) -> str:

@@ -41,10 +41,14 @@ def rank_file(root: Path, step: int, rank: int) -> Path:
 def write_atomically(path: Path, write: Callable[[Any], None]) -> None:
     """Write through ``write(file)`` to ``path.tmp``, fsync it, rename, fsync the folder."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk must not stay full of our half-written file
+        raise
     os.replace(tmp, path)
     fd = os.open(path.parent, os.O_DIRECTORY)
     try:
@@ -100,8 +104,13 @@ class FileCheckpointer:
                 manifest = {"step": step, "world_size": self.world_size, "format": "unbroken.file/1"}
                 write_atomically(target / "manifest.json", lambda f: f.write(json.dumps(manifest).encode()))
                 self._apply_retention()
-        except OSError as exc:
-            raise CheckpointError(f"cannot write checkpoint step {step} to {target}: {exc.strerror or exc}") from exc
+        except (OSError, RuntimeError) as exc:
+            # torch.save's zip writer turns a failed write (disk full) into a RuntimeError
+            # whose context is the OSError that says what really happened.
+            cause = _os_error_in(exc)
+            if cause is None:
+                raise
+            raise CheckpointError(f"cannot write checkpoint step {step} to {target}: {cause.strerror or cause}") from exc
 
     def restore(self) -> Restored | None:
         """Newest committed step that *every* rank loads cleanly; older steps on any failure."""
@@ -183,6 +192,15 @@ class FileCheckpointer:
             match = _STEP_DIR.match(entry.name)
             if match and int(match.group(1)) < oldest_kept:
                 shutil.rmtree(entry, ignore_errors=True)
+
+
+def _os_error_in(exc: BaseException) -> OSError | None:
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def _manifest_world_size(folder: Path) -> int | None:

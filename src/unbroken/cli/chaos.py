@@ -17,22 +17,23 @@ NodeOpt = Annotated[str | None, typer.Option("--node", help="Pick a rank on this
 RankOpt = Annotated[int | None, typer.Option("--rank", help="Global rank to hit (default: the highest)")]
 
 
+def _signal_rank(directory, job: str, node: str | None, rank: int | None, sig: signal.Signals, reason: str) -> None:
+    _, store = open_store(directory)
+    target = chaos.pick_rank(store, job, node=node, rank=rank)
+    chaos.signal_rank(store, target, sig, reason)
+    console.print(f"{sig.name} -> job {job} rank {target.rank} (pid {target.pid}) on {target.node}")
+
+
 @app.command("kill-worker")
 def kill_worker(job: JobArg, directory: DirOption = None, node: NodeOpt = None, rank: RankOpt = None) -> None:
     """SIGKILL one rank of a running job (a process crash)."""
-    _, store = open_store(directory)
-    target = chaos.pick_rank(store, job, node=node, rank=rank)
-    chaos.signal_rank(store, target, signal.SIGKILL, "ChaosKillWorker")
-    console.print(f"SIGKILL -> job {job} rank {target.rank} (pid {target.pid}) on {target.node}")
+    _signal_rank(directory, job, node, rank, signal.SIGKILL, "ChaosKillWorker")
 
 
 @app.command("hang-worker")
 def hang_worker(job: JobArg, directory: DirOption = None, node: NodeOpt = None, rank: RankOpt = None) -> None:
     """SIGSTOP one rank: it stops making progress; hang_timeout should catch it."""
-    _, store = open_store(directory)
-    target = chaos.pick_rank(store, job, node=node, rank=rank)
-    chaos.signal_rank(store, target, signal.SIGSTOP, "ChaosHangWorker")
-    console.print(f"SIGSTOP -> job {job} rank {target.rank} (pid {target.pid}) on {target.node}")
+    _signal_rank(directory, job, node, rank, signal.SIGSTOP, "ChaosHangWorker")
 
 
 @app.command("kill-node")
