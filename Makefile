@@ -11,6 +11,8 @@ demo: $(STAMP)
 	$(BIN)/unbroken demo
 
 test: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q tests
 
 install: $(STAMP)

@@ -89,7 +89,7 @@ class RankSender:
     def send(self, message: RankMessage, *, must_arrive: bool = False) -> bool:
         """Fire and forget. ``must_arrive`` (hello, restored: once per process) retries
         for up to ``RETRY_SECONDS`` while the agent's queue is full."""
-        if self._sock is None:
+        if self._sock is None or self._address is None:
             return False
         data = message.encode()[:MAX_DATAGRAM]
         deadline = time.monotonic() + (RETRY_SECONDS if must_arrive else 0.0)

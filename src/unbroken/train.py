@@ -17,7 +17,6 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from unbroken.channel import MessageKind, RankMessage, RankSender, agent_address
 from unbroken.checkpoint.api import Checkpointer

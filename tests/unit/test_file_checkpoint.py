@@ -70,7 +70,7 @@ def assert_same(actual: Any, expected: Any, where: str = "state") -> None:
             assert_same(actual[key], expected[key], f"{where}[{key!r}]")
     elif isinstance(expected, (list, tuple)):
         assert len(actual) == len(expected), f"{where}: length"
-        for i, (a, e) in enumerate(zip(actual, expected)):
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
             assert_same(a, e, f"{where}[{i}]")
     else:
         assert actual == expected, f"{where}: {actual!r} != {expected!r}"
@@ -413,7 +413,7 @@ class _Worker:
             try:
                 line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                raise AssertionError(f"timed out waiting for {prefix!r}; output so far:\n" + "\n".join(self.seen))
+                raise AssertionError(f"timed out waiting for {prefix!r}; output so far:\n" + "\n".join(self.seen)) from None
             if line is None:
                 raise AssertionError(f"worker exited ({self.proc.wait()}) before {prefix!r}:\n" + "\n".join(self.seen))
             self.seen.append(line)

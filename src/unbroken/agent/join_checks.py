@@ -50,7 +50,7 @@ def readiness(node: str, node_dir: Path) -> JoinResult:
 
 def run_join_checks(node: str, node_dir: Path, suites: list[str]) -> tuple[JoinResult, list[str]]:
     """Readiness then each requested deep suite. Returns the verdict and notes for events."""
-    notes = []
+    notes: list[str] = []
     result = readiness(node, node_dir)
     if not result.passed:
         return result, notes

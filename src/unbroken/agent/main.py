@@ -16,7 +16,7 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
+from typing import Any
 
 from unbroken import logs, procs
 from unbroken.agent import join_checks, launcher
@@ -105,7 +105,7 @@ class Agent:
         for note in notes:
             store.add_event("Node", self.node, "DeepHealthCheckNote", note)
         status = DeepHealthStatus.PASSED if result.passed else DeepHealthStatus.FAILED
-        changes = {"deep_health": status}
+        changes: dict[str, Any] = {"deep_health": status}
         if not result.passed:
             changes.update(fault_type=result.fault_type, fault_reason=result.reason)
         store.update_node(self.node, **changes)

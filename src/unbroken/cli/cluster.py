@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -74,7 +74,7 @@ def status(directory: DirOption = None, output: OutputOption = Output.table) -> 
     pid = LocalBackend(layout).controller_pid()
     nodes = store.list_nodes()
     jobs = store.list_jobs()
-    data = {
+    data: dict[str, Any] = {
         "cluster": config.ClusterName,
         "dir": str(layout.root),
         "up": local_cluster.is_up(store),

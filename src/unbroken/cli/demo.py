@@ -92,7 +92,7 @@ def _print_summary(store: SqliteStore, job: Job) -> None:
     events = store.list_events(object_kind="Job", object_name=job.name)
     summary = report.summarize(job, store.list_workers(job=job.name), events)
     node_events = [e for e in store.list_events(object_kind="Node") if e.reason in ("NodeLost", "NodeReplaced", "NodeSchedulable")]
-    rows = [
+    rows: list[list[object]] = [
         ["outcome", job.phase.value],
         ["restarts", summary.restarts],
         ["steps lost", summary.steps_lost],

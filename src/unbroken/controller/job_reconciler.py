@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import time
 
 from unbroken.controller import job_decisions
 from unbroken.controller.job_decisions import Action, Decision

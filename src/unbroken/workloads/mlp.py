@@ -113,7 +113,7 @@ def main(argv: list[str]) -> int:
     # step of *every process*, so a resumed run's first step would all-reduce a
     # differently laid-out buffer; with more than two ranks, gloo's ring then sums
     # some elements in another order and the run stops being bit-identical.
-    ddp = DistributedDataParallel(model, bucket_cap_mb_list=[1e-6]) if ctx.world_size > 1 else model
+    ddp = DistributedDataParallel(model, bucket_cap_mb_list=[1e-6]) if ctx.world_size > 1 else model  # type: ignore[list-item]
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     data = TeacherDataset(size=16384, seed=args.seed + 1)
     sampler = ResumableSampler(len(data), args.batch_size, ctx.rank, ctx.world_size, seed=args.seed + 2)
