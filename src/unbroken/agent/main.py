@@ -13,6 +13,7 @@ import argparse
 import logging
 import os
 import signal
+import sqlite3
 import sys
 import threading
 import time
@@ -78,13 +79,18 @@ class Agent:
         checks.start()
         try:
             while not self.stopping.is_set():
-                node = self.store.get_node(self.node)
-                if node.state is NodeState.RETIRED:
-                    log.info("node retired; stopping", extra={"node": self.node})
-                    break
-                self.book.apply(receiver.drain())
-                self._reconcile_workers()
-                self._flush_progress()
+                try:
+                    if self.store.get_node(self.node).state is NodeState.RETIRED:
+                        log.info("node retired; stopping", extra={"node": self.node})
+                        break
+                    self.book.apply(receiver.drain())
+                    self._reconcile_workers()
+                    self._flush_progress()
+                except sqlite3.Error:
+                    # A store hiccup must not kill the agent: that would look like a lost
+                    # node and cost a replacement plus a restart of every job on it.
+                    log.exception("agent pass failed; retrying", extra={"node": self.node})
+                    self.stopping.wait(1.0)
                 self.stopping.wait(LOOP_SECONDS)
         finally:
             for running in list(self.running.values()):
@@ -95,7 +101,10 @@ class Agent:
         interval = self.cluster.Local.HeartbeatIntervalSeconds
         store = SqliteStore(self.layout.state_db)  # own connection: the main loop may be busy
         while not self.stopping.wait(interval):
-            store.update_node(self.node, heartbeat_at=time.time())
+            try:
+                store.update_node(self.node, heartbeat_at=time.time())
+            except sqlite3.Error:
+                log.exception("heartbeat failed; retrying", extra={"node": self.node})
 
     def _join_checks(self) -> None:
         node = self.store.get_node(self.node)
