@@ -114,20 +114,14 @@ def run_unbroken(fault: str, root: Path) -> Result:
         poll(lambda: any(e.reason == "JobResumed" for e in store.list_events(object_kind="Job", object_name="bench")), 5)
         job = store.get_job("bench")
         summary = report.summarize(job, store.list_workers(job="bench"), store.list_events(object_kind="Job", object_name="bench"))
-        resumed = summary.attempts[1]
-        note = f"resumed on {','.join(resumed.nodes)}"
-        reschedule = startup = None
-        if resumed.detected_at and resumed.scheduled_at and resumed.first_step_at:
-            reschedule = round(resumed.scheduled_at - resumed.detected_at, 2)
-            startup = round(resumed.first_step_at - resumed.scheduled_at, 2)
-        return Result("unbroken", fault, _first(summary.detection_seconds), _first(summary.recovery_seconds),
-                      summary.steps_lost, note, reschedule, startup)
+        note = f"resumed on {','.join(summary.attempts[1].nodes)}"
+        if not summary.recoveries:
+            return Result("unbroken", fault, None, None, summary.steps_lost, note + "; timeline incomplete")
+        r = summary.recoveries[0]
+        return Result("unbroken", fault, round(r.detected_at - r.fault_at, 2), round(r.total_s, 2), summary.steps_lost, note,
+                      round(r.scheduled_at - r.detected_at, 2), round(r.first_step_at - r.scheduled_at, 2))
     finally:
         local_cluster.down(layout)
-
-
-def _first(values: list[float]) -> float | None:
-    return round(values[0], 2) if values else None
 
 
 # -- plain torchrun -------------------------------------------------------------------

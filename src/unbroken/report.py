@@ -46,6 +46,25 @@ class AttemptSummary:
 
 
 @dataclass(frozen=True)
+class Recovery:
+    """One restart's timeline: fault -> detected -> next attempt placed -> its first step."""
+
+    attempt: int
+    fault_at: float
+    detected_at: float
+    scheduled_at: float
+    first_step_at: float
+
+    @property
+    def total_s(self) -> float:
+        return self.first_step_at - self.fault_at
+
+    def describe(self) -> str:
+        return (f"{self.total_s:.1f} s (detect {self.detected_at - self.fault_at:.1f} + reschedule "
+                f"{self.scheduled_at - self.detected_at:.1f} + startup {self.first_step_at - self.scheduled_at:.1f})")
+
+
+@dataclass(frozen=True)
 class JobReport:
     name: str
     phase: str
@@ -57,11 +76,10 @@ class JobReport:
     goodput: float | None
     wall_seconds: float
     attempts: list[AttemptSummary]
+    recoveries: list[Recovery]
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["attempts"] = [asdict(a) for a in self.attempts]
-        return out
+        return asdict(self)
 
 
 def summarize(job: Job, workers: list[Worker], events: list[Event], now: float | None = None) -> JobReport:
@@ -70,6 +88,7 @@ def summarize(job: Job, workers: list[Worker], events: list[Event], now: float |
     attempts = [a for a in attempts if a.nodes]
     steps_lost = 0
     recovery, detection = [], []
+    recoveries: list[Recovery] = []
     useful = 0.0
     for index, attempt in enumerate(attempts):
         start = attempt.restored_step or 0
@@ -83,6 +102,9 @@ def summarize(job: Job, workers: list[Worker], events: list[Event], now: float |
                 recovery.append(following.first_step_at - fault)
             if fault is not None and following.detected_at is not None:
                 detection.append(following.detected_at - fault)
+            if None not in (fault, following.detected_at, following.scheduled_at, following.first_step_at):
+                recoveries.append(Recovery(following.attempt, fault, following.detected_at,  # type: ignore[arg-type]
+                                           following.scheduled_at, following.first_step_at))  # type: ignore[arg-type]
         kept_until = attempt.last_step if following is None else min(attempt.last_step or 0, following.restored_step or 0)
         if attempt.step_seconds is not None and kept_until is not None:
             useful += max(0, kept_until - start) * attempt.step_seconds
@@ -93,6 +115,7 @@ def summarize(job: Job, workers: list[Worker], events: list[Event], now: float |
     return JobReport(
         name=job.name, phase=job.phase.value, restarts=job.attempt, step=step, steps_lost=steps_lost,
         recovery_seconds=recovery, detection_seconds=detection, goodput=goodput, wall_seconds=wall, attempts=attempts,
+        recoveries=recoveries,
     )
 
 

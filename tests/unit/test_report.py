@@ -67,6 +67,9 @@ def test_two_attempts_figures():
     assert report.recovery_seconds == [pytest.approx(70.0 - 60.0)]
     # chaos at t=60 -> JobRestarting at t=62
     assert report.detection_seconds == [pytest.approx(62.0 - 60.0)]
+    [recovery] = report.recoveries
+    assert (recovery.fault_at, recovery.detected_at, recovery.first_step_at) == (60.0, 62.0, 70.0)
+    assert recovery.fault_at <= recovery.detected_at <= recovery.scheduled_at <= recovery.first_step_at
     # ended_at is used, not now
     assert report.wall_seconds == pytest.approx(100.0)
 
@@ -144,3 +147,11 @@ def test_pending_job_without_workers():
     assert report.attempts == []
     assert report.goodput is None and report.step is None
     assert report.wall_seconds == pytest.approx(5.0)
+
+
+def test_recovery_timeline_breaks_down_into_detect_reschedule_startup():
+    from unbroken.report import Recovery
+
+    r = Recovery(attempt=1, fault_at=100.0, detected_at=101.5, scheduled_at=102.0, first_step_at=108.5)
+    assert r.total_s == pytest.approx(8.5)
+    assert r.describe() == "8.5 s (detect 1.5 + reschedule 0.5 + startup 6.5)"

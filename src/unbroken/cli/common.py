@@ -65,7 +65,8 @@ def _plain(data: Any) -> Any:
 
 
 def table(title: str | None, columns: list[str], rows: list[list[Any]]) -> Table:
-    t = Table(title=title, header_style="bold", title_justify="left")
+    """A rich table; all-empty column names make a headerless key/value table."""
+    t = Table(title=title, header_style="bold", title_justify="left", show_header=any(columns))
     for column in columns:
         t.add_column(column, overflow="fold")
     for row in rows:

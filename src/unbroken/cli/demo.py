@@ -97,7 +97,7 @@ def _print_summary(store: SqliteStore, job: Job) -> None:
         ["restarts", summary.restarts],
         ["steps lost", summary.steps_lost],
         ["fault -> failure detected", ", ".join(f"{s:.1f} s" for s in summary.detection_seconds) or "-"],
-        ["fault -> first step after resume", ", ".join(f"{s:.1f} s" for s in summary.recovery_seconds) or "-"],
+        ["fault -> first step after resume", "; ".join(r.describe() for r in summary.recoveries) or "-"],
         ["goodput", f"{summary.goodput:.1%}" if summary.goodput is not None else "-"],
         ["wall time", f"{summary.wall_seconds:.1f} s"],
         ["attempts", "; ".join(f"#{a.attempt} on {','.join(a.nodes)} from step {a.restored_step or 0}" for a in summary.attempts)],

@@ -119,7 +119,7 @@ def describe(name: JobArg, directory: DirOption = None, output: OutputOption = O
         ("command", " ".join(spec.command)),
         ("step", summary.step),
         ("steps lost", summary.steps_lost),
-        ("recovery", ", ".join(f"{s:.1f}s" for s in summary.recovery_seconds) or "-"),
+        ("recovery", "; ".join(r.describe() for r in summary.recoveries) or "-"),
         ("goodput", f"{summary.goodput:.1%}" if summary.goodput is not None else "-"),
     ]
     for key, value in lines:
