@@ -57,15 +57,21 @@ def show(store: Store, layout: ClusterLayout, job: Job, attempt: int, *, node: s
         job = store.get_job(job.name)
         workers = store.list_workers(job=job.name, attempt=attempt)
         ended = job.phase.is_terminal or attempt < job.attempt
+        last_pass = not follow or ended
         for source in sources(layout, job, workers, node=node, rank=rank):
             for path in source.paths:
-                _print_new(path, source.label, offsets)
-        if not follow or ended:
+                _print_new(path, source.label, offsets, partial_too=last_pass)
+        if last_pass:
             return
         time.sleep(0.5)
 
 
-def _print_new(path: Path, label: str, offsets: dict[Path, int]) -> None:
+def _print_new(path: Path, label: str, offsets: dict[Path, int], *, partial_too: bool) -> None:
+    """Print what was appended to ``path`` since the last call, line by line.
+
+    While following, an unfinished last line waits for its newline; on the last
+    pass it is printed as it is.
+    """
     try:
         with open(path, "rb") as f:
             f.seek(offsets.get(path, 0))
@@ -74,10 +80,14 @@ def _print_new(path: Path, label: str, offsets: dict[Path, int]) -> None:
         return
     if not data:
         return
-    complete, _, _partial = data.rpartition(b"\n")
-    if not complete and b"\n" not in data:
-        return  # wait for the line to finish
-    offsets[path] = offsets.get(path, 0) + len(complete) + 1
+    if partial_too:
+        complete, consumed = data, len(data)
+    else:
+        end = data.rfind(b"\n")
+        if end < 0:
+            return  # wait for the line to finish
+        complete, consumed = data[:end], end + 1
+    offsets[path] = offsets.get(path, 0) + consumed
     stream = "err" if path.name == "stderr.log" else ""
     prefix = f"[{label}{' ' + stream if stream else ''}] "
     for line in complete.decode(errors="replace").splitlines():
