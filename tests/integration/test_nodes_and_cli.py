@@ -126,3 +126,17 @@ def test_demo_completes_and_prints_the_summary(tmp_path):
                      "cluster torn down (no process left)"):
         assert expected in out, f"{expected!r} missing from:\n{out}"
     assert not procs.cluster_processes(tmp_path / "demo")
+
+
+def test_job_start_wait_exits_0_on_success_and_1_on_failure(make_cluster, tmp_path):
+    cluster = make_cluster("--nodes", "1")
+    ok = tmp_path / "ok.yaml"
+    ok.write_text(yaml.safe_dump({"name": "ok", "command": ["-m", "unbroken.workloads.mlp", "--steps", "5"]}))
+    done = cluster.cli("job", "start", "-f", str(ok), "--wait", "--steps", "5")
+    assert "Succeeded" in done.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"name": "bad", "command": ["-m", "unbroken.workloads.mlp", "--steps", "5",
+                                                              "--crash-at-step", "2"]}))
+    failed = cluster.cli("job", "start", "-f", str(bad), "--wait", check=False)
+    assert failed.returncode == 1 and "Failed" in failed.stdout
+    assert "exited with code 3" in cluster.job("bad").reason
