@@ -363,3 +363,13 @@ def test_decide_does_not_mutate_inputs():
     before = [dataclasses.replace(w) for w in ws]
     running(*ws)
     assert ws == before
+
+
+def test_agent_gone_only_when_nobody_can_stop_the_workers():
+    from unbroken.controller.job_decisions import agent_gone
+
+    assert agent_gone(NOW, node("node-1", NodeState.RETIRED), SILENT_AFTER)
+    assert agent_gone(NOW, node("node-1", NodeState.REBOOTING), SILENT_AFTER)
+    # a faulty node whose agent still heartbeats stops its own workers
+    assert not agent_gone(NOW, node("node-1", NodeState.PENDING_REPLACEMENT, heartbeat_at=NOW - 0.2), SILENT_AFTER)
+    assert agent_gone(NOW, node("node-1", NodeState.PENDING_REPLACEMENT, heartbeat_at=NOW - 5.0), SILENT_AFTER)

@@ -127,7 +127,9 @@ class Agent:
     # -- workers --------------------------------------------------------------------
 
     def _reconcile_workers(self) -> None:
-        for worker in self.store.list_workers(node=self.node, active=True):
+        active = self.store.list_workers(node=self.node, active=True)
+        self._stop_unwanted({w.id for w in active})
+        for worker in active:
             running = self.running.get(worker.id)
             if running is None:
                 self._reconcile_unstarted(worker)
@@ -136,6 +138,18 @@ class Agent:
             if code is not None:
                 self._record_exit(worker, running, code)
             elif worker.desired is Desired.STOP:
+                running.begin_stop()
+                running.continue_stop()
+
+    def _stop_unwanted(self, active_ids: set[int]) -> None:
+        """Stop processes whose worker row was closed by someone else (the controller
+        gave them up as lost): a row that says Stopped must not hide a live process."""
+        for worker_id, running in list(self.running.items()):
+            if worker_id in active_ids:
+                continue
+            if running.exited() is not None:
+                del self.running[worker_id]
+            else:
                 running.begin_stop()
                 running.continue_stop()
 

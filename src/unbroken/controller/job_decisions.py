@@ -172,6 +172,14 @@ def _final_reason(job: Job, spec: JobSpec, failure: Failure) -> str:
     return f"{failure.reason}; {why}"
 
 
+def agent_gone(now: float, node: Node, silent_after: float) -> bool:
+    """Nobody will stop this node's workers but the backend: it was retired or rebooted
+    (the backend killed everything), or its heartbeat is overdue."""
+    if node.state in (NodeState.RETIRED, NodeState.REBOOTING):
+        return True
+    return node.heartbeat_at is None or now - node.heartbeat_at > silent_after
+
+
 def _silent(now: float, node: Node | None, silent_after: float) -> bool:
     """No agent is answering for this node (gone, lost, or heartbeat overdue)."""
     if node is None or not node.state.is_active:

@@ -9,8 +9,7 @@ from unbroken.controller import job_decisions
 from unbroken.controller.job_decisions import Action, Decision
 from unbroken.state.phases import JobPhase, WorkerPhase
 from unbroken.state.records import Desired, EventType, Job, Node, Worker
-from unbroken.state.sqlite import StaleUpdate
-from unbroken.state.store import Store
+from unbroken.state.store import StaleUpdate, Store
 
 log = logging.getLogger("unbroken.controller.jobs")
 
@@ -42,12 +41,13 @@ class JobReconciler:
         return decision
 
     def forget_workers_on_lost_nodes(self, now: float) -> None:
-        """Workers whose node is gone (lost, rebooting, retired) can never report that they
-        stopped: mark them Stopped so their node's books and their job's are closed."""
+        """Workers whose node's agent is gone can never report that they stopped: mark
+        them Stopped so their node's books and their job's are closed. A faulty node
+        whose agent still heartbeats stops its workers itself and reports it."""
         nodes = {n.name: n for n in self.store.list_nodes()}
         for worker in self.store.list_workers(active=True):
             node = nodes.get(worker.node)
-            if node is None or not node.state.is_active:
+            if node is None or (not node.state.is_active and job_decisions.agent_gone(now, node, self.silent_after)):
                 state = node.state.value if node else "missing"
                 self.store.update_worker(worker.id, phase=WorkerPhase.STOPPED, desired=Desired.STOP, ended_at=now,
                                          message=f"lost with its node ({state})")

@@ -11,8 +11,7 @@ from unbroken.controller import node_decisions
 from unbroken.controller.node_decisions import NodeAction, NodeDecision
 from unbroken.state.phases import NodeState
 from unbroken.state.records import EventType, Node
-from unbroken.state.sqlite import StaleUpdate
-from unbroken.state.store import Store
+from unbroken.state.store import StaleUpdate, Store
 
 log = logging.getLogger("unbroken.controller.nodes")
 

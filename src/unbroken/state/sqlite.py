@@ -30,6 +30,9 @@ from unbroken.state.phases import (
     check_transition,
 )
 from unbroken.state.records import Event, EventType, Job, Node, RankInfo, Worker
+from unbroken.state.store import StaleUpdate
+
+__all__ = ["SCHEMA_VERSION", "SqliteStore", "StaleUpdate"]
 
 SCHEMA_VERSION = 1
 
@@ -67,10 +70,6 @@ CREATE INDEX IF NOT EXISTS events_by_object ON events(object_kind, object_name, 
 """
 
 R = TypeVar("R")
-
-
-class StaleUpdate(ConflictError):
-    """An ``expect_*`` guard did not hold: somebody changed the row first. Re-read and retry."""
 
 
 class SqliteStore:

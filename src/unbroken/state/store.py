@@ -11,8 +11,13 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
+from unbroken.errors import ConflictError
 from unbroken.state.phases import JobPhase, NodeState
 from unbroken.state.records import Event, EventType, Job, Node, Worker
+
+
+class StaleUpdate(ConflictError):
+    """An ``expect_*`` guard did not hold: somebody changed the row first. Re-read and retry."""
 
 
 class Store(Protocol):
