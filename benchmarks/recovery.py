@@ -31,13 +31,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from unbroken import chaos, procs, report
+from unbroken import chaos, jobs, procs, report
 from unbroken.backends import local_cluster
 from unbroken.config.cluster import ClusterConfig
 from unbroken.config.job import JobSpec
 from unbroken.layout import ClusterLayout
-from unbroken.state.phases import JobPhase
-from unbroken.state.records import Job
 
 STEPS = 100_000  # never reached: each scenario ends at the first step after resume
 CHECKPOINT_EVERY = 20
@@ -88,11 +86,10 @@ def run_unbroken(fault: str, root: Path) -> Result:
             "name": "bench", "nodes": 2, "procs_per_node": 2, "command": workload_args(),
             "resilience": {"auto_resume": True, "max_retry": 3, "hang_timeout": HANG_TIMEOUT},
         })
-        now = time.time()
-        store.add_job(Job(name="bench", spec_json=spec.model_dump_json(), phase=JobPhase.PENDING, created_at=now, phase_changed_at=now))
+        jobs.submit(store, spec, note="benchmarks/recovery.py")
 
         def step() -> int:
-            return max((w.last_step or 0 for w in store.list_workers(job="bench", attempt=0)), default=0)
+            return jobs.current_step(store.list_workers(job="bench", attempt=0))
 
         if not poll(lambda: step() >= FAULT_AT_STEP, 180):
             return Result("unbroken", fault, None, None, None, "job never reached the fault step")

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import yaml
 
+from unbroken.jobs import current_step
 from unbroken.layout import ClusterLayout
 from unbroken.state.sqlite import SqliteStore
 
@@ -65,7 +66,7 @@ class Cluster:
 
     def step(self, name: str) -> int:
         job = self.store.get_job(name)
-        return max((w.last_step or 0 for w in self.store.list_workers(job=name, attempt=job.attempt)), default=0)
+        return current_step(self.store.list_workers(job=name, attempt=job.attempt))
 
     def wait_job_phase(self, name: str, phases: set[str], timeout: float):
         return wait_for(lambda: (j := self.job(name)).phase.value in phases and j, timeout, f"job {name} in {phases}")

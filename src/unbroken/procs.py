@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import psutil
@@ -95,13 +94,3 @@ def cluster_processes(cluster_dir: Path) -> list[psutil.Process]:
             continue
     return found
 
-
-def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
-    """Poll ``predicate`` until it is true or ``timeout`` passes. Returns its last value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if predicate():
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(interval)

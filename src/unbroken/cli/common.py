@@ -16,7 +16,6 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from unbroken.errors import UsageError
 from unbroken.layout import ClusterLayout, default_cluster_dir
 from unbroken.state.sqlite import SqliteStore
 
@@ -96,7 +95,3 @@ def field_line(key: str, value: Any) -> None:
     """``      key: value`` for describe views; the value is printed verbatim."""
     console.print(f"[bold]{key:>14}[/]: {escape(str(value)) if value is not None else '-'}")
 
-
-def require(condition: bool, message: str) -> None:
-    if not condition:
-        raise UsageError(message)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from unbroken import chaos, report
+from unbroken import chaos, jobs, report
 from unbroken.backends import local_cluster
 from unbroken.cli.common import console, layout_for, table
 from unbroken.config.cluster import ClusterConfig
@@ -58,11 +58,7 @@ def _submit(store: SqliteStore, steps: int) -> Job:
             "resilience": {"auto_resume": True, "max_retry": 2, "hang_timeout": 30},
         }
     )
-    now = time.time()
-    job = Job(name=spec.name, spec_json=spec.model_dump_json(), phase=JobPhase.PENDING, created_at=now, phase_changed_at=now)
-    store.add_job(job)
-    store.add_event("Job", job.name, "JobCreated", "submitted by unbroken demo")
-    return job
+    return jobs.submit(store, spec, note="submitted by unbroken demo")
 
 
 def _run_with_fault(store: SqliteStore, layout, name: str, steps: int) -> Job:
@@ -75,7 +71,7 @@ def _run_with_fault(store: SqliteStore, layout, name: str, steps: int) -> Job:
         while True:
             job = store.get_job(name)
             workers = store.list_workers(job=name, attempt=job.attempt)
-            step = max((w.last_step or 0 for w in workers), default=0)
+            step = jobs.current_step(workers)
             note = f"restarts {job.attempt}" + (f"; {killed} lost power at step {kill_at}" if killed else "")
             bar.update(task, completed=step, phase=job.phase.value, note=note)
             if killed is None and job.attempt == 0 and step >= kill_at:

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from unbroken import report
+from unbroken import jobs, report
 from unbroken.cli import logs_view
 from unbroken.cli.common import DirOption, Output, OutputOption, ago, clock, console, field_line, open_store, print_json, table
 from unbroken.config.job import load_job
@@ -46,13 +46,7 @@ def start(
         overrides["name"] = name
     spec = load_job(file, overrides=overrides)
     _, store = open_store(directory)
-    now = time.time()
-    with store.transaction():
-        store.add_job(Job(name=spec.name, spec_json=spec.model_dump_json(), phase=JobPhase.PENDING,
-                          created_at=now, phase_changed_at=now))
-        store.add_event("Job", spec.name, "JobCreated",
-                        f"{spec.nodes} nodes x {spec.procs_per_node} procs; auto_resume={spec.resilience.auto_resume}, "
-                        f"max_retry={spec.resilience.max_retry}")
+    jobs.submit(store, spec)
     console.print(f"job [bold]{spec.name}[/] submitted ({spec.nodes} x {spec.procs_per_node}); "
                   f"follow it with: unbroken job describe {spec.name}")
     if wait:
@@ -68,7 +62,7 @@ def follow(store: Store, name: str, total_steps: int | None = None, on_tick=None
         task = bar.add_task("job", total=total_steps, job=name, phase="Pending")
         while True:
             job = store.get_job(name)
-            step = max((w.last_step or 0 for w in store.list_workers(job=name, attempt=job.attempt)), default=0)
+            step = jobs.current_step(store.list_workers(job=name, attempt=job.attempt))
             phase = job.phase.value + (f" (restarts {job.attempt})" if job.attempt else "")
             bar.update(task, completed=step, phase=phase)
             if on_tick:
