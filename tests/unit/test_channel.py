@@ -335,3 +335,10 @@ def test_import_unbroken_does_not_import_torch(tmp_path: Path) -> None:
     print("torch" in sys.modules, sorted(m for m in sys.modules if m.startswith("torch")))
     """
     assert run_python(code, cwd=tmp_path).stdout.strip() == "False []"
+
+
+def test_take_dirty_for_some_workers_keeps_the_others_news() -> None:
+    book = ProgressBook()
+    book.apply([msg(MessageKind.PROGRESS, 0, 1.0, 1, job="a"), msg(MessageKind.PROGRESS, 0, 2.0, 3, job="b")])
+    assert set(book.take_dirty({("a", 0)})) == {("a", 0)}
+    assert book.take_dirty()[("b", 0)]["last_step"] == 3, "b's news was not lost by taking only a's"

@@ -84,8 +84,9 @@ class Agent:
                         log.info("node retired; stopping", extra={"node": self.node})
                         break
                     self.book.apply(receiver.drain())
-                    self._reconcile_workers()
-                    self._flush_progress()
+                    active = self.store.list_workers(node=self.node, active=True)
+                    self._reconcile_workers(active)
+                    self._flush_progress(active)
                 except sqlite3.Error:
                     # A store hiccup must not kill the agent: that would look like a lost
                     # node and cost a replacement plus a restart of every job on it.
@@ -126,8 +127,7 @@ class Agent:
 
     # -- workers --------------------------------------------------------------------
 
-    def _reconcile_workers(self) -> None:
-        active = self.store.list_workers(node=self.node, active=True)
+    def _reconcile_workers(self, active: list[Worker]) -> None:
         self._stop_unwanted({w.id for w in active})
         for worker in active:
             running = self.running.get(worker.id)
@@ -187,7 +187,7 @@ class Agent:
 
     def _record_exit(self, worker: Worker, running: launcher.RunningWorker, code: int) -> None:
         del self.running[worker.id]
-        self._flush_progress(force=True)
+        self._flush_progress([worker], force=True)  # its last steps, before the row closes
         if worker.desired is Desired.STOP or running.stop_started is not None:
             phase, exit_code, message = WorkerPhase.STOPPED, code, "stopped by the controller"
         elif code == 0:
@@ -200,20 +200,18 @@ class Agent:
         level = logging.WARNING if phase is WorkerPhase.FAILED else logging.INFO
         log.log(level, "worker %s: %s", phase.value, message, extra={"node": self.node, "job": worker.job, "attempt": worker.attempt})
 
-    def _flush_progress(self, force: bool = False) -> None:
+    def _flush_progress(self, active: list[Worker], force: bool = False) -> None:
         now = time.monotonic()
         if not force and now - self._last_flush < PROGRESS_FLUSH_SECONDS:
             return
         self._last_flush = now
-        updates = self.book.take_dirty()
+        by_key = {(w.job, w.attempt): w for w in active}
+        updates = self.book.take_dirty(set(by_key))
         if not updates:
             return
-        by_key = {(w.job, w.attempt): w for w in self.store.list_workers(node=self.node, active=True)}
         with self.store.transaction():
             for key, changes in updates.items():
-                worker = by_key.get(key)
-                if worker is not None:
-                    self.store.update_worker(worker.id, **changes)
+                self.store.update_worker(by_key[key].id, **changes)
 
     def _stop_orphans(self) -> None:
         """Workers this node ran before the agent restarted are gone or unmanageable: stop them."""

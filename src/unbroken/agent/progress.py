@@ -70,10 +70,11 @@ class ProgressBook:
         for msg in messages:
             self._workers.setdefault((msg.job, msg.attempt), WorkerProgress()).apply(msg)
 
-    def take_dirty(self) -> dict[tuple[str, int], dict[str, Any]]:
+    def take_dirty(self, keys: set[tuple[str, int]] | None = None) -> dict[tuple[str, int], dict[str, Any]]:
+        """Row changes for workers with news since the last take (only ``keys``, if given)."""
         out = {}
         for key, progress in self._workers.items():
-            if progress.dirty:
+            if progress.dirty and (keys is None or key in keys):
                 out[key] = progress.changes()
                 progress.dirty = False
         return out

@@ -20,19 +20,23 @@ class JobReconciler:
         self.silent_after = silent_after
 
     def reconcile_all(self, now: float) -> None:
-        self.forget_workers_on_lost_nodes(now)
+        """One pass: nodes and busy nodes are read once and shared by every job."""
+        nodes = {n.name: n for n in self.store.list_nodes()}
+        active = self.forget_workers_on_lost_nodes(now, nodes)
+        busy = {w.node for w in active}
         for job in self.store.list_jobs():
             if not job.phase.is_terminal:
                 try:
-                    self.reconcile(now, job)
+                    decision = self.reconcile(now, job, nodes, busy)
                 except StaleUpdate:
                     continue  # changed under us (e.g. cancel); the next pass sees the new state
+                busy.update(decision.nodes)  # so the next job in this pass cannot take them
 
-    def reconcile(self, now: float, job: Job) -> Decision:
+    def reconcile(self, now: float, job: Job, nodes: dict[str, Node], busy: set[str]) -> Decision:
         spec = job.spec()
-        nodes = {n.name: n for n in self.store.list_nodes()}
         workers = self.store.list_workers(job=job.name, attempt=job.attempt)
-        free = self._free_nodes(now, spec, nodes, job)
+        free = [n.name for n in nodes.values()
+                if n.name not in busy and job_decisions.eligible(n, spec, now, self.silent_after)]
         decision = job_decisions.decide(now, job, spec, workers, nodes, free, silent_after=self.silent_after)
         if decision.action is not Action.WAIT:
             log.info("job %s: %s: %s", job.name, decision.action.value, decision.reason, extra={"job": job.name})
@@ -40,21 +44,21 @@ class JobReconciler:
         self._note_resume(job, workers)
         return decision
 
-    def forget_workers_on_lost_nodes(self, now: float) -> None:
+    def forget_workers_on_lost_nodes(self, now: float, nodes: dict[str, Node]) -> list[Worker]:
         """Workers whose node's agent is gone can never report that they stopped: mark
         them Stopped so their node's books and their job's are closed. A faulty node
-        whose agent still heartbeats stops its workers itself and reports it."""
-        nodes = {n.name: n for n in self.store.list_nodes()}
+        whose agent still heartbeats stops its workers itself and reports it.
+        Returns the workers still active."""
+        still_active = []
         for worker in self.store.list_workers(active=True):
             node = nodes.get(worker.node)
             if node is None or (not node.state.is_active and job_decisions.agent_gone(now, node, self.silent_after)):
                 state = node.state.value if node else "missing"
                 self.store.update_worker(worker.id, phase=WorkerPhase.STOPPED, desired=Desired.STOP, ended_at=now,
                                          message=f"lost with its node ({state})")
-
-    def _free_nodes(self, now: float, spec, nodes: dict[str, Node], job: Job) -> list[str]:
-        busy = {w.node for w in self.store.list_workers(active=True)}
-        return [n.name for n in nodes.values() if n.name not in busy and job_decisions.eligible(n, spec, now, self.silent_after)]
+            else:
+                still_active.append(worker)
+        return still_active
 
     def _apply(self, now: float, job: Job, decision: Decision, workers: list[Worker], nodes: dict[str, Node]) -> None:
         store = self.store
@@ -94,9 +98,10 @@ class JobReconciler:
         """One JobResumed event per restarted attempt, once its first step is reported."""
         if job.attempt == 0 or job.phase is not JobPhase.RUNNING:
             return
-        progressed = [w for w in workers if w.first_progress_at is not None]
-        if not progressed or any(e.reason == "JobResumed" and e.message.startswith(f"attempt {job.attempt} ")
-                                 for e in self.store.list_events(object_kind="Job", object_name=job.name)):
+        if not any(w.first_progress_at is not None for w in workers):
+            return
+        noted = self.store.list_events(object_kind="Job", object_name=job.name, reason="JobResumed")
+        if any(e.message.startswith(f"attempt {job.attempt} ") for e in noted):
             return
         restored = next((w.restored_step for w in workers if w.restored_step is not None), None)
         previous = self.store.list_workers(job=job.name, attempt=job.attempt - 1)

@@ -261,9 +261,11 @@ class SqliteStore:
             )
         return dataclasses.replace(event, id=int(cur.lastrowid or 0))
 
-    def list_events(self, *, object_kind: str | None = None, object_name: str | None = None) -> list[Event]:
+    def list_events(
+        self, *, object_kind: str | None = None, object_name: str | None = None, reason: str | None = None
+    ) -> list[Event]:
         clauses, params = [], []
-        for column, value in (("object_kind", object_kind), ("object_name", object_name)):
+        for column, value in (("object_kind", object_kind), ("object_name", object_name), ("reason", reason)):
             if value is not None:
                 clauses.append(f"{column} = ?")
                 params.append(value)
