@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from unbroken.checkpoint.policy import MemoryTier, PersistentTier, TierPolicy
 from unbroken.config.cluster import NAME_PATTERN
 
 
@@ -51,9 +52,26 @@ class ResilienceSpec(_Strict):
 
 class CheckpointSpec(_Strict):
     dir: Path | None = None
-    """Where ``ctx.checkpoint`` writes. Default: ``<cluster dir>/checkpoints/<job name>``."""
+    """Where the file checkpointer writes. Default: ``<cluster dir>/checkpoints/<job name>``."""
     keep: int = Field(default=2, ge=1, le=1000)
     """Committed steps kept; 2 so that a torn newest step still leaves one behind."""
+    memory: MemoryTier | None = None
+    """Set it (even to ``{}``) to use the tiered checkpointer: shared memory, peer
+    replicas and, with ``persistent``, a file:// or s3:// tier. Unset: one file per
+    rank under ``dir`` (the foundation's checkpointer)."""
+    persistent: PersistentTier | None = None
+
+    @model_validator(mode="after")
+    def _tiers_consistent(self) -> "CheckpointSpec":
+        if self.persistent is not None and self.memory is None:
+            raise ValueError("persistent needs memory: the persistent tier is drained from the memory tier (add 'memory: {}')")
+        if self.memory is not None:
+            TierPolicy(memory=self.memory, persistent=self.persistent)  # the cross-tier rules, one place
+        return self
+
+    @property
+    def tiers(self) -> TierPolicy | None:
+        return None if self.memory is None else TierPolicy(memory=self.memory, persistent=self.persistent)
 
 
 class JobSpec(_Strict):

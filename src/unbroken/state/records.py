@@ -106,3 +106,57 @@ class Event:
     reason: str
     message: str
     id: int = 0
+
+
+class CheckpointTier(StrEnum):
+    MEMORY = "memory"
+    """The rank's own slot in its node's shared memory."""
+    REPLICA = "replica"
+    """A copy held in a peer node's shared memory."""
+    PERSISTENT = "persistent"
+    """The job's file:// or s3:// URI."""
+
+
+class StepStatus(StrEnum):
+    DRAINING = "Draining"
+    """Shards are being copied into the tier; not restorable from it yet."""
+    COMMITTED = "Committed"
+    """Every rank's shard and the manifest are there and the commit marker was written last."""
+    FAILED = "Failed"
+    """Copying into the tier failed; ``message`` says why. Training went on."""
+
+
+@dataclass(frozen=True)
+class ShardCopy:
+    """One copy of one rank's shard of one step: where it is and what it must hash to."""
+
+    job: str
+    step: int
+    rank: int
+    tier: CheckpointTier
+    node: str
+    """The node whose shared memory holds it; "" in the persistent tier."""
+    attempt: int
+    world_size: int
+    size: int
+    checksum: str
+    info_json: str
+    """The full ShardInfo (tensor dtypes/shapes), for restore and ``ckpt list``."""
+    created_at: float
+
+
+@dataclass(frozen=True)
+class CheckpointStep:
+    """A step's state in one tier (memory or persistent)."""
+
+    job: str
+    step: int
+    tier: CheckpointTier
+    attempt: int
+    world_size: int
+    status: StepStatus
+    size: int
+    """Total over all ranks."""
+    updated_at: float
+    committed_at: float | None = None
+    message: str | None = None

@@ -29,12 +29,22 @@ from unbroken.state.phases import (
     WorkerPhase,
     check_transition,
 )
-from unbroken.state.records import Event, EventType, Job, Node, RankInfo, Worker
+from unbroken.state.records import (
+    CheckpointStep,
+    CheckpointTier,
+    Event,
+    EventType,
+    Job,
+    Node,
+    RankInfo,
+    ShardCopy,
+    Worker,
+)
 from unbroken.state.store import StaleUpdate
 
 __all__ = ["SCHEMA_VERSION", "SqliteStore", "StaleUpdate"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -67,6 +77,18 @@ CREATE TABLE IF NOT EXISTS events (
     object_name TEXT NOT NULL, type TEXT NOT NULL, reason TEXT NOT NULL, message TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS events_by_object ON events(object_kind, object_name, id);
+CREATE TABLE IF NOT EXISTS shard_copies (
+    job TEXT NOT NULL, step INTEGER NOT NULL, rank INTEGER NOT NULL, tier TEXT NOT NULL,
+    node TEXT NOT NULL, attempt INTEGER NOT NULL, world_size INTEGER NOT NULL,
+    size INTEGER NOT NULL, checksum TEXT NOT NULL, info_json TEXT NOT NULL, created_at REAL NOT NULL,
+    PRIMARY KEY (job, step, rank, tier, node)
+);
+CREATE TABLE IF NOT EXISTS checkpoint_steps (
+    job TEXT NOT NULL, step INTEGER NOT NULL, tier TEXT NOT NULL, attempt INTEGER NOT NULL,
+    world_size INTEGER NOT NULL, status TEXT NOT NULL, size INTEGER NOT NULL,
+    updated_at REAL NOT NULL, committed_at REAL, message TEXT,
+    PRIMARY KEY (job, step, tier)
+);
 """
 
 R = TypeVar("R")
@@ -82,7 +104,9 @@ class SqliteStore:
         self._local = threading.local()
         conn = self._conn()
         version = conn.execute("PRAGMA user_version").fetchone()[0]
-        if version == 0:
+        if version < SCHEMA_VERSION:
+            # Every statement is CREATE ... IF NOT EXISTS, so running the schema on an
+            # older database adds what is new (v2: the checkpoint tables) and keeps the rest.
             with self.transaction():
                 for statement in filter(str.strip, _SCHEMA.split(";")):
                     conn.execute(statement)
@@ -272,6 +296,66 @@ class SqliteStore:
         where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
         rows = self._conn().execute(f"SELECT * FROM events {where} ORDER BY id", params).fetchall()
         return [_decode(Event, r) for r in rows]
+
+    # -- checkpoints ----------------------------------------------------------------
+
+    def put_shard_copy(self, copy: ShardCopy) -> None:
+        row = _encode(copy)
+        with self.transaction():
+            self._conn().execute(
+                f'INSERT OR REPLACE INTO shard_copies ({", ".join(_quote(c) for c in row)}) VALUES ({", ".join("?" for _ in row)})',
+                tuple(row.values()),
+            )
+
+    def list_shard_copies(self, job: str, *, step: int | None = None, tier: CheckpointTier | None = None) -> list[ShardCopy]:
+        clauses, params = ["job = ?"], [job]
+        if step is not None:
+            clauses.append("step = ?")
+            params.append(step)
+        if tier is not None:
+            clauses.append("tier = ?")
+            params.append(tier.value)
+        rows = self._conn().execute(
+            f"SELECT * FROM shard_copies WHERE {' AND '.join(clauses)} ORDER BY step DESC, rank, tier, node", params
+        ).fetchall()
+        return [_decode(ShardCopy, r) for r in rows]
+
+    def delete_shard_copies(self, job: str, step: int, *, tier: CheckpointTier | None = None, node: str | None = None) -> None:
+        clauses, params = ["job = ?", "step = ?"], [job, step]
+        if tier is not None:
+            clauses.append("tier = ?")
+            params.append(tier.value)
+        if node is not None:
+            clauses.append("node = ?")
+            params.append(node)
+        with self.transaction():
+            self._conn().execute(f"DELETE FROM shard_copies WHERE {' AND '.join(clauses)}", params)
+
+    def put_checkpoint_step(self, record: CheckpointStep, *, only_if_absent: bool = False) -> bool:
+        """Write a step's row in one tier; with ``only_if_absent``, False if someone wrote it first."""
+        row = _encode(record)
+        verb = "INSERT OR IGNORE" if only_if_absent else "INSERT OR REPLACE"
+        with self.transaction():
+            cursor = self._conn().execute(
+                f'{verb} INTO checkpoint_steps ({", ".join(_quote(c) for c in row)}) VALUES ({", ".join("?" for _ in row)})',
+                tuple(row.values()),
+            )
+        return cursor.rowcount > 0
+
+    def list_checkpoint_steps(self, job: str, *, tier: CheckpointTier | None = None) -> list[CheckpointStep]:
+        """Newest first."""
+        clauses, params = ["job = ?"], [job]
+        if tier is not None:
+            clauses.append("tier = ?")
+            params.append(tier.value)
+        rows = self._conn().execute(
+            f"SELECT * FROM checkpoint_steps WHERE {' AND '.join(clauses)} ORDER BY step DESC, tier", params
+        ).fetchall()
+        return [_decode(CheckpointStep, r) for r in rows]
+
+    def delete_checkpoint_step(self, job: str, step: int, tier: CheckpointTier) -> None:
+        with self.transaction():
+            self._conn().execute("DELETE FROM checkpoint_steps WHERE job = ? AND step = ? AND tier = ?", (job, step, tier.value))
 
     # -- generic row plumbing -------------------------------------------------------
 

@@ -1,0 +1,249 @@
+"""The memory tier on one node: shard files in ``/dev/shm`` that outlive the rank.
+
+Layout, under :func:`node_root` (one folder per node of a cluster)::
+
+    own/<job>/a0002-r00003-s1.slot    rank 3's slot 1 in attempt 2 (reused save after save)
+    own/<job>/a0002-r00003-s1.json    its descriptor: present only while the slot holds
+                                      a complete, checksummed shard
+    held/<job>/s000000040-r00003.shard + .json   a copy received from a peer (replica)
+
+A rank writes its own slots; its node agent reads them (to replicate and
+drain), deletes those of finished attempts and owns the folder. The two
+coordinate with ``flock``: the rank holds ``LOCK_EX`` while a slot is being
+written, readers hold ``LOCK_SH`` while they copy it out, and a reader
+re-reads the descriptor once it holds the lock, so it never ships a slot that
+was rewritten under it. The descriptor is removed before a slot is rewritten
+and written (atomically) after the checksum, so "descriptor present" is the
+shard's commit marker on this node.
+
+Slots are allocated once (``posix_fallocate``: tmpfs pages are zeroed and
+mapped once, then rewritten at memory speed) and reused; a rank has
+``keep + 1`` of them plus one spare for when a reader holds one, so memory is
+bounded and a save never waits on a reader while a free slot exists.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import mmap
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from unbroken.checkpoint.manifest import ShardInfo
+from unbroken.errors import CheckpointError
+
+SHM_BASE = Path(os.environ.get("UNBROKEN_SHM_BASE", "/dev/shm"))
+_SLOT = re.compile(r"^a(\d{4})-r(\d{5})-s(\d+)\.slot$")
+_HELD = re.compile(r"^s(\d{9})-r(\d{5})\.shard$")
+
+
+def cluster_root(cluster_dir: Path) -> Path:
+    """This cluster's folder in shared memory; named by a hash, as a path may be long."""
+    digest = hashlib.sha1(str(cluster_dir.resolve()).encode()).hexdigest()[:12]
+    return SHM_BASE / f"unbroken-{digest}"
+
+
+def node_root(cluster_dir: Path, node: str) -> Path:
+    return cluster_root(cluster_dir) / node
+
+
+def own_dir(root: Path, job: str) -> Path:
+    return root / "own" / job
+
+
+def held_dir(root: Path, job: str) -> Path:
+    return root / "held" / job
+
+
+def held_path(root: Path, job: str, step: int, rank: int) -> Path:
+    return held_dir(root, job) / f"s{step:09d}-r{rank:05d}.shard"
+
+
+def descriptor_path(data_path: Path) -> Path:
+    return data_path.with_suffix(".json")
+
+
+def write_descriptor(data_path: Path, info: ShardInfo) -> None:
+    """Atomically: a reader sees the old descriptor, none, or the new one, never half of one."""
+    path = descriptor_path(data_path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(info.encode())
+    os.replace(tmp, path)
+
+
+def read_descriptor(data_path: Path) -> ShardInfo | None:
+    try:
+        return ShardInfo.read(descriptor_path(data_path))
+    except CheckpointError:
+        return None
+
+
+@dataclass
+class Slot:
+    """One reusable shared-memory buffer of a rank, mapped once."""
+
+    path: Path
+    fd: int
+    view: mmap.mmap | None = None
+    capacity: int = 0
+    step: int | None = None
+    """The step of the complete shard it holds, None while empty or being written."""
+    registered: bool = False
+
+    def ensure_capacity(self, size: int) -> mmap.mmap:
+        if self.view is not None and self.capacity == size:
+            return self.view
+        if self.view is not None:
+            self.view.close()
+        os.ftruncate(self.fd, size)
+        if size:
+            try:
+                os.posix_fallocate(self.fd, 0, size)  # allocate now: ENOSPC here, not a SIGBUS mid-copy
+            except OSError as exc:
+                raise CheckpointError(f"memory tier: cannot allocate {size / 2**20:.1f} MiB in {self.path.parent}: {exc.strerror}") from exc
+        self.view = mmap.mmap(self.fd, max(size, 1), flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        self.capacity = size
+        self.registered = False
+        return self.view
+
+    def close(self) -> None:
+        if self.view is not None:
+            self.view.close()
+            self.view = None
+        os.close(self.fd)
+
+
+@dataclass
+class SlotPool:
+    """A rank's slots in the memory tier: pick one to write, never the newest complete one."""
+
+    directory: Path
+    attempt: int
+    rank: int
+    keep: int
+    slots: list[Slot] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def limit(self) -> int:
+        return self.keep + 2  # keep complete + one being written + one spare while a reader holds one
+
+    def acquire(self, *, wait_seconds: float) -> Slot:
+        """A slot locked for writing, its descriptor removed. Waits at most ``wait_seconds``."""
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            slot = self._try_acquire()
+            if slot is not None:
+                descriptor_path(slot.path).unlink(missing_ok=True)
+                slot.step = None
+                return slot
+            if time.monotonic() >= deadline:
+                raise CheckpointError(
+                    f"memory tier: all {len(self.slots)} slots of rank {self.rank} are being read (replication or drain) "
+                    f"after {wait_seconds:g} s; step skipped"
+                )
+            time.sleep(0.005)  # a poll on a lock held by another process; nothing to wait on instead
+
+    def _try_acquire(self) -> Slot | None:
+        complete = [s.step for s in self.slots if s.step is not None]
+        newest = max(complete) if complete else None
+        # Empty slots first, then the oldest complete step; never the newest complete one.
+        candidates = sorted(
+            (s for s in self.slots if s.step is None or s.step != newest),
+            key=lambda s: -1 if s.step is None else s.step,
+        )
+        for slot in candidates:
+            try:
+                fcntl.flock(slot.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return slot
+            except BlockingIOError:
+                continue
+        if len(self.slots) < self.limit:
+            index = len(self.slots)
+            path = self.directory / f"a{self.attempt:04d}-r{self.rank:05d}-s{index}.slot"
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)  # new file: nobody else has it yet
+            slot = Slot(path, fd)
+            self.slots.append(slot)
+            return slot
+        return None
+
+    def release(self, slot: Slot, info: ShardInfo | None) -> None:
+        """Publish ``info`` (the slot's commit marker on this node) and unlock."""
+        if info is not None:
+            write_descriptor(slot.path, info)
+            slot.step = info.step
+        fcntl.flock(slot.fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        for slot in self.slots:
+            slot.close()
+        self.slots.clear()
+
+
+@dataclass(frozen=True)
+class StoredShard:
+    """A complete shard found in a node's memory tier (own slot or held replica)."""
+
+    path: Path
+    info: ShardInfo
+    held: bool
+
+
+def scan(root: Path, job: str | None = None) -> list[StoredShard]:
+    """Complete shards on this node (those with a descriptor), own and held."""
+    found: list[StoredShard] = []
+    for kind, pattern in (("own", _SLOT), ("held", _HELD)):
+        base = root / kind
+        jobs = [base / job] if job else (sorted(base.iterdir()) if base.is_dir() else [])
+        for folder in jobs:
+            if not folder.is_dir():
+                continue
+            for entry in folder.iterdir():
+                if not pattern.match(entry.name):
+                    continue
+                info = read_descriptor(entry)
+                if info is not None:
+                    found.append(StoredShard(entry, info, held=kind == "held"))
+    return found
+
+
+def slot_attempt(path: Path) -> int | None:
+    match = _SLOT.match(path.name)
+    return int(match.group(1)) if match else None
+
+
+class SharedRead:
+    """Hold ``LOCK_SH`` on a shard file and confirm it still holds ``expected``.
+
+    ``ok`` is False when the rank is rewriting it (lock busy) or already has
+    (descriptor changed): the caller skips it rather than waiting on a save.
+    """
+
+    def __init__(self, stored: StoredShard) -> None:
+        self.stored = stored
+        self.fd = -1
+        self.ok = False
+
+    def __enter__(self) -> "SharedRead":
+        try:
+            self.fd = os.open(self.stored.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return self
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return self
+        current = read_descriptor(self.stored.path)
+        self.ok = current is not None and current.checksum == self.stored.info.checksum and current.step == self.stored.info.step
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # closing drops the lock
