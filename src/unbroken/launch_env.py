@@ -16,6 +16,10 @@ JOB = "UNBROKEN_JOB"
 ATTEMPT = "UNBROKEN_ATTEMPT"
 CHECKPOINT_DIR = "UNBROKEN_CHECKPOINT_DIR"
 CHECKPOINT_KEEP = "UNBROKEN_CHECKPOINT_KEEP"
+CHECKPOINT_TIERS = "UNBROKEN_CHECKPOINT_TIERS"
+"""The job's tier policy as JSON; set only when the job file declares tiers."""
+CHECKPOINT_ENDPOINT = "UNBROKEN_CHECKPOINT_ENDPOINT"
+"""The local agent's shard server, ``host:port``."""
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,8 @@ class LaunchEnv:
     attempt: int
     checkpoint_dir: Path | None
     checkpoint_keep: int
+    checkpoint_tiers: str | None = None
+    checkpoint_endpoint: str | None = None
 
     @property
     def managed(self) -> bool:
@@ -46,6 +52,8 @@ class LaunchEnv:
             attempt=int(env.get(ATTEMPT, "0")),
             checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None,
             checkpoint_keep=int(env.get(CHECKPOINT_KEEP, "2")),
+            checkpoint_tiers=env.get(CHECKPOINT_TIERS) or None,
+            checkpoint_endpoint=env.get(CHECKPOINT_ENDPOINT) or None,
         )
 
     def to_environ(self) -> dict[str, str]:
@@ -54,4 +62,8 @@ class LaunchEnv:
             env[CLUSTER_DIR] = str(self.cluster_dir)
         if self.checkpoint_dir is not None:
             env[CHECKPOINT_DIR] = str(self.checkpoint_dir)
+        if self.checkpoint_tiers is not None:
+            env[CHECKPOINT_TIERS] = self.checkpoint_tiers
+        if self.checkpoint_endpoint is not None:
+            env[CHECKPOINT_ENDPOINT] = self.checkpoint_endpoint
         return env

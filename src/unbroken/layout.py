@@ -1,6 +1,7 @@
 """Where a local cluster keeps its files, in one place.
 
     <dir>/state.db                         the store (SQLite, WAL)
+    <dir>/cluster.token                    shared secret of the nodes' shard servers (0600)
     <dir>/controller.{pid,log,lock}
     <dir>/nodes/<node>/agent.{pid,log}     one folder per node (its "disk")
     <dir>/logs/<job>/attempt-<k>/<node>/   torchrun.log + per-rank logs
@@ -31,6 +32,10 @@ class ClusterLayout:
     @property
     def state_db(self) -> Path:
         return self.root / "state.db"
+
+    @property
+    def cluster_token(self) -> Path:
+        return self.root / "cluster.token"
 
     @property
     def controller_pid(self) -> Path:

@@ -3,6 +3,9 @@
 Works the same under an unbroken agent and under plain ``torchrun`` (or plain
 ``python``): outside an agent, progress goes nowhere and checkpoints go to
 ``checkpoint_dir`` (argument, ``$UNBROKEN_CHECKPOINT_DIR``, or ``./checkpoints``).
+Under an agent, a job file with checkpoint tiers gets the tiered checkpointer
+(shared memory, replicas, persistent tier); the memory tier needs the agent
+that owns it, so plain torchrun always gets the file checkpointer.
 torch is imported lazily so that ``import unbroken`` stays cheap for the CLI.
 """
 
@@ -78,15 +81,20 @@ def init(
     sender = RankSender(agent_address(env.cluster_dir, env.node) if env.managed and env.cluster_dir else None)
     directory = Path(checkpoint_dir) if checkpoint_dir else env.checkpoint_dir or Path("checkpoints")
 
-    from unbroken.checkpoint.file import FileCheckpointer
+    def on_restored(step: int) -> None:
+        ctx._send(MessageKind.RESTORED, step)  # ctx is bound below
 
-    checkpointer = FileCheckpointer(
-        directory,
-        rank=rank,
-        world_size=world_size,
-        keep=env.checkpoint_keep,
-        on_restored=lambda step: ctx._send(MessageKind.RESTORED, step),  # ctx is bound below
-    )
+    checkpointer: Checkpointer
+    if env.checkpoint_tiers and env.managed:
+        from unbroken.checkpoint.policy import TierPolicy
+        from unbroken.checkpoint.tiered import from_environment
+
+        policy = TierPolicy.model_validate_json(env.checkpoint_tiers)
+        checkpointer = from_environment(env, rank, world_size, policy, on_restored)
+    else:
+        from unbroken.checkpoint.file import FileCheckpointer
+
+        checkpointer = FileCheckpointer(directory, rank=rank, world_size=world_size, keep=env.checkpoint_keep, on_restored=on_restored)
     ctx = Context(
         rank=rank, world_size=world_size, local_rank=local_rank, job=env.job, node=env.node,
         attempt=env.attempt, checkpoint=checkpointer, _sender=sender,

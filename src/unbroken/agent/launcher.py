@@ -96,12 +96,15 @@ class RunningWorker:
 
 
 def launch(
-    spec: JobSpec, worker: Worker, *, cluster_dir: Path, node: str, log_dir: Path, checkpoint_dir: Path
+    spec: JobSpec, worker: Worker, *, cluster_dir: Path, node: str, log_dir: Path, checkpoint_dir: Path,
+    checkpoint_endpoint: str | None = None,
 ) -> RunningWorker:
     log_dir.mkdir(parents=True, exist_ok=True)
+    tiers = spec.checkpoint.tiers
     launch_env = LaunchEnv(
         cluster_dir=cluster_dir.resolve(), node=node, job=worker.job, attempt=worker.attempt,
         checkpoint_dir=checkpoint_dir, checkpoint_keep=spec.checkpoint.keep,
+        checkpoint_tiers=tiers.model_dump_json() if tiers else None, checkpoint_endpoint=checkpoint_endpoint,
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **spec.env, **launch_env.to_environ()}
     argv = [sys.executable, "-c", _TRAMPOLINE, *torchrun_argv(spec, worker, log_dir)]

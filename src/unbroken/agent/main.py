@@ -22,6 +22,10 @@ from typing import Any
 from unbroken import logs, procs
 from unbroken.agent import join_checks, launcher
 from unbroken.agent.progress import ProgressBook
+from unbroken.checkpoint import service as checkpoint_service
+from unbroken.checkpoint import shm
+from unbroken.checkpoint.peer import load_token
+from unbroken.checkpoint.service import CheckpointService
 from unbroken.channel import AgentReceiver, agent_address
 from unbroken.config.cluster import ClusterConfig
 from unbroken.layout import ClusterLayout
@@ -49,6 +53,9 @@ class Agent:
         self.book = ProgressBook()
         self.stopping = threading.Event()
         self._last_flush = 0.0
+        self.checkpoints = CheckpointService(
+            SqliteStore(layout.state_db), node, shm.node_root(layout.root, node), load_token(layout.cluster_token)
+        )
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -75,6 +82,8 @@ class Agent:
         receiver = AgentReceiver(agent_address(self.layout.root, self.node))
         heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         heartbeat.start()
+        self.checkpoints.start()
+        threading.Thread(target=self._checkpoint_loop, name="checkpoints", daemon=True).start()
         checks = threading.Thread(target=self._join_checks, name="join-checks", daemon=True)
         checks.start()
         try:
@@ -97,6 +106,7 @@ class Agent:
             for running in list(self.running.values()):
                 running.kill()
             receiver.close()
+            self.checkpoints.close()
 
     def _heartbeat_loop(self) -> None:
         interval = self.cluster.Local.HeartbeatIntervalSeconds
@@ -106,6 +116,16 @@ class Agent:
                 store.update_node(self.node, heartbeat_at=time.time())
             except sqlite3.Error:
                 log.exception("heartbeat failed; retrying", extra={"node": self.node})
+
+    def _checkpoint_loop(self) -> None:
+        """The memory tier's reconciler, on its own thread and store connection: a slow
+        pass (a big drain decision, a busy store) never delays worker supervision."""
+        while not self.stopping.wait(checkpoint_service.PASS_SECONDS):
+            try:
+                self.checkpoints.reconcile()
+            except Exception:  # noqa: BLE001 - checkpoints degrade; the agent must stay up
+                log.exception("checkpoint pass failed; retrying", extra={"node": self.node})
+                self.stopping.wait(1.0)
 
     def _join_checks(self) -> None:
         node = self.store.get_node(self.node)
@@ -168,9 +188,11 @@ class Agent:
         spec = job.spec()
         log_dir = self.layout.worker_log_dir(worker.job, worker.attempt, self.node)
         checkpoint_dir = spec.checkpoint.dir or self.layout.checkpoint_dir(worker.job)
+        endpoint = self.checkpoints.server.address if self.checkpoints.server else None
         try:
             running = launcher.launch(
-                spec, worker, cluster_dir=self.layout.root, node=self.node, log_dir=log_dir, checkpoint_dir=checkpoint_dir
+                spec, worker, cluster_dir=self.layout.root, node=self.node, log_dir=log_dir, checkpoint_dir=checkpoint_dir,
+                checkpoint_endpoint=endpoint,
             )
         except OSError as exc:
             # e.g. the working_dir was deleted: the job's fault, not the node's. Report it

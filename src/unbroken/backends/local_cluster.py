@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable
 
 from unbroken.backends.base import provision_node
+from unbroken.checkpoint import shm
+from unbroken.checkpoint.peer import create_token
 from unbroken.backends.local import LocalBackend
 from unbroken.config.cluster import ClusterConfig
 from unbroken.errors import BackendError, ConflictError
@@ -36,6 +38,7 @@ def up(layout: ClusterLayout, config: ClusterConfig) -> tuple[SqliteStore, bool]
         store.close()
         _wipe(layout)
     layout.root.mkdir(parents=True, exist_ok=True)
+    create_token(layout.cluster_token)
     store = SqliteStore(layout.state_db, create=True)
     store.save_cluster(config.model_dump_json())
     _set_status(store, "up")
@@ -64,8 +67,13 @@ def wait_ready(store: SqliteStore, timeout: float, on_tick: Callable[[dict[str, 
 
 
 def down(layout: ClusterLayout) -> list[int]:
-    """Stop every process of the cluster. Returns pids that survived (normally none)."""
+    """Stop every process of the cluster and free its memory tier. Returns pids that survived.
+
+    Shared memory is the one thing not kept for a post-mortem: it is RAM. Steps
+    drained to a persistent tier stay there.
+    """
     left = LocalBackend(layout).stop_cluster()
+    shutil.rmtree(shm.cluster_root(layout.root), ignore_errors=True)
     if layout.state_db.exists():
         _set_status(SqliteStore(layout.state_db), "down")
     return left
@@ -84,7 +92,7 @@ def _set_status(store: SqliteStore, status: str) -> None:
 
 
 def _wipe(layout: ClusterLayout) -> None:
-    for name in ("state.db", "state.db-wal", "state.db-shm"):
+    for name in ("state.db", "state.db-wal", "state.db-shm", "cluster.token"):
         (layout.root / name).unlink(missing_ok=True)
     for folder in ("nodes", "logs", "checkpoints"):
         shutil.rmtree(layout.root / folder, ignore_errors=True)

@@ -16,6 +16,8 @@ by raw bytes:
   then the bytes, sent with ``sendfile`` straight from shared memory.
 - ``list``: ``{"op": "list", "job"}``: every complete shard of the job on the node.
 - ``verify``: ``{"op": "verify", "job"}``: re-checksums them and reports each.
+- ``catalog``: ``{"op": "catalog", "job"}``: the steps committed in memory and where every
+  copy of their shards is (from the store), for a restoring rank.
 
 Like NCCL's and gloo's own traffic, payloads are not encrypted: the token keeps
 other processes and hosts from reading or planting shards, the network is the
@@ -114,12 +116,19 @@ def _recv_header(sock: socket.socket) -> dict[str, Any]:
 
 
 class ShardServer:
-    """Serves one node's memory tier. ``on_put`` is told about each replica received."""
+    """Serves one node's memory tier; ``catalog`` answers restoring ranks (the agent's store view)."""
 
-    def __init__(self, root: Path, token: bytes, host: str = "127.0.0.1", on_put: Callable[[shm.StoredShard], None] | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        token: bytes,
+        host: str = "127.0.0.1",
+        *,
+        catalog: Callable[[str], dict[str, Any]] | None = None,
+    ) -> None:
         self.root = root
         self.token = token
-        self.on_put = on_put
+        self.catalog = catalog
         server = self
 
         class Handler(socketserver.BaseRequestHandler):
@@ -171,6 +180,8 @@ class ShardServer:
         elif op == "list":
             shards = shm.scan(self.root, str(header["job"]))
             _send_header(sock, {"ok": True, "shards": [{"info": s.info.model_dump(mode="json"), "held": s.held} for s in shards]})
+        elif op == "catalog" and self.catalog is not None:
+            _send_header(sock, {"ok": True, "catalog": self.catalog(str(header["job"]))})
         elif op == "verify":
             _send_header(sock, {"ok": True, "results": verify_local(self.root, str(header["job"]))})
         else:
@@ -201,8 +212,6 @@ class ShardServer:
         os.replace(tmp, path)
         shm.write_descriptor(path, info)
         _send_header(sock, {"ok": True})
-        if self.on_put is not None:
-            self.on_put(shm.StoredShard(path, info, held=True))
 
     def _get(self, sock: socket.socket, job: str, step: int, rank: int) -> None:
         for stored in shm.scan(self.root, job):
@@ -213,7 +222,8 @@ class ShardServer:
                     continue
                 _send_header(sock, {"ok": True, "info": stored.info.model_dump(mode="json")})
                 if stored.info.size:
-                    sock.sendfile(os.fdopen(os.dup(read.fd), "rb"), 0, stored.info.size)
+                    with open(stored.path, "rb") as f:  # same inode; our LOCK_SH keeps writers out
+                        sock.sendfile(f, 0, stored.info.size)
                 return
         _send_header(sock, {"ok": False, "error": f"no complete shard of {job} step {step} rank {rank} here"})
 
@@ -295,9 +305,14 @@ class PeerClient:
             raise CheckpointError(f"{self.address}: {job} step {step} rank {rank} checksum mismatch ({info.checksum} != {got})")
         return info
 
-    def list(self, job: str) -> list[tuple[ShardInfo, bool]]:
+    def shards(self, job: str) -> list[tuple[ShardInfo, bool]]:
         _send_header(self.sock, {"op": "list", "job": job})
         return [(ShardInfo.model_validate(s["info"]), bool(s["held"])) for s in self._reply()["shards"]]
+
+    def catalog(self, job: str) -> dict[str, Any]:
+        _send_header(self.sock, {"op": "catalog", "job": job})
+        catalog: dict[str, Any] = self._reply()["catalog"]
+        return catalog
 
     def verify(self, job: str) -> list[dict[str, Any]]:
         _send_header(self.sock, {"op": "verify", "job": job})

@@ -132,7 +132,7 @@ class SlotPool:
 
     @property
     def limit(self) -> int:
-        return self.keep + 2  # keep complete + one being written + one spare while a reader holds one
+        return self.keep + 2  # ``keep`` complete + one being written + one spare while a reader holds one
 
     def acquire(self, *, wait_seconds: float) -> Slot:
         """A slot locked for writing, its descriptor removed. Waits at most ``wait_seconds``."""
@@ -151,11 +151,12 @@ class SlotPool:
             time.sleep(0.005)  # a poll on a lock held by another process; nothing to wait on instead
 
     def _try_acquire(self) -> Slot | None:
-        complete = [s.step for s in self.slots if s.step is not None]
-        newest = max(complete) if complete else None
-        # Empty slots first, then the oldest complete step; never the newest complete one.
+        # The newest ``keep`` complete steps stay; of the others, empty slots go first,
+        # then the oldest step. So the tier holds ``keep`` steps even while a save runs.
+        complete = sorted((s.step for s in self.slots if s.step is not None), reverse=True)
+        protected = set(complete[: self.keep])
         candidates = sorted(
-            (s for s in self.slots if s.step is None or s.step != newest),
+            (s for s in self.slots if s.step is None or s.step not in protected),
             key=lambda s: -1 if s.step is None else s.step,
         )
         for slot in candidates:

@@ -308,7 +308,8 @@ class SqliteStore:
             )
 
     def list_shard_copies(self, job: str, *, step: int | None = None, tier: CheckpointTier | None = None) -> list[ShardCopy]:
-        clauses, params = ["job = ?"], [job]
+        clauses: list[str] = ["job = ?"]
+        params: list[Any] = [job]
         if step is not None:
             clauses.append("step = ?")
             params.append(step)
@@ -321,7 +322,8 @@ class SqliteStore:
         return [_decode(ShardCopy, r) for r in rows]
 
     def delete_shard_copies(self, job: str, step: int, *, tier: CheckpointTier | None = None, node: str | None = None) -> None:
-        clauses, params = ["job = ?", "step = ?"], [job, step]
+        clauses: list[str] = ["job = ?", "step = ?"]
+        params: list[Any] = [job, step]
         if tier is not None:
             clauses.append("tier = ?")
             params.append(tier.value)
@@ -344,7 +346,8 @@ class SqliteStore:
 
     def list_checkpoint_steps(self, job: str, *, tier: CheckpointTier | None = None) -> list[CheckpointStep]:
         """Newest first."""
-        clauses, params = ["job = ?"], [job]
+        clauses: list[str] = ["job = ?"]
+        params: list[Any] = [job]
         if tier is not None:
             clauses.append("tier = ?")
             params.append(tier.value)

@@ -1,0 +1,308 @@
+"""The rank's half of tiered checkpointing: ``ctx.checkpoint`` when the job file has tiers.
+
+``save(step, state)`` copies the state into one of the rank's shared-memory
+slots and returns; that copy is the whole stall. A background thread then
+checksums the slot and publishes its descriptor; the node agent takes it
+from there (commit, replicas, persistent tier). A second ``save`` first waits
+for the previous checksum (tens of milliseconds per GiB) and, if every slot is
+being read by a replication or a drain, waits at most ``save_wait_seconds``
+before skipping the step with a warning: memory stays bounded.
+
+``restore()`` takes the newest step every rank can load and verify, trying
+for each step the rank's shard in shared memory on its node, then the copies
+on peers (replicas, or the primary on another node), then the persistent
+tier; any mismatch falls back to the next copy or an older step. All ranks
+agree on the outcome through two small collectives.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import mmap
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from unbroken.checkpoint import rng, shard, shm
+from unbroken.checkpoint.api import Restored
+from unbroken.checkpoint.manifest import ShardInfo
+from unbroken.checkpoint.peer import PeerClient
+from unbroken.checkpoint.persistent import PersistentStore
+from unbroken.checkpoint.policy import TierPolicy
+from unbroken.errors import CheckpointError
+
+log = logging.getLogger("unbroken.checkpoint")
+
+
+def _say(message: str) -> None:
+    """Checkpoint decisions go to the rank's log, which ``unbroken job logs`` shows."""
+    print(f"unbroken: {message}", flush=True)
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    payload: dict[str, Any]
+    source: str
+
+
+@dataclass
+class TieredCheckpointer:
+    job: str
+    attempt: int
+    rank: int
+    world_size: int
+    node: str
+    shm_root: Path
+    """This node's memory-tier folder."""
+    policy: TierPolicy
+    endpoint: str | None
+    """The local agent's shard server (``host:port``); None outside an agent."""
+    token: bytes
+    on_restored: Callable[[int], None] | None = None
+    save_wait_seconds: float = 30.0
+    _pool: shm.SlotPool = field(init=False)
+    _pending: threading.Thread | None = field(default=None, init=False)
+    _last_step: int | None = field(default=None, init=False)
+    _last_at: float | None = field(default=None, init=False)
+    _stream: Any = field(default=None, init=False)
+    last_stall_seconds: float = field(default=0.0, init=False)
+
+    def __post_init__(self) -> None:
+        self._pool = shm.SlotPool(shm.own_dir(self.shm_root, self.job), self.attempt, self.rank, self.policy.memory.keep)
+
+    # -- save -----------------------------------------------------------------------
+
+    def save(self, step: int, state: dict[str, Any]) -> None:
+        """Stage ``state`` for ``step`` if the memory policy wants it; returns after the copy."""
+        if step < 0:
+            raise CheckpointError(f"checkpoint step must be >= 0, got {step}")
+        if not self._due(step):
+            return
+        started = time.perf_counter()
+        self.wait()
+        layout, tensors = shard.plan({"step": step, "state": state, "rng": rng.capture()})
+        try:
+            slot = self._pool.acquire(wait_seconds=self.save_wait_seconds)
+            buffer = slot.ensure_capacity(layout.size)
+        except CheckpointError as exc:
+            # A full /dev/shm or readers holding every slot: this step is not staged, training goes on.
+            _say(f"step {step} not checkpointed: {exc}")
+            return
+        try:
+            self._copy(slot, buffer, layout, tensors)
+        except BaseException:
+            self._pool.release(slot, None)
+            raise
+        self._last_step, self._last_at = step, time.monotonic()
+        self.last_stall_seconds = time.perf_counter() - started
+        self._pending = threading.Thread(target=self._finalize, args=(slot, layout, step), name="ckpt-finalize", daemon=True)
+        self._pending.start()
+
+    def wait(self) -> None:
+        """Until the last save's shard is checksummed and visible to the agent."""
+        if self._pending is not None:
+            self._pending.join()
+            self._pending = None
+
+    def _due(self, step: int) -> bool:
+        memory = self.policy.memory
+        since = None if self._last_at is None else time.monotonic() - self._last_at
+        due = memory.due(step, last_step=self._last_step, seconds_since_last=since)
+        if memory.every_seconds is None or not _distributed():
+            return due
+        import torch.distributed as dist
+
+        # Ranks reach a step at slightly different times: agree, or no step would ever commit.
+        flag = torch.tensor([1 if due else 0], dtype=torch.int32, device=_collective_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _copy(self, slot: shm.Slot, buffer: mmap.mmap, layout: shard.ShardLayout, tensors: list[torch.Tensor]) -> None:
+        if not any(t.is_cuda for t in tensors):
+            shard.write(buffer, layout, tensors)
+            return
+        # Device -> host: register the slot as pinned memory once, copy on our own stream,
+        # and wait for that stream only (the training stream keeps going meanwhile).
+        if not slot.registered and layout.size:
+            address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+            torch.cuda.cudart().cudaHostRegister(address, slot.capacity, 0)
+            slot.registered = True
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            shard.write(buffer, layout, tensors, non_blocking=True)
+        self._stream.synchronize()
+
+    def _finalize(self, slot: shm.Slot, layout: shard.ShardLayout, step: int) -> None:
+        info: ShardInfo | None = None
+        try:
+            assert slot.view is not None
+            digest = shard.checksum(slot.view, layout.size)
+            info = ShardInfo.describe(
+                job=self.job, step=step, rank=self.rank, world_size=self.world_size, attempt=self.attempt,
+                layout=layout, checksum=digest,
+            )
+        finally:
+            self._pool.release(slot, info)
+
+    def close(self) -> None:
+        self.wait()
+        self._pool.close()
+
+    # -- restore --------------------------------------------------------------------
+
+    def restore(self) -> Restored | None:
+        catalog = _broadcast(self._catalog() if self.rank == 0 else None)
+        memory: dict[int, dict[str, Any]] = {int(k): v for k, v in catalog["memory"].items()}
+        persistent: list[int] = catalog["persistent"]
+        for step in sorted(set(memory) | set(persistent), reverse=True):
+            loaded = self._load(step, memory.get(step), step in persistent, catalog["endpoints"])
+            if _all_ranks_ok(loaded is not None):
+                assert loaded is not None
+                rng.apply(loaded.payload["rng"])
+                _say(f"restored step {step} from {loaded.source}")
+                if self.on_restored:
+                    self.on_restored(step)
+                return Restored(step=step, state=loaded.payload["state"], source=loaded.source)
+            _say(f"step {step} is not restorable on every rank; trying an older step")
+        return None
+
+    def _catalog(self) -> dict[str, Any]:
+        """Rank 0's view: steps committed in memory (from the agent) and in the persistent tier."""
+        memory: dict[int, dict[str, Any]] = {}
+        endpoints: dict[str, str] = {}
+        if self.endpoint is not None:
+            try:
+                with PeerClient(self.endpoint, self.token) as agent:
+                    raw = agent.catalog(self.job)
+                endpoints = {k: v for k, v in raw["endpoints"].items() if v}
+                for entry in raw["steps"]:
+                    if entry["world_size"] != self.world_size:
+                        continue  # written by a run of another size: not ours to load per rank
+                    copies: dict[int, list[tuple[str, str]]] = {}
+                    for c in raw["copies"]:
+                        if c["step"] == entry["step"] and c["attempt"] == entry["attempt"]:
+                            copies.setdefault(c["rank"], []).append((c["node"], c["tier"]))
+                    memory[entry["step"]] = {"attempt": entry["attempt"], "copies": copies}
+            except (OSError, CheckpointError) as exc:
+                _say(f"memory tier catalog unavailable ({exc}); looking at the persistent tier only")
+        persistent: list[int] = []
+        if self.policy.persistent is not None:
+            try:
+                persistent = PersistentStore(self.policy.persistent.uri).committed_steps(self.job)
+            except Exception as exc:  # noqa: BLE001 - an unreachable tier is a fallback lost, not a crash
+                _say(f"persistent tier {self.policy.persistent.uri} unavailable for restore: {exc}")
+        return {"memory": memory, "persistent": persistent, "endpoints": endpoints}
+
+    def _load(self, step: int, memory: dict[str, Any] | None, in_persistent: bool, endpoints: dict[str, str]) -> _Loaded | None:
+        attempts: list[tuple[str, Callable[[], Any]]] = []
+        if memory is not None:
+            attempt = int(memory["attempt"])
+            copies = memory["copies"].get(self.rank, memory["copies"].get(str(self.rank), []))
+            local = [c for c in copies if c[0] == self.node]
+            remote = sorted((c for c in copies if c[0] != self.node), key=lambda c: c[1] != "replica")
+            if local:
+                attempts.append((f"memory on {self.node}", lambda: self._read_local(step, attempt)))
+            for node, tier in remote:
+                address = endpoints.get(node)
+                if address:
+                    attempts.append((f"{tier} on {node}", functools.partial(self._read_remote, address, step)))
+        if in_persistent and self.policy.persistent is not None:
+            uri = self.policy.persistent.uri
+            attempts.append((f"persistent {uri}", lambda: self._read_persistent(uri, step)))
+        for source, read in attempts:
+            try:
+                payload = read()
+            except Exception as exc:  # noqa: BLE001 - any unreadable copy means: try the next one
+                _say(f"step {step} rank {self.rank} from {source}: {exc}")
+                continue
+            if not isinstance(payload, dict) or payload.get("step") != step or "state" not in payload:
+                _say(f"step {step} rank {self.rank} from {source}: not a step-{step} checkpoint")
+                continue
+            return _Loaded(payload, source)
+        return None
+
+    def _read_local(self, step: int, attempt: int) -> Any:
+        for stored in shm.scan(self.shm_root, self.job):
+            info = stored.info
+            if info.step != step or info.rank != self.rank or info.attempt != attempt:
+                continue
+            with open(stored.path, "rb") as f, mmap.mmap(f.fileno(), max(info.size, 1), access=mmap.ACCESS_COPY) as view:
+                got = shard.checksum(view, info.size)
+                if got != info.checksum:
+                    raise CheckpointError(f"{stored.path}: checksum mismatch (descriptor {info.checksum}, data {got})")
+                return shard.read(view, info.metas(), info.skeleton_offset, info.size, copy=True)
+        raise CheckpointError(f"no copy of step {step} rank {self.rank} in {self.shm_root}")
+
+    def _read_remote(self, address: str, step: int) -> Any:
+        holder: dict[str, bytearray] = {}
+
+        def into(info: ShardInfo) -> memoryview:
+            holder["buffer"] = bytearray(info.size)
+            return memoryview(holder["buffer"])
+
+        with PeerClient(address, self.token) as peer:
+            info = peer.get(self.job, step, self.rank, into)
+        return shard.read(holder.get("buffer", bytearray(1)), info.metas(), info.skeleton_offset, info.size, copy=False)
+
+    def _read_persistent(self, uri: str, step: int) -> Any:
+        store = PersistentStore(uri)
+        manifest = store.manifest(self.job, step)
+        if manifest.world_size != self.world_size:
+            raise CheckpointError(f"written by {manifest.world_size} ranks, this run has {self.world_size}")
+        info = manifest.shard(self.rank)
+        data = store.read_shard(info)
+        return shard.read(data, info.metas(), info.skeleton_offset, info.size, copy=False)
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _collective_device() -> torch.device:
+    import torch.distributed as dist
+
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _broadcast(value: Any) -> Any:
+    if not _distributed():
+        return value
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _all_ranks_ok(ok: bool) -> bool:
+    if not _distributed():
+        return ok
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=_collective_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def from_environment(env: Any, rank: int, world_size: int, policy: TierPolicy, on_restored: Callable[[int], None] | None) -> TieredCheckpointer:
+    """The checkpointer a rank launched by an agent gets (``unbroken.init``)."""
+    from unbroken.checkpoint.peer import load_token
+    from unbroken.layout import ClusterLayout
+
+    assert env.cluster_dir is not None
+    return TieredCheckpointer(
+        job=env.job, attempt=env.attempt, rank=rank, world_size=world_size, node=env.node,
+        shm_root=shm.node_root(env.cluster_dir, env.node), policy=policy, endpoint=env.checkpoint_endpoint,
+        token=load_token(ClusterLayout.at(env.cluster_dir).cluster_token), on_restored=on_restored,
+    )
+
