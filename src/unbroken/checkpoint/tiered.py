@@ -163,7 +163,7 @@ class TieredCheckpointer:
         memory: dict[int, dict[str, Any]] = {int(k): v for k, v in catalog["memory"].items()}
         persistent: list[int] = catalog["persistent"]
         for step in sorted(set(memory) | set(persistent), reverse=True):
-            loaded = self._load(step, memory.get(step), step in persistent, catalog["endpoints"])
+            loaded = self.load_shard(step, self.rank, catalog)
             if _all_ranks_ok(loaded is not None):
                 assert loaded is not None
                 rng.apply(loaded.payload["rng"])
@@ -175,7 +175,8 @@ class TieredCheckpointer:
         return None
 
     def _catalog(self) -> dict[str, Any]:
-        """Rank 0's view: steps committed in memory (from the agent) and in the persistent tier."""
+        """Steps committed in memory (from the agent) and in the persistent tier, and where
+        each shard's copies are. No collective: ``restore`` has rank 0 build it and broadcast."""
         memory: dict[int, dict[str, Any]] = {}
         endpoints: dict[str, str] = {}
         if self.endpoint is not None:
@@ -201,47 +202,56 @@ class TieredCheckpointer:
                 _say(f"persistent tier {self.policy.persistent.uri} unavailable for restore: {exc}")
         return {"memory": memory, "persistent": persistent, "endpoints": endpoints}
 
-    def _load(self, step: int, memory: dict[str, Any] | None, in_persistent: bool, endpoints: dict[str, str]) -> _Loaded | None:
+    def load_shard(self, step: int, rank: int, catalog: dict[str, Any] | None = None) -> _Loaded | None:
+        """Rank ``rank``'s payload of ``step`` from the fastest copy that verifies, or None.
+
+        Any rank's shard can be loaded from anywhere (the DCP reader needs that when
+        the world size changes); ``restore`` loads its own.
+        """
+        catalog = catalog if catalog is not None else self._catalog()
+        memory = {int(k): v for k, v in catalog["memory"].items()}.get(step)
+        in_persistent = step in catalog["persistent"]
+        endpoints: dict[str, str] = catalog["endpoints"]
         attempts: list[tuple[str, Callable[[], Any]]] = []
         if memory is not None:
             attempt = int(memory["attempt"])
-            copies = memory["copies"].get(self.rank, memory["copies"].get(str(self.rank), []))
+            copies = memory["copies"].get(rank, memory["copies"].get(str(rank), []))
             local = [c for c in copies if c[0] == self.node]
             remote = sorted((c for c in copies if c[0] != self.node), key=lambda c: c[1] != "replica")
             if local:
-                attempts.append((f"memory on {self.node}", lambda: self._read_local(step, attempt)))
+                attempts.append((f"memory on {self.node}", functools.partial(self._read_local, step, rank, attempt)))
             for node, tier in remote:
                 address = endpoints.get(node)
                 if address:
-                    attempts.append((f"{tier} on {node}", functools.partial(self._read_remote, address, step)))
+                    attempts.append((f"{tier} on {node}", functools.partial(self._read_remote, address, step, rank)))
         if in_persistent and self.policy.persistent is not None:
             uri = self.policy.persistent.uri
-            attempts.append((f"persistent {uri}", lambda: self._read_persistent(uri, step)))
+            attempts.append((f"persistent {uri}", functools.partial(self._read_persistent, uri, step, rank)))
         for source, read in attempts:
             try:
                 payload = read()
             except Exception as exc:  # noqa: BLE001 - any unreadable copy means: try the next one
-                _say(f"step {step} rank {self.rank} from {source}: {exc}")
+                _say(f"step {step} rank {rank} from {source}: {exc}")
                 continue
             if not isinstance(payload, dict) or payload.get("step") != step or "state" not in payload:
-                _say(f"step {step} rank {self.rank} from {source}: not a step-{step} checkpoint")
+                _say(f"step {step} rank {rank} from {source}: not a step-{step} checkpoint")
                 continue
             return _Loaded(payload, source)
         return None
 
-    def _read_local(self, step: int, attempt: int) -> Any:
+    def _read_local(self, step: int, rank: int, attempt: int) -> Any:
         for stored in shm.scan(self.shm_root, self.job):
             info = stored.info
-            if info.step != step or info.rank != self.rank or info.attempt != attempt:
+            if info.step != step or info.rank != rank or info.attempt != attempt:
                 continue
             with open(stored.path, "rb") as f, mmap.mmap(f.fileno(), max(info.size, 1), access=mmap.ACCESS_COPY) as view:
                 got = shard.checksum(view, info.size)
                 if got != info.checksum:
                     raise CheckpointError(f"{stored.path}: checksum mismatch (descriptor {info.checksum}, data {got})")
                 return shard.read(view, info.metas(), info.skeleton_offset, info.size, copy=True)
-        raise CheckpointError(f"no copy of step {step} rank {self.rank} in {self.shm_root}")
+        raise CheckpointError(f"no copy of step {step} rank {rank} in {self.shm_root}")
 
-    def _read_remote(self, address: str, step: int) -> Any:
+    def _read_remote(self, address: str, step: int, rank: int) -> Any:
         holder: dict[str, bytearray] = {}
 
         def into(info: ShardInfo) -> memoryview:
@@ -249,15 +259,13 @@ class TieredCheckpointer:
             return memoryview(holder["buffer"])
 
         with PeerClient(address, self.token) as peer:
-            info = peer.get(self.job, step, self.rank, into)
+            info = peer.get(self.job, step, rank, into)
         return shard.read(holder.get("buffer", bytearray(1)), info.metas(), info.skeleton_offset, info.size, copy=False)
 
-    def _read_persistent(self, uri: str, step: int) -> Any:
+    def _read_persistent(self, uri: str, step: int, rank: int) -> Any:
         store = PersistentStore(uri)
         manifest = store.manifest(self.job, step)
-        if manifest.world_size != self.world_size:
-            raise CheckpointError(f"written by {manifest.world_size} ranks, this run has {self.world_size}")
-        info = manifest.shard(self.rank)
+        info = manifest.shard(rank)
         data = store.read_shard(info)
         return shard.read(data, info.metas(), info.skeleton_offset, info.size, copy=False)
 
