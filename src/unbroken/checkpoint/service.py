@@ -168,13 +168,17 @@ class CheckpointService:
         for path in [p for p in self._known if p not in present]:
             del self._known[path]
         present_keys = {(s.info.job, s.info.step, s.info.rank, s.held) for s in found}
+        # A retired node's agent is gone for good: nobody else will delete its rows.
+        retired = {n.name for n in self.store.list_nodes() if n.state is NodeState.RETIRED}
         for name, job in jobs.items():
             if job.spec().checkpoint.tiers is None:
                 continue
             for copy in self.store.list_shard_copies(name):
-                if copy.node != self.node or copy.tier is CheckpointTier.PERSISTENT:
+                if copy.tier is CheckpointTier.PERSISTENT:
                     continue
-                if (copy.job, copy.step, copy.rank, copy.tier is CheckpointTier.REPLICA) not in present_keys:
+                if copy.node in retired:
+                    self.store.delete_shard_copies(copy.job, copy.step, tier=copy.tier, node=copy.node)
+                elif copy.node == self.node and (copy.job, copy.step, copy.rank, copy.tier is CheckpointTier.REPLICA) not in present_keys:
                     self.store.delete_shard_copies(copy.job, copy.step, tier=copy.tier, node=self.node)
 
     # -- 2. commit in memory --------------------------------------------------------
@@ -375,12 +379,9 @@ class CheckpointService:
         draining = {s.step for s in self.store.list_checkpoint_steps(job.name, tier=CheckpointTier.PERSISTENT) if s.status is StepStatus.DRAINING}
         if oldest_kept is None:
             return
-        gone = {n.name for n in self.store.list_nodes() if n.state is NodeState.RETIRED}
         for row in committed[policy.memory.keep :]:
             if row.step not in draining:
                 self.store.delete_checkpoint_step(job.name, row.step, CheckpointTier.MEMORY)
-                for node in gone:  # a retired node's agent is not there to delete its own rows
-                    self.store.delete_shard_copies(job.name, row.step, node=node)
         for stored in shards:
             step = stored.info.step
             if step >= oldest_kept or step in kept or step in draining:
@@ -408,6 +409,10 @@ class CheckpointService:
         for stored in shards:
             shm.descriptor_path(stored.path).unlink(missing_ok=True)
             stored.path.unlink(missing_ok=True)
+        for row in self.store.list_checkpoint_steps(job, tier=CheckpointTier.MEMORY):
+            self.store.delete_checkpoint_step(job, row.step, CheckpointTier.MEMORY)
+            self.store.delete_shard_copies(job, row.step, tier=CheckpointTier.MEMORY)
+            self.store.delete_shard_copies(job, row.step, tier=CheckpointTier.REPLICA)
 
     # -- what a restoring rank asks ------------------------------------------------
 
