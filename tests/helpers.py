@@ -20,6 +20,18 @@ from unbroken.state.sqlite import SqliteStore
 
 T = TypeVar("T")
 
+STEPS = 60
+"""Steps of the integration tests' MLP jobs (and of their reference run)."""
+
+
+def assert_same_parameters(a: Path, b: Path) -> None:
+    import torch
+
+    left, right = torch.load(a), torch.load(b)
+    assert left.keys() == right.keys()
+    for key in left:
+        assert torch.equal(left[key], right[key]), f"parameter {key} differs"
+
 
 def run_cli(*args: str, cluster_dir: Path | None = None, check: bool = True, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "COLUMNS": "200"}
@@ -81,15 +93,27 @@ class Cluster:
             return self.step(name) >= step and self.step(name)
         return wait_for(reached, timeout, f"job {name} attempt {attempt} at step >= {step}")
 
+    def wait_for_replicas(self, job: str, node: str, timeout: float = 60) -> None:
+        """Until every shard ``node`` holds of the newest committed memory step has a replica elsewhere."""
+        from unbroken.state.records import CheckpointTier
+
+        def replicated() -> bool:
+            copies = self.store.list_shard_copies(job)
+            mine = {(c.step, c.rank) for c in copies if c.tier is CheckpointTier.MEMORY and c.node == node}
+            held = {(c.step, c.rank) for c in copies if c.tier is CheckpointTier.REPLICA and c.node != node}
+            return bool(mine) and bool(mine & held) and max(mine) in held
+        wait_for(replicated, timeout, f"replicas of {node}'s shards of {job}")
+
     def submit(self, tmp: Path, name: str, *, steps: int, nodes: int = 2, procs: int = 2, checkpoint_every: int = 10,
-               step_time: float = 0.02, extra_args: list[str] | None = None, **resilience: Any) -> Path:
+               step_time: float = 0.02, extra_args: list[str] | None = None, checkpoint: dict[str, Any] | None = None,
+               **resilience: Any) -> Path:
         output = tmp / f"{name}.params.pt"
         spec = {
             "name": name, "nodes": nodes, "procs_per_node": procs,
             "command": ["-m", "unbroken.workloads.mlp", "--steps", str(steps), "--checkpoint-every", str(checkpoint_every),
                         "--step-time", str(step_time), "--output", str(output), *(extra_args or [])],
             "resilience": {"auto_resume": True, "max_retry": 3, "hang_timeout": 60, **resilience},
-            "checkpoint": {"dir": str(tmp / f"{name}-ckpt")},
+            "checkpoint": checkpoint if checkpoint is not None else {"dir": str(tmp / f"{name}-ckpt")},
         }
         job_file = tmp / f"{name}.yaml"
         job_file.write_text(yaml.safe_dump(spec))

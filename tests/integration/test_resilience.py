@@ -8,43 +8,14 @@ from __future__ import annotations
 
 import os
 import signal
-from pathlib import Path
 
 import pytest
-import torch
 
-from helpers import Cluster, wait_for
+from helpers import STEPS, assert_same_parameters, wait_for
 
 from unbroken import procs
 from unbroken.state.phases import NodeState
 
-STEPS = 60
-
-
-def assert_same_parameters(a: Path, b: Path) -> None:
-    left, right = torch.load(a), torch.load(b)
-    assert left.keys() == right.keys()
-    for key in left:
-        assert torch.equal(left[key], right[key]), f"parameter {key} differs"
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    """Final parameters of an uninterrupted 2-node x 2-process run (the fault tests' yardstick)."""
-    from helpers import run_cli
-
-    tmp = tmp_path_factory.mktemp("reference")
-    cluster = Cluster(tmp / "cluster")
-    run_cli("cluster", "up", "--nodes", "2", cluster_dir=cluster.dir)
-    try:
-        output = cluster.submit(tmp, "ref", steps=STEPS)
-        job = cluster.wait_job_phase("ref", {"Succeeded", "Failed"}, 180)
-        assert job.phase.value == "Succeeded", job.reason
-        assert job.attempt == 0
-    finally:
-        run_cli("cluster", "down", cluster_dir=cluster.dir, check=False)
-    assert not procs.cluster_processes(cluster.dir)
-    return output
 
 
 def test_two_runs_are_bit_identical(make_cluster, tmp_path, reference):

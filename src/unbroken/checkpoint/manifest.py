@@ -5,6 +5,9 @@ a shared-memory slot, the peer protocol's header, an entry of a persistent
 manifest). ``StepManifest`` is a step's manifest in the persistent tier:
 world size, attempt and every rank's ``ShardInfo``; the ``COMMITTED`` marker
 is written after it.
+
+No torch import here: the node agent reads descriptors and must start fast
+(it has seconds to register before it counts as lost).
 """
 
 from __future__ import annotations
@@ -14,10 +17,42 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dataclasses import dataclass
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from unbroken.checkpoint.shard import FORMAT, ShardLayout, TensorMeta
 from unbroken.errors import CheckpointError
+
+FORMAT = "unbroken.shard/1"
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    offset: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"offset": self.offset, "nbytes": self.nbytes, "dtype": self.dtype, "shape": list(self.shape)}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> "TensorMeta":
+        return cls(int(raw["offset"]), int(raw["nbytes"]), str(raw["dtype"]), tuple(int(x) for x in raw["shape"]))
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where each tensor and the skeleton go; computed before any byte is copied."""
+
+    tensors: tuple[TensorMeta, ...]
+    skeleton_offset: int
+    skeleton: bytes
+
+    @property
+    def size(self) -> int:
+        return self.skeleton_offset + len(self.skeleton)
+
 
 
 class _Frozen(BaseModel):

@@ -43,7 +43,7 @@ from typing import Any
 
 from unbroken.checkpoint import shm
 from unbroken.checkpoint.manifest import ShardInfo
-from unbroken.checkpoint.shard import StreamingChecksum, checksum
+from unbroken.checkpoint.integrity import StreamingChecksum, checksum
 from unbroken.errors import CheckpointError
 
 log = logging.getLogger("unbroken.checkpoint.peer")

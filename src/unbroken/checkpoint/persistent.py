@@ -23,7 +23,7 @@ from urllib.parse import urlparse
 import fsspec
 
 from unbroken.checkpoint.manifest import ShardInfo, StepManifest, dumps
-from unbroken.checkpoint.shard import StreamingChecksum
+from unbroken.checkpoint.integrity import StreamingChecksum
 from unbroken.errors import CheckpointError
 
 MARKER = "COMMITTED"

@@ -38,7 +38,7 @@ from unbroken.checkpoint.manifest import ShardInfo, StepManifest
 from unbroken.checkpoint.peer import PeerClient, ShardServer
 from unbroken.checkpoint.persistent import PersistentStore
 from unbroken.checkpoint.policy import TierPolicy
-from unbroken.state.phases import JobPhase, NodeState
+from unbroken.state.phases import NodeState
 from unbroken.state.records import CheckpointStep, CheckpointTier, EventType, Job, ShardCopy, StepStatus
 from unbroken.state.store import Store
 
@@ -122,15 +122,25 @@ class CheckpointService:
             if job is None:
                 continue
             policy = job.spec().checkpoint.tiers
-            if job.phase in (JobPhase.SUCCEEDED, JobPhase.CANCELLED) or policy is None:
+            if policy is None:
                 self._drop_job(name, shards)
                 continue
+            ended = job.phase.is_terminal
             self._record(job, shards)
             self._commit_memory(job)
-            self._replicate(job, policy, shards)
+            if not ended:
+                self._replicate(job, policy, shards)
             if policy.persistent is not None:
-                self._drain(job, policy, shards)
-            self._retain(job, policy, shards)
+                self._drain(job, policy, shards, open_new=not ended)
+            if ended and not self._drain_pending(name):
+                # A finished job's shared memory goes back to the node once its last
+                # drain is done; what reached the persistent tier stays there.
+                self._drop_job(name, shards)
+            elif not ended:
+                self._retain(job, policy, shards)
+
+    def _drain_pending(self, job: str) -> bool:
+        return any(r.status is StepStatus.DRAINING for r in self.store.list_checkpoint_steps(job, tier=CheckpointTier.PERSISTENT)) or self._drainer.busy()
 
     # -- 1. record ------------------------------------------------------------------
 
@@ -261,9 +271,10 @@ class CheckpointService:
 
     # -- 4. drain to the persistent tier -------------------------------------------
 
-    def _drain(self, job: Job, policy: TierPolicy, shards: list[shm.StoredShard]) -> None:
+    def _drain(self, job: Job, policy: TierPolicy, shards: list[shm.StoredShard], *, open_new: bool = True) -> None:
         assert policy.persistent is not None
-        self._open_drain_if_due(job, policy)
+        if open_new:
+            self._open_drain_if_due(job, policy)
         if self._drainer.busy():
             return
         draining = [s for s in self.store.list_checkpoint_steps(job.name, tier=CheckpointTier.PERSISTENT) if s.status is StepStatus.DRAINING]
@@ -405,7 +416,6 @@ class CheckpointService:
             self.store.delete_shard_copies(job, row.step, tier=CheckpointTier.PERSISTENT)
 
     def _drop_job(self, job: str, shards: list[shm.StoredShard]) -> None:
-        """A finished job's shared memory goes back to the node (its persistent tier stays)."""
         for stored in shards:
             shm.descriptor_path(stored.path).unlink(missing_ok=True)
             stored.path.unlink(missing_ok=True)

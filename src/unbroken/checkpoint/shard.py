@@ -20,43 +20,16 @@ from __future__ import annotations
 
 import io
 import pickle
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import xxhash
+
+from unbroken.checkpoint.integrity import StreamingChecksum, checksum
+from unbroken.checkpoint.manifest import FORMAT, ShardLayout, TensorMeta
+
+__all__ = ["ALIGN", "FORMAT", "ShardLayout", "StreamingChecksum", "TensorMeta", "checksum", "plan", "read", "write"]
 
 ALIGN = 64
-FORMAT = "unbroken.shard/1"
-CHECKSUM_ALGORITHM = "xxh3_64"
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    offset: int
-    nbytes: int
-    dtype: str
-    shape: tuple[int, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"offset": self.offset, "nbytes": self.nbytes, "dtype": self.dtype, "shape": list(self.shape)}
-
-    @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> "TensorMeta":
-        return cls(int(raw["offset"]), int(raw["nbytes"]), str(raw["dtype"]), tuple(int(x) for x in raw["shape"]))
-
-
-@dataclass(frozen=True)
-class ShardLayout:
-    """Where each tensor and the skeleton go; computed before any byte is copied."""
-
-    tensors: tuple[TensorMeta, ...]
-    skeleton_offset: int
-    skeleton: bytes
-
-    @property
-    def size(self) -> int:
-        return self.skeleton_offset + len(self.skeleton)
 
 
 def _align(n: int) -> int:
@@ -133,29 +106,3 @@ def read(buffer: Any, tensors: tuple[TensorMeta, ...], skeleton_offset: int, siz
         views = [v.clone() for v in views]
     skeleton = bytes(memoryview(buffer)[skeleton_offset:size])
     return _Unflattener(io.BytesIO(skeleton), views).load()
-
-
-def checksum(buffer: Any, size: int) -> str:
-    """xxh3-64 of the first ``size`` bytes, as ``"xxh3_64:<hex>"``.
-
-    xxhash releases the GIL and runs at ~35 GB/s here, so checksumming a shard in
-    a background thread barely touches the training thread.
-    """
-    view = memoryview(buffer)[:size]
-    try:
-        return f"{CHECKSUM_ALGORITHM}:{xxhash.xxh3_64(view).hexdigest()}"
-    finally:
-        view.release()
-
-
-class StreamingChecksum:
-    """The same checksum over bytes that arrive in pieces (network, object store)."""
-
-    def __init__(self) -> None:
-        self._hash = xxhash.xxh3_64()
-
-    def update(self, data: Any) -> None:
-        self._hash.update(data)
-
-    def hexdigest(self) -> str:
-        return f"{CHECKSUM_ALGORITHM}:{self._hash.hexdigest()}"

@@ -218,8 +218,9 @@ class TieredCheckpointer:
             copies = memory["copies"].get(rank, memory["copies"].get(str(rank), []))
             local = [c for c in copies if c[0] == self.node]
             remote = sorted((c for c in copies if c[0] != self.node), key=lambda c: c[1] != "replica")
-            if local:
-                attempts.append((f"memory on {self.node}", functools.partial(self._read_local, step, rank, attempt)))
+            if local:  # own slot or a replica held here: read straight from shared memory
+                tier = "memory" if any(t == "memory" for _, t in local) else "replica"
+                attempts.append((f"{tier} on {self.node}", functools.partial(self._read_local, step, rank, attempt)))
             for node, tier in remote:
                 address = endpoints.get(node)
                 if address:

@@ -14,6 +14,7 @@ from pathlib import Path
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from unbroken import chaos, jobs, report
+from unbroken.checkpoint.inventory import inventory
 from unbroken.backends import local_cluster
 from unbroken.cli.common import console, layout_for, table
 from unbroken.config.cluster import ClusterConfig
@@ -35,7 +36,7 @@ def run_demo(directory: Path | None, *, steps: int, keep: bool) -> None:
         with _spinner() as bar:
             task = bar.add_task("nodes joining")
             local_cluster.wait_ready(store, 120, lambda c: bar.update(task, description=f"nodes: {c}"))
-        job = _submit(store, steps)
+        job = _submit(store, steps, layout.root / "persistent")
         console.print(f"job [bold]{job.name}[/]: 2 nodes x 2 ranks, {steps} steps, checkpoint every {CHECKPOINT_EVERY}, auto-resume")
         final = _run_with_fault(store, layout, job.name, steps)
         _print_summary(store, final)
@@ -49,13 +50,19 @@ def run_demo(directory: Path | None, *, steps: int, keep: bool) -> None:
             console.print(f"cluster torn down ({'no process left' if not left else f'still alive: {left}'})")
 
 
-def _submit(store: SqliteStore, steps: int) -> Job:
+def _submit(store: SqliteStore, steps: int, persistent_dir: Path) -> Job:
     spec = JobSpec.model_validate(
         {
             "name": "demo-mlp", "nodes": 2, "procs_per_node": 2,
             "command": ["-m", "unbroken.workloads.mlp", "--steps", str(steps),
                         "--checkpoint-every", str(CHECKPOINT_EVERY), "--step-time", "0.05"],
             "resilience": {"auto_resume": True, "max_retry": 2, "hang_timeout": 30},
+            # The tiered checkpoint: shared memory every checkpoint, one replica on the next
+            # node (the killed node's ranks resume from it), a file:// tier every 50 steps.
+            "checkpoint": {
+                "memory": {"keep": 2, "replicas": 1},
+                "persistent": {"uri": f"file://{persistent_dir}", "every_steps": 50},
+            },
         }
     )
     return jobs.submit(store, spec, note="submitted by unbroken demo")
@@ -97,9 +104,29 @@ def _print_summary(store: SqliteStore, job: Job) -> None:
         ["goodput", f"{summary.goodput:.1%}" if summary.goodput is not None else "-"],
         ["wall time", f"{summary.wall_seconds:.1f} s"],
         ["attempts", "; ".join(f"#{a.attempt} on {','.join(a.nodes)} from step {a.restored_step or 0}" for a in summary.attempts)],
+        ["restored from", _restore_sources(store, job)],
+        ["checkpoints now", _tiers_now(store, job)],
     ]
     console.print(table("demo summary", ["", ""], rows))
     console.print(table("node events", ["NODE", "REASON", "MESSAGE"], [[e.object_name, e.reason, e.message] for e in node_events]))
+
+
+def _restore_sources(store: SqliteStore, job: Job) -> str:
+    """Where each rank of the last attempt resumed from, as its log says ("restored step N from ...")."""
+    sources: dict[str, int] = {}
+    for worker in store.list_workers(job=job.name, attempt=job.attempt):
+        for log_file in Path(worker.log_dir or "/nonexistent").rglob("stdout.log"):
+            for line in log_file.read_text(errors="replace").splitlines():
+                if line.startswith("unbroken: restored step"):
+                    where = line.split(" from ", 1)[1]
+                    sources[where] = sources.get(where, 0) + 1
+    return "; ".join(f"{n} rank(s) from {where}" for where, n in sorted(sources.items())) or "-"
+
+
+def _tiers_now(store: SqliteStore, job: Job) -> str:
+    found = inventory(store, job.name)
+    persistent = [s.step for s in found.steps if s.persistent == "Committed"]
+    return f"persistent tier: steps {', '.join(map(str, persistent)) or '-'} (memory tier freed when the job ended)"
 
 
 def _spinner() -> Progress:

@@ -1,0 +1,30 @@
+"""The uninterrupted reference run that every fault test compares its parameters with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from helpers import STEPS, Cluster, run_cli
+
+from unbroken import procs
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory) -> Path:
+    """Final parameters of an uninterrupted 2-node x 2-process run (the fault tests' yardstick)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    cluster = Cluster(tmp / "cluster")
+    run_cli("cluster", "up", "--nodes", "2", cluster_dir=cluster.dir)
+    try:
+        output = cluster.submit(tmp, "ref", steps=STEPS)
+        job = cluster.wait_job_phase("ref", {"Succeeded", "Failed"}, 180)
+        assert job.phase.value == "Succeeded", job.reason
+        assert job.attempt == 0
+    finally:
+        run_cli("cluster", "down", cluster_dir=cluster.dir, check=False)
+    assert not procs.cluster_processes(cluster.dir)
+    return output
+
+

@@ -1,0 +1,77 @@
+"""Fixtures for the checkpoint-tier tests: shared-memory folders, a loopback S3, small mounts."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from s3 import CREDENTIALS, MotoServer, moto_server
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    """A fresh folder in /dev/shm (the memory tier's home), removed afterwards."""
+    path = Path(tempfile.mkdtemp(prefix="unbroken-test-", dir="/dev/shm"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def mount_tmpfs(tmp_path: Path) -> Iterator[Callable[..., Path]]:
+    """``mount_tmpfs("small", size="1m", read_only=False)``: a real tmpfs, unmounted afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mounted: list[Path] = []
+
+    def mount(name: str, *, size: str = "1m", read_only: bool = False) -> Path:
+        target = tmp_path / name
+        target.mkdir()
+        options = f"size={size}" + (",ro" if read_only else "")
+        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)], check=True)
+        mounted.append(target)
+        return target
+
+    yield mount
+    for target in reversed(mounted):
+        subprocess.run(["umount", str(target)], check=True)
+
+
+@pytest.fixture(scope="module")
+def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
+    """One moto S3 server per test module (it takes a second to start); tests use their own bucket."""
+    with moto_server(tmp_path_factory.mktemp("moto")) as server:
+        yield server
+
+
+@dataclass(frozen=True)
+class Bucket:
+    name: str
+    server: MotoServer
+    client: object
+    """A boto3 S3 client for the test to inspect or break the bucket."""
+
+
+@pytest.fixture
+def s3_bucket(moto: MotoServer, monkeypatch: pytest.MonkeyPatch) -> Bucket:
+    """A new, empty bucket; the AWS variables point every S3 client of this process at moto."""
+    import boto3
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto.endpoint)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
+    for key, value in CREDENTIALS.items():
+        monkeypatch.setenv(key, value)
+    client = boto3.client("s3", endpoint_url=moto.endpoint, region_name="us-east-1")
+    name = f"ckpt-{uuid.uuid4().hex[:12]}"
+    client.create_bucket(Bucket=name)
+    return Bucket(name, moto, client)
