@@ -78,8 +78,6 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from unbroken.checkpoint.peer import PeerClient
-from unbroken.checkpoint.persistent import PersistentStore
 from unbroken.checkpoint.tiered import TieredCheckpointer
 from unbroken.errors import CheckpointError
 
@@ -153,7 +151,7 @@ class TieredStorageWriter(StorageWriter):
         memory = self.checkpointer.policy.memory
         if memory.every_seconds is not None:
             raise CheckpointError("DCP saves need a memory tier without every_seconds: the caller decides when to save")
-        last = self.checkpointer._last_step
+        last = self.checkpointer.last_step
         if not memory.due(step, last_step=last, seconds_since_last=None):
             raise CheckpointError(f"step {step} is not taken by the memory tier (every_steps={memory.every_steps}, last step {last})")
         return dataclasses.replace(plan, storage_data=self.checkpointer.rank)
@@ -237,8 +235,7 @@ class TieredStorageWriter(StorageWriter):
 
     def _stage(self, payload: dict[str, Any]) -> None:
         step = self._step()
-        self.checkpointer.save(step, payload)
-        if self.checkpointer._last_step != step:
+        if not self.checkpointer.stage(step, payload):
             raise CheckpointError(f"step {step} was not staged in the memory tier (the rank's log says why)")
 
 
@@ -375,7 +372,7 @@ class TieredStorageReader(StorageReader):
         if kwargs.get("rank") is not None:
             raise CheckpointError("tiered DCP steps hold global metadata only, no per-rank metadata")
         ranks = _Ranks(self.collective, self.process_group)
-        catalog = ranks.from_root(functools.partial(_catalog, self.checkpointer))
+        catalog = ranks.from_root(functools.partial(self.checkpointer.catalog, any_world_size=True))
         if self.requested is not None:
             candidates = [self.requested]
         else:
@@ -523,31 +520,3 @@ class _Ranks:
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         return bool(flag.item())
-
-
-def _catalog(checkpointer: TieredCheckpointer) -> dict[str, Any]:
-    """``TieredCheckpointer._catalog`` without its world-size filter: DCP reshards, so a step
-    saved by any number of ranks is a candidate."""
-    memory: dict[int, dict[str, Any]] = {}
-    endpoints: dict[str, str] = {}
-    if checkpointer.endpoint is not None:
-        try:
-            with PeerClient(checkpointer.endpoint, checkpointer.token) as agent:
-                raw = agent.catalog(checkpointer.job)
-        except (OSError, CheckpointError) as exc:
-            log.warning("memory tier catalog unavailable (%s); looking at the persistent tier only", exc)
-        else:
-            endpoints = {k: v for k, v in raw["endpoints"].items() if v}
-            for entry in raw["steps"]:
-                copies: dict[int, list[tuple[str, str]]] = {}
-                for c in raw["copies"]:
-                    if c["step"] == entry["step"] and c["attempt"] == entry["attempt"]:
-                        copies.setdefault(c["rank"], []).append((c["node"], c["tier"]))
-                memory[entry["step"]] = {"attempt": entry["attempt"], "copies": copies}
-    persistent: list[int] = []
-    if checkpointer.policy.persistent is not None:
-        try:
-            persistent = PersistentStore(checkpointer.policy.persistent.uri).committed_steps(checkpointer.job)
-        except Exception as exc:  # noqa: BLE001 - an unreachable tier is a fallback lost, not a failed load
-            log.warning("persistent tier %s unavailable: %s", checkpointer.policy.persistent.uri, exc)
-    return {"memory": memory, "persistent": persistent, "endpoints": endpoints}

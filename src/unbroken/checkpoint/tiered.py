@@ -82,8 +82,14 @@ class TieredCheckpointer:
         """Stage ``state`` for ``step`` if the memory policy wants it; returns after the copy."""
         if step < 0:
             raise CheckpointError(f"checkpoint step must be >= 0, got {step}")
-        if not self._due(step):
-            return
+        if self._due(step):
+            self.stage(step, state)
+
+    def stage(self, step: int, state: dict[str, Any]) -> bool:
+        """Copy ``state`` into a slot now, whatever the cadence; False if the tier could not take it.
+
+        No collective: callers that decide the cadence themselves (the DCP writer) use this.
+        """
         started = time.perf_counter()
         self.wait()
         layout, tensors = shard.plan({"step": step, "state": state, "rng": rng.capture()})
@@ -93,7 +99,7 @@ class TieredCheckpointer:
         except CheckpointError as exc:
             # A full /dev/shm or readers holding every slot: this step is not staged, training goes on.
             _say(f"step {step} not checkpointed: {exc}")
-            return
+            return False
         try:
             self._copy(slot, buffer, layout, tensors)
         except BaseException:
@@ -103,6 +109,12 @@ class TieredCheckpointer:
         self.last_stall_seconds = time.perf_counter() - started
         self._pending = threading.Thread(target=self._finalize, args=(slot, layout, step), name="ckpt-finalize", daemon=True)
         self._pending.start()
+        return True
+
+    @property
+    def last_step(self) -> int | None:
+        """The last step this rank staged (its shard may still be checksumming)."""
+        return self._last_step
 
     def wait(self) -> None:
         """Until the last save's shard is checksummed and visible to the agent."""
@@ -159,7 +171,7 @@ class TieredCheckpointer:
     # -- restore --------------------------------------------------------------------
 
     def restore(self) -> Restored | None:
-        catalog = _broadcast(self._catalog() if self.rank == 0 else None)
+        catalog = _broadcast(self.catalog() if self.rank == 0 else None)
         memory: dict[int, dict[str, Any]] = {int(k): v for k, v in catalog["memory"].items()}
         persistent: list[int] = catalog["persistent"]
         for step in sorted(set(memory) | set(persistent), reverse=True):
@@ -174,9 +186,10 @@ class TieredCheckpointer:
             _say(f"step {step} is not restorable on every rank; trying an older step")
         return None
 
-    def _catalog(self) -> dict[str, Any]:
+    def catalog(self, *, any_world_size: bool = False) -> dict[str, Any]:
         """Steps committed in memory (from the agent) and in the persistent tier, and where
-        each shard's copies are. No collective: ``restore`` has rank 0 build it and broadcast."""
+        each shard's copies are. No collective: ``restore`` has rank 0 build it and broadcast.
+        ``any_world_size`` keeps steps saved by a different number of ranks (DCP reshards)."""
         memory: dict[int, dict[str, Any]] = {}
         endpoints: dict[str, str] = {}
         if self.endpoint is not None:
@@ -185,7 +198,7 @@ class TieredCheckpointer:
                     raw = agent.catalog(self.job)
                 endpoints = {k: v for k, v in raw["endpoints"].items() if v}
                 for entry in raw["steps"]:
-                    if entry["world_size"] != self.world_size:
+                    if entry["world_size"] != self.world_size and not any_world_size:
                         continue  # written by a run of another size: not ours to load per rank
                     copies: dict[int, list[tuple[str, str]]] = {}
                     for c in raw["copies"]:
@@ -194,6 +207,7 @@ class TieredCheckpointer:
                     memory[entry["step"]] = {"attempt": entry["attempt"], "copies": copies}
             except (OSError, CheckpointError) as exc:
                 _say(f"memory tier catalog unavailable ({exc}); looking at the persistent tier only")
+                endpoints, memory = {}, {}
         persistent: list[int] = []
         if self.policy.persistent is not None:
             try:
@@ -208,7 +222,7 @@ class TieredCheckpointer:
         Any rank's shard can be loaded from anywhere (the DCP reader needs that when
         the world size changes); ``restore`` loads its own.
         """
-        catalog = catalog if catalog is not None else self._catalog()
+        catalog = catalog if catalog is not None else self.catalog()
         memory = {int(k): v for k, v in catalog["memory"].items()}.get(step)
         in_persistent = step in catalog["persistent"]
         endpoints: dict[str, str] = catalog["endpoints"]
