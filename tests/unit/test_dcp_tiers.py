@@ -63,7 +63,7 @@ def _poll(predicate: Callable[[], Any], what: str, timeout: float = COMMIT_TIMEO
 
 def _committed_in_memory(ck: TieredCheckpointer, step: int) -> None:
     ck.wait()
-    _poll(lambda: step in ck._catalog()["memory"], f"step {step} committed in memory")
+    _poll(lambda: step in ck.catalog()["memory"], f"step {step} committed in memory")
 
 
 def _committed_in_persistent(ck: TieredCheckpointer, step: int) -> None:
