@@ -9,11 +9,19 @@ past a checkpoint, and we measure:
 * recover:  fault -> first training step after the resume
 * lost:     steps recomputed (last step before the fault - step resumed from)
 
+* restore:  the slowest rank's ``ctx.checkpoint.restore()`` (part of startup)
+
+unbroken runs once per checkpointer (``--checkpoints file,tiered``): the
+foundation's file checkpointer (one torch.save file per rank, fsynced) and the
+tiered one (shared memory, one replica, no persistent tier here). ``--state-mb``
+adds that much per-rank state to every checkpoint so that save and restore
+cost something (the MLP itself is ~0.3 MB per rank).
+
 Plain torchrun is the competitor: two torchrun agents (c10d rendezvous,
 ``--max-restarts 1``) on the same machine; it restarts its rank processes in
 place after a crash, has no hang detection, and cannot replace a lost node.
 
-    .venv/bin/python benchmarks/recovery.py [--json]
+    .venv/bin/python benchmarks/recovery.py [--json] [--state-mb 256] [--checkpoints file,tiered]
 """
 
 from __future__ import annotations
@@ -57,11 +65,25 @@ class Result:
     """detection -> next attempt placed (old workers stopped, nodes chosen)"""
     startup_s: float | None = None
     """placed -> first step: torchrun + ranks start, rendezvous, restore"""
+    restore_s: float | None = None
+    """the slowest rank's restore() in the resumed attempt"""
+
+
+STATE_MB = 0.0  # set from --state-mb
 
 
 def workload_args() -> list[str]:
     return ["-m", "unbroken.workloads.mlp", "--steps", str(STEPS), "--checkpoint-every", str(CHECKPOINT_EVERY),
-            "--step-time", str(STEP_TIME)]
+            "--step-time", str(STEP_TIME), "--state-mb", str(STATE_MB)]
+
+
+_RESUMED = re.compile(r"resumed at step \d+ from .* in ([0-9.]+) s")
+
+
+def slowest_restore(log_dirs: list[Path]) -> float | None:
+    """The longest ``restore()`` any rank of the resumed attempt reported in its stdout."""
+    times = [float(m.group(1)) for d in log_dirs for f in d.rglob("stdout.log") for m in _RESUMED.finditer(_read(f))]
+    return round(max(times), 3) if times else None
 
 
 def poll(predicate, timeout: float, interval: float = 0.05):
@@ -77,14 +99,16 @@ def poll(predicate, timeout: float, interval: float = 0.05):
 # -- unbroken -------------------------------------------------------------------------
 
 
-def run_unbroken(fault: str, root: Path) -> Result:
-    layout = ClusterLayout.at(root / f"unbroken-{fault}")
+def run_unbroken(fault: str, root: Path, checkpoint: str) -> Result:
+    system = f"unbroken ({checkpoint})"
+    layout = ClusterLayout.at(root / f"unbroken-{fault}-{checkpoint}")
     store, _ = local_cluster.up(layout, ClusterConfig.with_nodes(3, name="bench"))
     try:
         local_cluster.wait_ready(store, 120)
         spec = JobSpec.model_validate({
             "name": "bench", "nodes": 2, "procs_per_node": 2, "command": workload_args(),
             "resilience": {"auto_resume": True, "max_retry": 3, "hang_timeout": HANG_TIMEOUT},
+            "checkpoint": {"memory": {"keep": 2, "replicas": 1}} if checkpoint == "tiered" else {},
         })
         jobs.submit(store, spec, note="benchmarks/recovery.py")
 
@@ -92,7 +116,7 @@ def run_unbroken(fault: str, root: Path) -> Result:
             return jobs.current_step(store.list_workers(job="bench", attempt=0))
 
         if not poll(lambda: step() >= FAULT_AT_STEP, 180):
-            return Result("unbroken", fault, None, None, None, "job never reached the fault step")
+            return Result(system, fault, None, None, None, "job never reached the fault step")
         if fault == "kill-node":
             victim = next(w.node for w in store.list_workers(job="bench", attempt=0) if w.node_rank == 1)
             chaos.kill_node(store, layout, victim)
@@ -107,16 +131,17 @@ def run_unbroken(fault: str, root: Path) -> Result:
             return job.attempt >= 1 and any(w.first_progress_at for w in workers)
 
         if not poll(resumed, GIVE_UP_AFTER):
-            return Result("unbroken", fault, None, None, None, f"no resume within {GIVE_UP_AFTER:g} s")
+            return Result(system, fault, None, None, None, f"no resume within {GIVE_UP_AFTER:g} s")
         poll(lambda: any(e.reason == "JobResumed" for e in store.list_events(object_kind="Job", object_name="bench")), 5)
         job = store.get_job("bench")
         summary = report.summarize(job, store.list_workers(job="bench"), store.list_events(object_kind="Job", object_name="bench"))
         note = f"resumed on {','.join(summary.attempts[1].nodes)}"
         if not summary.recoveries:
-            return Result("unbroken", fault, None, None, summary.steps_lost, note + "; timeline incomplete")
+            return Result(system, fault, None, None, summary.steps_lost, note + "; timeline incomplete")
         r = summary.recoveries[0]
-        return Result("unbroken", fault, round(r.detected_at - r.fault_at, 2), round(r.total_s, 2), summary.steps_lost, note,
-                      round(r.scheduled_at - r.detected_at, 2), round(r.first_step_at - r.scheduled_at, 2))
+        restore = slowest_restore([Path(w.log_dir) for w in store.list_workers(job="bench", attempt=1) if w.log_dir])
+        return Result(system, fault, round(r.detected_at - r.fault_at, 2), round(r.total_s, 2), summary.steps_lost, note,
+                      round(r.scheduled_at - r.detected_at, 2), round(r.first_step_at - r.scheduled_at, 2), restore)
     finally:
         local_cluster.down(layout)
 
@@ -209,23 +234,32 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--faults", default="kill-worker,hang-worker,kill-node")
+    parser.add_argument("--checkpoints", default="file,tiered", help="unbroken's checkpointers to compare")
+    parser.add_argument("--state-mb", type=float, default=0.0, help="extra per-rank checkpoint state (MB)")
+    parser.add_argument("--no-torchrun", action="store_true", help="skip the plain torchrun runs")
     args = parser.parse_args()
+    global STATE_MB
+    STATE_MB = args.state_mb
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="unbroken-bench-") as tmp:
         for fault in args.faults.split(","):
-            for runner in (run_unbroken, run_torchrun):
+            runs = [lambda f, r, c=c: run_unbroken(f, r, c) for c in args.checkpoints.split(",")]
+            if not args.no_torchrun:
+                runs.append(run_torchrun)
+            for runner in runs:
                 result = runner(fault, Path(tmp))
                 results.append(result)
-                print(f"# {result.system:<9} {fault:<12} recover {result.recover_s} s  {result.note}", file=sys.stderr, flush=True)
+                print(f"# {result.system:<18} {fault:<12} recover {result.recover_s} s  {result.note}", file=sys.stderr, flush=True)
     if args.json:
-        print(json.dumps({"step_time_s": STEP_TIME, "hang_timeout_s": HANG_TIMEOUT, "results": [asdict(r) for r in results]}))
+        print(json.dumps({"step_time_s": STEP_TIME, "hang_timeout_s": HANG_TIMEOUT, "state_mb": STATE_MB,
+                          "results": [asdict(r) for r in results]}))
         return 0
-    print("| fault | system | fault -> first step after resume (s) | detect (s) | reschedule (s) | startup (s) | steps lost | note |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| fault | system | fault -> first step after resume (s) | detect (s) | reschedule (s) | startup (s) | restore (s) | steps lost | note |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         fmt = lambda v: "-" if v is None else str(v)  # noqa: E731
         print(f"| {r.fault} | {r.system} | {fmt(r.recover_s)} | {fmt(r.detect_s)} | {fmt(r.reschedule_s)} | "
-              f"{fmt(r.startup_s)} | {fmt(r.steps_lost)} | {r.note} |")
+              f"{fmt(r.startup_s)} | {fmt(r.restore_s)} | {fmt(r.steps_lost)} | {r.note} |")
     return 0
 
 

@@ -17,6 +17,7 @@ agree on the outcome through two small collectives.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import logging
@@ -75,6 +76,9 @@ class TieredCheckpointer:
 
     def __post_init__(self) -> None:
         self._pool = shm.SlotPool(shm.own_dir(self.shm_root, self.job), self.attempt, self.rank, self.policy.memory.keep)
+        # A script that saves its last step and exits must not lose it to the interpreter
+        # killing the (daemon) checksum thread: publish it on the way out.
+        atexit.register(self.wait)
 
     # -- save -----------------------------------------------------------------------
 

@@ -100,6 +100,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--crash-at-step", type=int, default=None,
                         help="fault injection: --crash-rank exits with code 3 when it reaches this step")
     parser.add_argument("--crash-rank", type=int, default=0)
+    parser.add_argument("--state-mb", type=float, default=0.0,
+                        help="extra MB of per-rank state in every checkpoint, standing in for a bigger model "
+                             "(benchmarks use it to make save and restore cost visible)")
     return parser.parse_args(argv)
 
 
@@ -118,14 +121,19 @@ def main(argv: list[str]) -> int:
     data = TeacherDataset(size=16384, seed=args.seed + 1)
     sampler = ResumableSampler(len(data), args.batch_size, ctx.rank, ctx.world_size, seed=args.seed + 2)
 
+    ballast = torch.randn(int(args.state_mb * 2**20) // 4, generator=torch.Generator().manual_seed(ctx.rank))
+
     step = 0
+    restore_started = time.monotonic()
     restored = ctx.checkpoint.restore()
     if restored is not None:
         model.load_state_dict(restored.state["model"])
         optimizer.load_state_dict(restored.state["optimizer"])
         sampler.load_state_dict(restored.state["sampler"])
+        if not torch.equal(restored.state.get("ballast", ballast), ballast):
+            raise RuntimeError("restored --state-mb ballast differs from what was saved")
         step = restored.step
-        print(f"rank {ctx.rank}: resumed at step {step} from {restored.source}", flush=True)
+        print(f"rank {ctx.rank}: resumed at step {step} from {restored.source} in {time.monotonic() - restore_started:.3f} s", flush=True)
 
     loss_fn = nn.CrossEntropyLoss()
     first_loss = None
@@ -156,6 +164,8 @@ def main(argv: list[str]) -> int:
             state: dict[str, Any] = {
                 "model": model.state_dict(), "optimizer": optimizer.state_dict(), "sampler": sampler.state_dict(),
             }
+            if args.state_mb:
+                state["ballast"] = ballast
             ctx.checkpoint.save(step, state)
         if ctx.rank == 0 and (step % 50 == 0 or step == args.steps):
             print(f"step {step} loss {loss.item():.4f}", flush=True)
