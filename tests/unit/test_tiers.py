@@ -605,38 +605,51 @@ def test_s3_drain_and_restore_are_bit_exact_and_a_deleted_bucket_degrades(make_r
 def test_a_drain_in_flight_keeps_its_step_and_slot_while_training_saves_on(make_rig, s3_bucket) -> None:
     """A real drain stuck on a paused S3 server: its row stays Draining, its slot is read-locked."""
     uri = f"s3://{s3_bucket.name}/runs"
-    rig = make_rig({"keep": 2, "replicas": 1}, {"uri": uri, "every_steps": 2})
-    ck = rig.checkpointer()
-    rig.save(ck, 1, sample_state(1), replicas=1)  # not due for the persistent tier: S3 not touched
-    ck.save(2, sample_state(2))
-    ck.wait()
-    # node-2 (holding only a replica) sees step 2 first and opens the drain; node-1 owns the upload.
-    rig.settle(lambda: 2 in rig.steps(MEMORY), "step 2 committed in memory")
-    node2 = rig.services["node-2"]
-    wait_for(lambda: (node2.reconcile(), rig.row(PERSISTENT, 2))[1], 15, "node-2 opens step 2's drain")
+    rig = make_rig({"keep": 2, "replicas": 0}, {"uri": uri, "every_steps": 2})
+    node1, node2 = rig.services["node-1"], rig.services["node-2"]
+    ranks = [rig.checkpointer(node="node-1", rank=0, world_size=2), rig.checkpointer(node="node-2", rank=1, world_size=2)]
+
+    def save_both(step: int) -> None:
+        for ck in ranks:
+            ck.save(step, sample_state(step, ck.rank))
+        for ck in ranks:
+            ck.wait()
+
+    save_both(1)  # not due for the persistent tier: S3 not touched
+    rig.settle(lambda: rig.steps(MEMORY) == [1], "step 1 committed in memory")
+    save_both(2)
+    node1.reconcile()  # records rank 0's shard; the step needs rank 1's too
+    assert 2 not in rig.steps(MEMORY)
+    node2.reconcile()  # records rank 1's, commits step 2, opens the drain, uploads rank 1's shard
     assert rig.row(PERSISTENT, 2).status is StepStatus.DRAINING
-    draining_slot = rig.own(2)
+    rig.wait_idle()
+    assert [c.rank for c in rig.store.list_shard_copies("j", step=2, tier=PERSISTENT)] == [1]
+    draining_slot = rig.own(2, node="node-1", rank=0)
 
     rig.serial = False  # node-1's upload hangs on purpose while the agents' passes go on
     s3_bucket.server.pause()
     try:
-        rig.reconcile()  # node-1 starts uploading: the request hangs, LOCK_SH held on step 2's slot
-        wait_for(lambda: rig.services["node-1"]._drainer.busy(), 5, "node-1 draining")
+        node1.reconcile()  # uploads rank 0's shard: the request hangs, LOCK_SH held on its slot
+        assert node1._drainer.busy()
         for step in range(3, 9):
-            rig.save(ck, step, sample_state(step))
+            save_both(step)
+            rig.settle(lambda s=step: s in rig.steps(MEMORY), f"step {step} committed in memory")
             assert rig.row(PERSISTENT, 2).status is StepStatus.DRAINING
             committed = rig.steps(MEMORY)
-            assert committed[:2] == [step, step - 1] and 2 in committed, committed
-            assert len(slot_files(rig.root("node-1"), 0)) <= 2 + 2
-        assert rig.own(2).info.checksum == draining_slot.info.checksum, "the slot being drained was rewritten"
+            assert committed == [step, step - 1, 2], committed  # the draining step stays, on top of keep=2
+            for rank in (0, 1):
+                assert len(slot_files(rig.root(f"node-{rank + 1}"), rank)) <= 2 + 2
+            assert node1._drainer.busy(), "the upload is still hanging"
+        assert rig.own(2, node="node-1", rank=0).info.checksum == draining_slot.info.checksum, "the slot being drained was rewritten"
     finally:
         s3_bucket.server.resume()
     rig.settle(lambda: 2 in rig.steps(PERSISTENT), "step 2 committed in S3 once the server answers again", timeout=30)
 
-    fresh = rig.checkpointer(node="node-9", attempt=1, agent=False, shm_root=rig.shm / "node-9")
-    loaded = fresh.load_shard(2, 0)
-    assert loaded is not None and loaded.source == f"persistent {uri}"
-    assert_same(loaded.payload["state"], sample_state(2))
+    fresh = rig.checkpointer(node="node-9", attempt=1, world_size=2, agent=False, shm_root=rig.shm / "node-9")
+    for rank in (0, 1):
+        loaded = fresh.load_shard(2, rank)
+        assert loaded is not None and loaded.source == f"persistent {uri}"
+        assert_same(loaded.payload["state"], sample_state(2, rank))
     rig.settle(lambda: rig.steps(MEMORY) == [8, 7], "step 2 released from memory after its drain")
 
 

@@ -168,8 +168,8 @@ class ShardServer:
                 except ConnectionError:
                     return  # client done
                 self._dispatch(sock, header)
-        except (OSError, ConnectionError, ValueError) as exc:
-            log.warning("peer connection failed: %s", exc, extra={"peer": peer})
+        except Exception as exc:  # noqa: BLE001 - one bad peer or request must not take the server down
+            log.warning("peer connection failed: %s: %s", type(exc).__name__, exc, extra={"peer": peer})
 
     def _dispatch(self, sock: socket.socket, header: dict[str, Any]) -> None:
         op = header.get("op")
