@@ -35,7 +35,9 @@ Methodology:
 
 * warm memcpy: every tensor of the state ``copy_``-ed into its place in one
   preallocated, already-touched buffer of the same bytes (the same
-  ``Tensor.copy_`` the memory tier uses, same thread count); median of 5.
+  ``Tensor.copy_`` the memory tier uses, same thread count); five copies
+  before each method, the median of all of them is the baseline, so a busy
+  moment of a shared machine weighs on the baseline as on the methods.
   Every ratio is against this figure from the same run.
 * each method runs ``--repeats`` saves (default 3) and reports medians; every
   save waits until the previous one is durable everywhere, so saves are
@@ -217,7 +219,8 @@ def say(message: str) -> None:
     print(f"# {message}", file=sys.stderr, flush=True)
 
 
-def warm_memcpy(state: dict[str, Any], nbytes: int) -> float:
+def warm_memcpy(state: dict[str, Any], nbytes: int) -> list[float]:
+    """Five timed copies of every tensor into its place in one touched buffer (after one untimed)."""
     tensors = tensors_of(state)
     dst = torch.ones(nbytes, dtype=torch.uint8)  # allocated and touched
     views, offset = [], 0
@@ -231,7 +234,7 @@ def warm_memcpy(state: dict[str, Any], nbytes: int) -> float:
             view.copy_(t)
         runs.append(time.perf_counter() - started)
     del views, dst
-    return median(runs[1:])
+    return runs[1:]
 
 
 # -- torch.save and DCP ---------------------------------------------------------------
@@ -523,8 +526,6 @@ def measure(args: argparse.Namespace, disk: Path, shm: Path) -> tuple[list[Resul
     state = build_state(int(args.size_gib * GIB))
     nbytes = sum(t.nbytes for t in tensors_of(state))
     say(f"state: {len(tensors_of(state))} tensors, {nbytes / GIB:.3f} GiB")
-    memcpy_s = warm_memcpy(state, nbytes)
-    say(f"warm memcpy {memcpy_s:.3f} s ({nbytes / memcpy_s / 1e9:.2f} GB/s)")
     cold_restore = not args.warm_page_cache
     runners: dict[str, Callable[[], Result]] = {
         "torch.save": lambda: run_torch_save(state, disk, args.repeats, cold_restore),
@@ -533,11 +534,13 @@ def measure(args: argparse.Namespace, disk: Path, shm: Path) -> tuple[list[Resul
         "unbroken.memory": lambda: run_unbroken(state, disk / "unbroken-memory", shm / "memory", args, persistent=False),
         "unbroken.memory+persistent": lambda: run_unbroken(state, disk / "unbroken-persistent", shm / "persistent", args, persistent=True),
     }
-    results = []
+    results, memcpy_runs = [], []
     for method in args.methods.split(","):
+        memcpy_runs += warm_memcpy(state, nbytes)  # before every method: the baseline sees the same machine
+        say(f"warm memcpy so far: median {median(memcpy_runs):.3f} s, last five {' '.join(f'{x:.3f}' for x in memcpy_runs[-5:])}")
         results.append(runners[method]())
         gc.collect()
-    return results, nbytes, memcpy_s
+    return results, nbytes, median(memcpy_runs)
 
 
 if __name__ == "__main__":

@@ -140,7 +140,8 @@ def job_spec(memory: dict[str, Any], persistent: dict[str, Any] | None = None) -
 
 
 @pytest.fixture
-def make_rig(tmp_path: Path, shm_dir: Path) -> Iterator[Callable[..., Rig]]:
+def make_rig(tmp_path: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Rig]]:
+    """Rigs torn down before ``monkeypatch`` is undone: agents' threads still see the test's AWS settings."""
     rigs: list[Rig] = []
 
     def make(memory: dict[str, Any] | None = None, persistent: dict[str, Any] | None = None,
@@ -636,7 +637,8 @@ def test_a_drain_in_flight_keeps_its_step_and_slot_while_training_saves_on(make_
             rig.settle(lambda s=step: s in rig.steps(MEMORY), f"step {step} committed in memory")
             assert rig.row(PERSISTENT, 2).status is StepStatus.DRAINING
             committed = rig.steps(MEMORY)
-            assert committed == [step, step - 1, 2], committed  # the draining step stays, on top of keep=2
+            assert committed[:2] == [step, step - 1] and committed[-1] == 2 and len(committed) <= 3, committed
+            # the draining step stays committed, on top of keep=2
             for rank in (0, 1):
                 assert len(slot_files(rig.root(f"node-{rank + 1}"), rank)) <= 2 + 2
             assert node1._drainer.busy(), "the upload is still hanging"
@@ -795,7 +797,7 @@ def test_a_step_re_saved_by_a_new_attempt_is_replicated_again(make_rig) -> None:
     rig = make_rig({"keep": 2, "replicas": 1})
     resave_step_2_in_attempt_1(rig)
     rig.settle(lambda: any(c.attempt == 1 for c in rig.store.list_shard_copies("j", step=2, tier=REPLICA)),
-               "attempt 1's step 2 replicated to node-2", timeout=5)
+               "attempt 1's step 2 replicated to node-2", timeout=3)
 
 
 @pytest.mark.xfail(strict=True, reason="service._drained is keyed by (job, step, rank) without the attempt: the "
@@ -806,7 +808,7 @@ def test_a_step_re_saved_by_a_new_attempt_does_not_stall_the_persistent_tier(mak
     new = resave_step_2_in_attempt_1(rig)
     new.save(3, small_state(3))
     new.wait()
-    rig.settle(lambda: 3 in rig.steps(PERSISTENT), "step 3 committed in the persistent tier", timeout=5)
+    rig.settle(lambda: 3 in rig.steps(PERSISTENT), "step 3 committed in the persistent tier", timeout=3)
 
 
 # -- agents running concurrently -----------------------------------------------------------------
