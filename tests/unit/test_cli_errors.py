@@ -231,7 +231,7 @@ def test_top_level_help_lists_the_groups(tmp_path: Path) -> None:
 
     assert result.returncode == 0
     names = commands_in_help(result.stdout)
-    assert sorted(names) == ["chaos", "cluster", "demo", "job", "node"]
+    assert sorted(names) == ["chaos", "ckpt", "cluster", "demo", "job", "node"]
 
 
 @pytest.mark.parametrize(

@@ -175,8 +175,6 @@ def test_stale_bytes_after_the_shard_change_neither_the_data_nor_the_checksum() 
     assert shard.checksum(padded, layout.size) == shard.checksum(exact, layout.size)
 
 
-@pytest.mark.xfail(strict=True, reason="shard.plan lays out sparse and meta tensors as if dense; shard.write then raises "
-                                       "a bare RuntimeError/NotImplementedError (not CheckpointError) after a slot was taken")
 @pytest.mark.parametrize("make", [lambda: torch.eye(3).to_sparse(), lambda: torch.empty(3, device="meta")], ids=["sparse", "meta"])
 def test_sparse_or_meta_tensors_are_refused_by_plan(make) -> None:
     with pytest.raises(CheckpointError, match="optimizer"):
@@ -325,9 +323,6 @@ def test_a_bad_persistent_uri_is_a_config_error_naming_field_value_and_fix(uri: 
     assert "\n" not in message
 
 
-@pytest.mark.xfail(strict=True, reason="policy._known_scheme checks only that the path starts with '/': in "
-                                       "'file://relative/path' the first segment is the netloc, and fsspec then "
-                                       "writes under the agent's working directory")
 @pytest.mark.parametrize("uri", ["file://relative/path", "file://./ckpt", "file://localhost/data"])
 def test_a_file_uri_with_a_host_part_is_refused(uri: str) -> None:
     with pytest.raises(ConfigError, match="absolute path"):

@@ -271,8 +271,6 @@ def test_retention_keeps_exactly_the_newest_two_steps_and_bounded_slots(make_rig
         assert ck.load_shard(7, ck.rank) is None, "step 7 was retired"
 
 
-@pytest.mark.xfail(strict=True, reason="tiered.restore: without torch.distributed only rank 0 builds the catalog, "
-                                       "_broadcast returns None to the others and restore raises TypeError")
 def test_restore_of_a_second_rank_without_torch_distributed(make_rig) -> None:
     rig = make_rig({"keep": 2, "replicas": 0})
     ranks = [rig.checkpointer(rank=r, world_size=2) for r in (0, 1)]
@@ -500,8 +498,6 @@ def test_rank_killed_mid_save_leaves_the_previous_step_restorable(make_rig, tmp_
     assert_same(restored.state, small_state(2))
 
 
-@pytest.mark.xfail(strict=True, reason="service._retain/_drop_job only see slots with a descriptor: a slot left "
-                                       "half-written by a killed rank of a finished attempt is never reclaimed")
 def test_half_written_slot_of_a_finished_attempt_is_reclaimed(make_rig) -> None:
     rig = make_rig({"keep": 1, "replicas": 0})
     dead = rig.checkpointer(attempt=0)
@@ -791,8 +787,6 @@ def resave_step_2_in_attempt_1(rig: Rig) -> TieredCheckpointer:
     return new
 
 
-@pytest.mark.xfail(strict=True, reason="service._replicated is keyed by (job, step, rank) without the attempt: "
-                                       "a step re-saved by a new attempt is never replicated")
 def test_a_step_re_saved_by_a_new_attempt_is_replicated_again(make_rig) -> None:
     rig = make_rig({"keep": 2, "replicas": 1})
     resave_step_2_in_attempt_1(rig)
@@ -800,9 +794,6 @@ def test_a_step_re_saved_by_a_new_attempt_is_replicated_again(make_rig) -> None:
                "attempt 1's step 2 replicated to node-2", timeout=3)
 
 
-@pytest.mark.xfail(strict=True, reason="service._drained is keyed by (job, step, rank) without the attempt: the "
-                                       "re-saved step's drain is never uploaded, its row stays Draining and, one drain "
-                                       "at a time, the persistent tier takes no step ever again")
 def test_a_step_re_saved_by_a_new_attempt_does_not_stall_the_persistent_tier(make_rig, tmp_path: Path) -> None:
     rig = make_rig({"keep": 2, "replicas": 1}, {"uri": f"file://{tmp_path}/persist", "every_steps": 1})
     new = resave_step_2_in_attempt_1(rig)
@@ -817,9 +808,6 @@ def test_a_step_re_saved_by_a_new_attempt_does_not_stall_the_persistent_tier(mak
 STEPS = 16
 
 
-@pytest.mark.xfail(strict=True, reason="service._try_commit_persistent runs in every agent's pass and in the drainer "
-                                       "thread with no claim on the commit: two writers share manifest.json.tmp/"
-                                       "COMMITTED.tmp, one's os.replace fails and _fail_drain marks a committed step Failed")
 def test_concurrent_agents_commit_each_persistent_step_once_and_never_mark_it_failed(make_rig, tmp_path: Path) -> None:
     """Every agent runs its passes on its own thread, as on a real cluster; all of them see a
     drain complete and may try to write the manifest and marker at the same moment."""

@@ -190,14 +190,14 @@ class ShardServer:
     def _put(self, sock: socket.socket, info: ShardInfo) -> None:
         path = shm.held_path(self.root, info.job, info.step, info.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
-        shm.descriptor_path(path).unlink(missing_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
+        tmp = path.with_name(f"{path.name}.{threading.get_ident()}.tmp")
         digest = StreamingChecksum()
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             if info.size:
                 os.ftruncate(fd, info.size)
-                with mmap.mmap(fd, info.size) as view:
+                os.posix_fallocate(fd, 0, info.size)  # ENOSPC now, not SIGBUS while receiving
+                with mmap.mmap(fd, info.size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)) as view:
                     with memoryview(view) as mv:
                         _recv_into(sock, mv, digest)
         except BaseException:
@@ -209,6 +209,9 @@ class ShardServer:
             tmp.unlink(missing_ok=True)
             _send_header(sock, {"ok": False, "error": f"checksum mismatch: sent {info.checksum}, received {digest.hexdigest()}"})
             return
+        # Only now does a copy already held for this step and rank go: descriptor first,
+        # so nobody pairs the old descriptor with the new bytes.
+        shm.descriptor_path(path).unlink(missing_ok=True)
         os.replace(tmp, path)
         shm.write_descriptor(path, info)
         _send_header(sock, {"ok": True})

@@ -29,6 +29,8 @@ from unbroken.errors import CheckpointError
 MARKER = "COMMITTED"
 _STEP = re.compile(r"step-(\d{9})$")
 _CHUNK = 8 << 20
+_UPLOAD_PART = 64 << 20
+"""Multipart upload part size on object stores (S3 allows 5 MiB - 5 GiB per part)."""
 
 
 def _fs_options(uri: str) -> dict[str, Any]:
@@ -70,7 +72,15 @@ class PersistentStore:
             with open(source, "rb") as src:
                 _write_local(Path(target), lambda out: _sendfile(src.fileno(), out.fileno(), info.size))
         else:
-            self.fs.put_file(str(source), target)
+            # Exactly ``info.size`` bytes: a shared-memory slot is rounded up beyond its shard.
+            with open(source, "rb") as src, self.fs.open(target, "wb", block_size=_UPLOAD_PART) as out:
+                left = info.size
+                while left:
+                    chunk = src.read(min(_UPLOAD_PART, left))
+                    if not chunk:
+                        raise CheckpointError(f"{source} ended {left} bytes before the shard's {info.size}")
+                    out.write(chunk)
+                    left -= len(chunk)
 
     def commit(self, manifest: StepManifest) -> None:
         """Manifest, then the marker: the step is visible only once both exist."""

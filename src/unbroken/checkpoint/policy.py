@@ -68,22 +68,22 @@ class PersistentTier(_Cadence):
         parsed = urlparse(value)
         if parsed.scheme not in PERSISTENT_SCHEMES:
             raise ValueError(f"uri {value!r}: scheme must be one of {', '.join(s + '://' for s in PERSISTENT_SCHEMES)}")
-        if parsed.scheme == "file" and not parsed.path.startswith("/"):
-            raise ValueError(f"uri {value!r}: a file:// uri needs an absolute path, e.g. file:///data/ckpt")
+        if parsed.scheme == "file" and (parsed.netloc or not parsed.path.startswith("/")):
+            # file://data/x would put "data" in the host part and write relative to the agent's cwd
+            raise ValueError(f"uri {value!r}: a file:// uri needs an absolute path and three slashes, e.g. file:///data/ckpt")
         if parsed.scheme == "s3" and not parsed.netloc:
             raise ValueError(f"uri {value!r}: an s3:// uri needs a bucket, e.g. s3://my-bucket/runs")
         return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _needs_cadence(self) -> "PersistentTier":
+        if self.every_steps is None and self.every_seconds is None:
+            # Draining every memory step to S3 is almost never what anyone wants, and
+            # silently doing it would hide a cost; make the choice explicit.
+            raise ValueError("set every_steps and/or every_seconds (e.g. every_seconds: 600)")
+        return self
 
 
 class TierPolicy(_Strict):
     memory: MemoryTier = Field(default_factory=MemoryTier)
     persistent: PersistentTier | None = None
-
-    @model_validator(mode="after")
-    def _persistent_needs_cadence(self) -> "TierPolicy":
-        p = self.persistent
-        if p is not None and p.every_steps is None and p.every_seconds is None:
-            # Draining every memory step to S3 is almost never what anyone wants, and
-            # silently doing it would hide a cost; make the choice explicit.
-            raise ValueError("persistent: set every_steps and/or every_seconds (e.g. every_seconds: 600)")
-        return self

@@ -24,6 +24,7 @@ One reconciler pass (every ``PASS_SECONDS``) over this node's shared memory and 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -47,6 +48,8 @@ log = logging.getLogger("unbroken.checkpoint")
 PASS_SECONDS = 0.1
 DRAIN_RETRIES = 3
 RETRY_BASE_SECONDS = 0.5
+COMMIT_CLAIM = "committing: "
+COMMIT_CLAIM_SECONDS = 60.0
 ENDPOINT_KEY = "ckpt-endpoint/"
 """Store meta key prefix: ``ckpt-endpoint/<node>`` = the node's shard server address."""
 
@@ -92,8 +95,9 @@ class CheckpointService:
     token: bytes
     host: str = "127.0.0.1"
     _known: dict[Path, str] = field(default_factory=dict)
-    _replicated: set[tuple[str, int, int]] = field(default_factory=set)
-    _drained: set[tuple[str, int, int]] = field(default_factory=set)
+    _replicated: set[tuple[str, int, int, int]] = field(default_factory=set)
+    """(job, step, rank, attempt): a step re-saved by a later attempt is a new shard."""
+    _drained: set[tuple[str, int, int, int]] = field(default_factory=set)
     _replicator: _Background = field(default_factory=lambda: _Background("ckpt-replicate"))
     _drainer: _Background = field(default_factory=lambda: _Background("ckpt-drain"))
     server: ShardServer | None = None
@@ -241,7 +245,7 @@ class CheckpointService:
         todo = [
             s for s in shards
             if not s.held and s.info.step == newest.step and s.info.attempt == newest.attempt
-            and (job.name, s.info.step, s.info.rank) not in self._replicated
+            and (job.name, s.info.step, s.info.rank, s.info.attempt) not in self._replicated
         ]
         if not todo:
             return
@@ -267,7 +271,7 @@ class CheckpointService:
                 except Exception as exc:  # noqa: BLE001 - a peer going away must not stop the agent
                     log.warning("replicating step %d rank %d to %s failed: %s", info.step, info.rank, name, exc,
                                 extra={"node": self.node, "job": info.job, "peer": name})
-            self._replicated.add((info.job, info.step, info.rank))
+            self._replicated.add((info.job, info.step, info.rank, info.attempt))
 
     # -- 4. drain to the persistent tier -------------------------------------------
 
@@ -282,7 +286,7 @@ class CheckpointService:
             mine = [
                 s for s in shards
                 if not s.held and s.info.step == row.step and s.info.attempt == row.attempt
-                and (job.name, row.step, s.info.rank) not in self._drained
+                and (job.name, row.step, s.info.rank, row.attempt) not in self._drained
             ]
             if mine:
                 self._drainer.run(functools.partial(self._upload, job.name, policy.persistent.uri, row, mine, policy))
@@ -343,25 +347,46 @@ class CheckpointService:
                     log.warning("drain of step %d rank %d failed (try %d of %d): %s", info.step, info.rank, attempt + 1, DRAIN_RETRIES, error,
                                 extra={"node": self.node, "job": job})
                     time.sleep(RETRY_BASE_SECONDS * 2**attempt)  # backoff between retries of a failing tier
-            self._drained.add((job, info.step, info.rank))
+            self._drained.add((job, info.step, info.rank, info.attempt))
             if error is not None:
                 self._fail_drain(job, row, f"rank {info.rank}: {error}")
                 return
         self._try_commit_persistent(job, policy, row)
 
     def _fail_drain(self, job: str, row: CheckpointStep, message: str) -> None:
-        self.store.put_checkpoint_step(CheckpointStep(
-            job=job, step=row.step, tier=CheckpointTier.PERSISTENT, attempt=row.attempt, world_size=row.world_size,
-            status=StepStatus.FAILED, size=row.size, updated_at=time.time(), message=message,
-        ))
+        with self.store.transaction():
+            current = self._persistent_row(job, row.step)
+            if current is None or current.status is not StepStatus.DRAINING or current.attempt != row.attempt:
+                return  # committed (or failed, or replaced) by someone else meanwhile: their verdict stands
+            self.store.put_checkpoint_step(dataclasses.replace(
+                current, status=StepStatus.FAILED, updated_at=time.time(), message=message,
+            ))
         text = f"persistent tier failed for step {row.step}: {message}; training continues on the memory tier"
         self.store.add_event("Job", job, "CheckpointTierFailing", text, type=EventType.WARNING)
         log.warning(text, extra={"node": self.node, "job": job, "tier": "persistent"})
 
+    def _persistent_row(self, job: str, step: int) -> CheckpointStep | None:
+        return next((r for r in self.store.list_checkpoint_steps(job, tier=CheckpointTier.PERSISTENT) if r.step == step), None)
+
+    def _claim_commit(self, job: str, row: CheckpointStep) -> bool:
+        """One agent writes a step's manifest and marker: the first to mark the Draining row
+        as being committed by it. A claim older than ``COMMIT_CLAIM_SECONDS`` (its agent
+        died mid-commit) may be taken over."""
+        claim = f"{COMMIT_CLAIM}{self.node}"
+        with self.store.transaction():
+            current = self._persistent_row(job, row.step)
+            if current is None or current.status is not StepStatus.DRAINING or current.attempt != row.attempt:
+                return False
+            claimed = (current.message or "").startswith(COMMIT_CLAIM)
+            if claimed and time.time() - current.updated_at < COMMIT_CLAIM_SECONDS:
+                return False
+            self.store.put_checkpoint_step(dataclasses.replace(current, message=claim, updated_at=time.time()))
+        return True
+
     def _try_commit_persistent(self, job: str, policy: TierPolicy, row: CheckpointStep) -> None:
         assert policy.persistent is not None
         copies = {c.rank: c for c in self.store.list_shard_copies(job, step=row.step, tier=CheckpointTier.PERSISTENT) if c.attempt == row.attempt}
-        if len(copies) != row.world_size:
+        if len(copies) != row.world_size or not self._claim_commit(job, row):
             return
         manifest = StepManifest(
             job=job, step=row.step, world_size=row.world_size, attempt=row.attempt,
@@ -384,6 +409,8 @@ class CheckpointService:
     # -- 5. retention ---------------------------------------------------------------
 
     def _retain(self, job: Job, policy: TierPolicy, shards: list[shm.StoredShard]) -> None:
+        for stale in shm.stale_slots(self.root, job.name, job.attempt):
+            stale.unlink(missing_ok=True)  # half-written by a rank of a failed attempt: unreadable
         committed = self._committed(job.name, CheckpointTier.MEMORY)
         kept = {s.step for s in committed[: policy.memory.keep]}
         oldest_kept = min(kept) if kept else None
@@ -416,6 +443,8 @@ class CheckpointService:
             self.store.delete_shard_copies(job, row.step, tier=CheckpointTier.PERSISTENT)
 
     def _drop_job(self, job: str, shards: list[shm.StoredShard]) -> None:
+        for stale in shm.stale_slots(self.root, job, before_attempt=1 << 30):
+            stale.unlink(missing_ok=True)
         for stored in shards:
             shm.descriptor_path(stored.path).unlink(missing_ok=True)
             stored.path.unlink(missing_ok=True)

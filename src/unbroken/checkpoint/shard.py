@@ -26,6 +26,7 @@ import torch
 
 from unbroken.checkpoint.integrity import StreamingChecksum, checksum
 from unbroken.checkpoint.manifest import FORMAT, ShardLayout, TensorMeta
+from unbroken.errors import CheckpointError
 
 __all__ = ["ALIGN", "FORMAT", "ShardLayout", "StreamingChecksum", "TensorMeta", "checksum", "plan", "read", "write"]
 
@@ -68,11 +69,30 @@ def plan(state: Any) -> tuple[ShardLayout, list[torch.Tensor]]:
     metas = []
     offset = 0
     for tensor in flattener.tensors:
+        if tensor.layout is not torch.strided or tensor.device.type == "meta":
+            raise CheckpointError(
+                f"checkpoint state at {_path_to(state, tensor)} ({tensor.layout}, device {tensor.device}, shape {tuple(tensor.shape)}) "
+                "cannot be checkpointed: only dense tensors with data can (use .to_dense(); materialize meta tensors)"
+            )
         offset = _align(offset)
         nbytes = tensor.numel() * tensor.element_size()
         metas.append(TensorMeta(offset, nbytes, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)))
         offset += nbytes
     return ShardLayout(tuple(metas), _align(offset), buffer.getvalue()), flattener.tensors
+
+
+def _path_to(state: Any, target: torch.Tensor) -> str:
+    """Where ``target`` sits in nested dicts/lists, for an error message (``optimizer.embedding``)."""
+    stack: list[tuple[Any, str]] = [(state, "")]
+    while stack:
+        node, path = stack.pop()
+        if node is target:
+            return path.lstrip(".") or "?"
+        if isinstance(node, dict):
+            stack += [(v, f"{path}.{k}") for k, v in node.items()]
+        elif isinstance(node, (list, tuple)):
+            stack += [(v, f"{path}.{i}") for i, v in enumerate(node)]
+    return "?"
 
 
 def _view(buffer: Any, meta: TensorMeta) -> torch.Tensor:

@@ -50,6 +50,7 @@ def _say(message: str) -> None:
 class _Loaded:
     payload: dict[str, Any]
     source: str
+    size: int = 0
 
 
 @dataclass
@@ -167,6 +168,13 @@ class TieredCheckpointer:
             )
         finally:
             self._pool.release(slot, info)
+        self._prepare_slots(layout.size)
+
+    def _prepare_slots(self, size: int) -> None:
+        try:
+            self._pool.prepare(size)
+        except (OSError, CheckpointError) as exc:
+            _say(f"memory tier: could not allocate slots ahead of time ({exc}); saves will allocate them")
 
     def close(self) -> None:
         self.wait()
@@ -175,7 +183,7 @@ class TieredCheckpointer:
     # -- restore --------------------------------------------------------------------
 
     def restore(self) -> Restored | None:
-        catalog = _broadcast(self.catalog() if self.rank == 0 else None)
+        catalog = _broadcast(self.catalog() if self.rank == 0 or not _distributed() else None)
         memory: dict[int, dict[str, Any]] = {int(k): v for k, v in catalog["memory"].items()}
         persistent: list[int] = catalog["persistent"]
         for step in sorted(set(memory) | set(persistent), reverse=True):
@@ -184,6 +192,9 @@ class TieredCheckpointer:
                 assert loaded is not None
                 rng.apply(loaded.payload["rng"])
                 _say(f"restored step {step} from {loaded.source}")
+                # The next saves will be about this size: get their slots ready meanwhile.
+                self._pending = threading.Thread(target=self._prepare_slots, args=(loaded.size,), name="ckpt-prepare", daemon=True)
+                self._pending.start()
                 if self.on_restored:
                     self.on_restored(step)
                 return Restored(step=step, state=loaded.payload["state"], source=loaded.source)
@@ -248,26 +259,37 @@ class TieredCheckpointer:
             attempts.append((f"persistent {uri}", functools.partial(self._read_persistent, uri, step, rank)))
         for source, read in attempts:
             try:
-                payload = read()
+                payload, size = read()
             except Exception as exc:  # noqa: BLE001 - any unreadable copy means: try the next one
                 _say(f"step {step} rank {rank} from {source}: {exc}")
                 continue
             if not isinstance(payload, dict) or payload.get("step") != step or "state" not in payload:
                 _say(f"step {step} rank {rank} from {source}: not a step-{step} checkpoint")
                 continue
-            return _Loaded(payload, source)
+            return _Loaded(payload, source, size)
         return None
 
-    def _read_local(self, step: int, rank: int, attempt: int) -> Any:
+    def _read_local(self, step: int, rank: int, attempt: int) -> tuple[Any, int]:
+        """Straight from this node's shared memory, checksum first.
+
+        Files of an earlier attempt (and held replicas) are never rewritten in place,
+        only unlinked or replaced by a rename, so the tensors can be views of a
+        private mapping of them: no copy, and the pages live as long as the tensors.
+        Our own slots of this attempt are reused by later saves: those are copied.
+        """
         for stored in shm.scan(self.shm_root, self.job):
             info = stored.info
             if info.step != step or info.rank != rank or info.attempt != attempt:
                 continue
-            with open(stored.path, "rb") as f, mmap.mmap(f.fileno(), max(info.size, 1), access=mmap.ACCESS_COPY) as view:
-                got = shard.checksum(view, info.size)
-                if got != info.checksum:
-                    raise CheckpointError(f"{stored.path}: checksum mismatch (descriptor {info.checksum}, data {got})")
-                return shard.read(view, info.metas(), info.skeleton_offset, info.size, copy=True)
+            reused_later = not stored.held and info.attempt == self.attempt and info.rank == self.rank
+            with open(stored.path, "rb") as f:
+                flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
+                view = mmap.mmap(f.fileno(), max(info.size, 1), flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            got = shard.checksum(view, info.size)
+            if got != info.checksum:
+                view.close()
+                raise CheckpointError(f"{stored.path}: checksum mismatch (descriptor {info.checksum}, data {got})")
+            return shard.read(view, info.metas(), info.skeleton_offset, info.size, copy=reused_later), info.size
         raise CheckpointError(f"no copy of step {step} rank {rank} in {self.shm_root}")
 
     def _read_remote(self, address: str, step: int, rank: int) -> Any:
@@ -279,14 +301,14 @@ class TieredCheckpointer:
 
         with PeerClient(address, self.token) as peer:
             info = peer.get(self.job, step, rank, into)
-        return shard.read(holder.get("buffer", bytearray(1)), info.metas(), info.skeleton_offset, info.size, copy=False)
+        return shard.read(holder.get("buffer", bytearray(1)), info.metas(), info.skeleton_offset, info.size, copy=False), info.size
 
     def _read_persistent(self, uri: str, step: int, rank: int) -> Any:
         store = PersistentStore(uri)
         manifest = store.manifest(self.job, step)
         info = manifest.shard(rank)
         data = store.read_shard(info)
-        return shard.read(data, info.metas(), info.skeleton_offset, info.size, copy=False)
+        return shard.read(data, info.metas(), info.skeleton_offset, info.size, copy=False), info.size
 
 
 def _distributed() -> bool:

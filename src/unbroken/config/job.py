@@ -65,8 +65,6 @@ class CheckpointSpec(_Strict):
     def _tiers_consistent(self) -> "CheckpointSpec":
         if self.persistent is not None and self.memory is None:
             raise ValueError("persistent needs memory: the persistent tier is drained from the memory tier (add 'memory: {}')")
-        if self.memory is not None:
-            TierPolicy(memory=self.memory, persistent=self.persistent)  # the cross-tier rules, one place
         return self
 
     @property
