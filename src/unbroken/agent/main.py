@@ -24,6 +24,7 @@ from unbroken.agent import join_checks, launcher
 from unbroken.agent.progress import ProgressBook
 from unbroken.channel import AgentReceiver, agent_address
 from unbroken.config.cluster import ClusterConfig
+from unbroken.health.monitor import HealthMonitor
 from unbroken.layout import ClusterLayout
 from unbroken.state.phases import DeepHealthStatus, NodeState, WorkerPhase
 from unbroken.state.records import Desired, EventType, Worker
@@ -77,6 +78,7 @@ class Agent:
         heartbeat.start()
         checks = threading.Thread(target=self._join_checks, name="join-checks", daemon=True)
         checks.start()
+        HealthMonitor(self.layout, self.node, self.cluster, self.stopping).start()  # kernel log + continuous checks
         try:
             while not self.stopping.is_set():
                 try:

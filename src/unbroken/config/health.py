@@ -102,6 +102,10 @@ class HealthSettings(_Strict):
     """Override fields of shipped profiles, or define new instance types (then every required field)."""
     XidActions: dict[int, FaultAction] = Field(default_factory=dict)
     """Xid code -> None | Reboot | Replace, over the shipped table (NVIDIA's Xid catalogue)."""
+    ConditionActions: dict[str, FaultAction] = Field(default_factory=dict)
+    """NPD condition type -> action for ``permanent`` rules (default Reboot: a deadlocked
+    kernel or a read-only root filesystem is what a reboot is for). ``temporary`` rules
+    only raise an event, as in node-problem-detector."""
     KernelLogSource: KernelLogSource = KernelLogSource.FILE
     RuleFiles: list[str] = Field(default_factory=list)
     """Extra node-problem-detector rule files (their JSON format, unchanged); permanent rules take the node out."""

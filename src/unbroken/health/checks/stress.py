@@ -8,6 +8,7 @@ busy neighbour costs a repetition, not a failed check.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -56,7 +57,7 @@ def matmul(ctx: CheckContext) -> Outcome:
         b = torch.randn(n, n, device=device, dtype=dtype)
         out = torch.empty(n, n, device=device, dtype=dtype)
         sync = torch.cuda.synchronize if gpu else (lambda: None)
-        seconds = _best_seconds(lambda: torch.matmul(a, b, out=out), sync, inner=10 if gpu else 2)
+        seconds = _best_seconds(functools.partial(torch.matmul, a, b, out=out), sync, inner=10 if gpu else 2)
         per_device[device] = round(2 * n**3 / seconds / scale, 2)
     slowest = min(per_device, key=lambda d: per_device[d])
     floor = ctx.profile.MatmulFloor
@@ -80,7 +81,7 @@ def membw(ctx: CheckContext) -> Outcome:
         src = torch.ones(size // 4, device=device, dtype=torch.float32)
         dst = torch.empty_like(src)
         sync = torch.cuda.synchronize if gpu else (lambda: None)
-        seconds = _best_seconds(lambda: dst.copy_(src), sync, inner=10 if gpu else 3)
+        seconds = _best_seconds(functools.partial(dst.copy_, src), sync, inner=10 if gpu else 3)
         # A copy reads and writes every byte: 2 x size, as STREAM's Copy counts it.
         per_device[device] = round(2 * size / seconds / 1e9, 2)
     slowest = min(per_device, key=lambda d: per_device[d])
