@@ -7,7 +7,7 @@ import sys
 import typer
 from rich.markup import escape
 
-from unbroken.cli import chaos, cluster, job, node
+from unbroken.cli import chaos, check, cluster, job, node
 from unbroken.cli.common import err_console
 from unbroken.errors import UnbrokenError
 
@@ -23,6 +23,7 @@ app.add_typer(cluster.app, name="cluster")
 app.add_typer(job.app, name="job")
 app.add_typer(node.app, name="node")
 app.add_typer(chaos.app, name="chaos")
+app.add_typer(check.app, name="check")
 
 
 @app.command("demo")

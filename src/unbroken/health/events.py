@@ -43,9 +43,10 @@ def log_result(result: CheckResult) -> None:
     log.log(_LEVEL[result.status], message(result), extra=extra)
 
 
-def record(store: Store, result: CheckResult) -> None:
-    """Log line + node event for one result."""
-    log_result(result)
+def record(store: Store, result: CheckResult, *, log_line: bool = True) -> None:
+    """Log line (agents; the CLI prints tables instead) + node event for one result."""
+    if log_line:
+        log_result(result)
     store.add_event("Node", result.node, _EVENT_REASON[result.status], f"{result.check}: {result.status.value}: {message(result)}",
                     type=EventType.WARNING if result.status in (Status.FAIL, Status.WARN) else EventType.NORMAL)
 
