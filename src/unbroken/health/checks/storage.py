@@ -46,7 +46,10 @@ def checkpoint(ctx: CheckContext) -> Outcome:
         return Outcome(Status.FAIL, f"checkpoint storage {root} not writable: {exc.strerror or exc}", "NotWritable",
                        {"path": str(root)}, FaultAction.REBOOT)
     finally:
-        probe.unlink(missing_ok=True)
+        try:
+            probe.unlink(missing_ok=True)
+        except OSError:
+            pass  # the directory itself is unusable: already reported above
     free = shutil.disk_usage(root).free
     metrics = {"path": str(root), "write_MBps": round(size / seconds / 1e6, 1), "free_GiB": round(free / 2**30, 2),
                "free_floor_GiB": ctx.settings.StorageFreeFloorGiB}
