@@ -84,3 +84,10 @@ def test_blame_names_everyone_when_it_cannot_tell():
     assert blame({("a", "b"): 0.01}, 0.1, ["a", "b"]) == ["a", "b"]
     assert blame({}, 0.1, ["a", "b", "c"]) == ["a", "b", "c"]
     assert blame({("a", "b"): 1.0, ("a", "c"): 0.01, ("b", "c"): 1.0}, 0.1, ["a", "b", "c"]) == ["a", "b", "c"]
+
+
+def test_the_verdict_figure_is_the_fastest_iteration_of_the_better_column():
+    row = Row(size=4 << 20, count=1 << 20, dtype="float", op="all_reduce", out_time_us=8000.0, out_wrong=0,
+              in_time_us=6000.0, in_wrong=0, ranks=2, out_best_us=5000.0, in_best_us=4194.304)
+    assert row.best_busbw == pytest.approx((4 << 20) / 1e9 / 0.004194304)
+    assert Row(**{**row.__dict__, "out_best_us": 0.0, "in_best_us": 0.0}).best_busbw == pytest.approx(row.in_busbw)

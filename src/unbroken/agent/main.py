@@ -172,7 +172,8 @@ class Agent:
         checkpoint_dir = spec.checkpoint.dir or self.layout.checkpoint_dir(worker.job)
         try:
             running = launcher.launch(
-                spec, worker, cluster_dir=self.layout.root, node=self.node, log_dir=log_dir, checkpoint_dir=checkpoint_dir
+                spec, worker, cluster_dir=self.layout.root, node=self.node, log_dir=log_dir, checkpoint_dir=checkpoint_dir,
+                local_addr=self.store.get_node(self.node).address,
             )
         except OSError as exc:
             # e.g. the working_dir was deleted: the job's fault, not the node's. Report it

@@ -6,6 +6,7 @@ import shutil
 import time
 from collections.abc import Callable
 
+from unbroken.backends import netns_launch
 from unbroken.backends.base import provision_node
 from unbroken.backends.local import LocalBackend
 from unbroken.config.cluster import ClusterConfig
@@ -67,7 +68,9 @@ def down(layout: ClusterLayout) -> list[int]:
     """Stop every process of the cluster. Returns pids that survived (normally none)."""
     left = LocalBackend(layout).stop_cluster()
     if layout.state_db.exists():
-        _set_status(SqliteStore(layout.state_db), "down")
+        store = SqliteStore(layout.state_db)
+        _set_status(store, "down")
+        netns_launch.teardown(layout, store)
     return left
 
 

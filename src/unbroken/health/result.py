@@ -86,8 +86,8 @@ class Outcome:
 
 
 def skip(message: str, reason: str = "NotApplicable", **metrics: Any) -> Outcome:
-    return Outcome(Status.SKIP, message, reason, metrics)
+    return Outcome(Status.SKIP, message, reason, metrics, FaultAction.NONE)
 
 
 def passed(message: str, **metrics: Any) -> Outcome:
-    return Outcome(Status.PASS, message, "", metrics)
+    return Outcome(Status.PASS, message, "", metrics, FaultAction.NONE)

@@ -76,6 +76,16 @@ class Row:
     in_time_us: float
     in_wrong: int
     ranks: int
+    out_best_us: float = 0.0
+    """Fastest iteration (not printed; the verdict's figure). 0: unknown, use the mean."""
+    in_best_us: float = 0.0
+
+    @property
+    def best_busbw(self) -> float:
+        """busbw of the fastest iteration, the better of out-of-place and in-place."""
+        out = self.out_best_us or self.out_time_us
+        inp = self.in_best_us or self.in_time_us
+        return busbw(self.op, self.size, min(out, inp) / 1e6, self.ranks)
 
     @property
     def out_algbw(self) -> float:
