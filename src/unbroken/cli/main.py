@@ -38,6 +38,20 @@ def demo_command(
     run_demo(directory, steps=steps, keep=keep)
 
 
+@app.command("validate")
+def validate_command(
+    directory: cluster.DirOption = None,
+    output: cluster.OutputOption = cluster.Output.table,
+    steps: int = typer.Option(20, help="Steps of the end-to-end training job"),
+    timeout: float = typer.Option(300.0, help="Seconds the training job may take"),
+) -> None:
+    """Validate an idle cluster before a big run: all checks on every node, the collective sweep, and a short
+    training job across all nodes; one verdict row per node (exit 1 if any node fails)."""
+    from unbroken.cli.validate import run_validate
+
+    run_validate(directory, output, steps, timeout)
+
+
 def run() -> None:
     """Typer handles usage errors (exit 2) and --help; our own errors end here as one line."""
     try:
