@@ -4,6 +4,7 @@
     <dir>/cluster.token                    shared secret of the nodes' shard servers (0600)
     <dir>/controller.{pid,log,lock}
     <dir>/nodes/<node>/agent.{pid,log}     one folder per node (its "disk")
+    <dir>/nodes/<node>/kmsg.log            the node's kernel log (health monitor source; chaos xid)
     <dir>/logs/<job>/attempt-<k>/<node>/   torchrun.log + per-rank logs
     <dir>/checkpoints/<job>/               default checkpoint directory
 """
@@ -57,6 +58,14 @@ class ClusterLayout:
 
     def agent_log(self, node: str) -> Path:
         return self.node_dir(node) / "agent.log"
+
+    def kernel_log(self, node: str) -> Path:
+        return self.node_dir(node) / "kmsg.log"
+
+    @classmethod
+    def of_node_dir(cls, node_dir: Path) -> "ClusterLayout":
+        """The layout a node directory (``<dir>/nodes/<node>``) belongs to."""
+        return cls.at(node_dir.parent.parent)
 
     def worker_log_dir(self, job: str, attempt: int, node: str) -> Path:
         return self.root / "logs" / job / f"attempt-{attempt}" / node

@@ -231,7 +231,7 @@ def test_top_level_help_lists_the_groups(tmp_path: Path) -> None:
 
     assert result.returncode == 0
     names = commands_in_help(result.stdout)
-    assert sorted(names) == ["chaos", "ckpt", "cluster", "demo", "job", "node"]
+    assert sorted(names) == ["chaos", "check", "ckpt", "cluster", "demo", "job", "node", "validate"]
 
 
 @pytest.mark.parametrize(
@@ -240,7 +240,8 @@ def test_top_level_help_lists_the_groups(tmp_path: Path) -> None:
         ("cluster", ["up", "down", "status"]),
         ("job", ["start", "list", "describe", "logs", "cancel"]),
         ("node", ["list", "describe", "cordon", "uncordon", "reboot", "replace"]),
-        ("chaos", ["kill-worker", "hang-worker", "kill-node", "kill-controller"]),
+        ("chaos", ["kill-worker", "hang-worker", "kill-node", "kill-controller", "xid", "slow-link"]),
+        ("check", ["list", "run", "collective"]),
     ],
 )
 def test_group_help_lists_exactly_its_commands(tmp_path: Path, group: str, commands: list[str]) -> None:

@@ -1,9 +1,9 @@
 """Checks a node runs when it joins, before it takes work.
 
 The readiness check is always run. Deep-check suites named by the instance
-group's ``OnStartDeepHealthChecks`` are looked up in ``DEEP_SUITES``; the
-health-check catalogue registers its suites there. A suite with nothing
-registered is reported, not silently passed.
+group's ``OnStartDeepHealthChecks`` are looked up in ``DEEP_SUITES``, which
+holds the health catalogue's suites (``unbroken.health.join``). A suite with
+nothing registered is reported, not silently passed.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from unbroken.health import join as health_join
 
 
 @dataclass(frozen=True)
@@ -28,7 +30,16 @@ MIN_FREE_BYTES = 1 << 30
 """A node with under 1 GiB free cannot hold logs and a checkpoint shard."""
 
 DeepSuite = Callable[[str, Path], JoinResult]
-DEEP_SUITES: dict[str, DeepSuite] = {}
+
+
+def _health_suite(suite: str) -> DeepSuite:
+    def run(node: str, node_dir: Path) -> JoinResult:
+        verdict = health_join.run_suite(suite, node, node_dir)
+        return JoinResult(verdict.passed, verdict.reason, verdict.fault_type)
+    return run
+
+
+DEEP_SUITES: dict[str, DeepSuite] = {suite: _health_suite(suite) for suite in health_join.SUITES}
 
 
 def readiness(node: str, node_dir: Path) -> JoinResult:

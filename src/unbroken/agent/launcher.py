@@ -34,7 +34,7 @@ _TRAMPOLINE = (
 )
 
 
-def torchrun_argv(spec: JobSpec, worker: Worker, log_dir: Path) -> list[str]:
+def torchrun_argv(spec: JobSpec, worker: Worker, log_dir: Path, local_addr: str | None = None) -> list[str]:
     host, port = worker.rdzv_endpoint.rsplit(":", 1)
     is_host = "1" if worker.node_rank == 0 else "0"
     argv = [
@@ -52,6 +52,10 @@ def torchrun_argv(spec: JobSpec, worker: Worker, log_dir: Path) -> list[str]:
         "--log-dir", str(log_dir),
         "--redirects", "3",
     ]
+    if local_addr and not local_addr.startswith("127."):
+        # a node in its own network namespace: its peers reach it at this address, not at the
+        # (shared) hostname torchrun would otherwise advertise
+        argv += ["--local-addr", local_addr]
     command = list(spec.command)
     if command[0] == "-m":
         argv += ["--module", *command[1:]]
@@ -98,6 +102,7 @@ class RunningWorker:
 def launch(
     spec: JobSpec, worker: Worker, *, cluster_dir: Path, node: str, log_dir: Path, checkpoint_dir: Path,
     checkpoint_endpoint: str | None = None,
+    local_addr: str | None = None,
 ) -> RunningWorker:
     log_dir.mkdir(parents=True, exist_ok=True)
     tiers = spec.checkpoint.tiers
@@ -107,7 +112,7 @@ def launch(
         checkpoint_tiers=tiers.model_dump_json() if tiers else None, checkpoint_endpoint=checkpoint_endpoint,
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **spec.env, **launch_env.to_environ()}
-    argv = [sys.executable, "-c", _TRAMPOLINE, *torchrun_argv(spec, worker, log_dir)]
+    argv = [sys.executable, "-c", _TRAMPOLINE, *torchrun_argv(spec, worker, log_dir, local_addr)]
     with open(log_dir / "torchrun.log", "ab") as out:
         process = subprocess.Popen(
             argv, cwd=spec.working_dir, env=env, stdout=out, stderr=subprocess.STDOUT,

@@ -28,6 +28,7 @@ from unbroken.checkpoint.peer import load_token
 from unbroken.checkpoint.service import CheckpointService
 from unbroken.channel import AgentReceiver, agent_address
 from unbroken.config.cluster import ClusterConfig
+from unbroken.health.monitor import HealthMonitor
 from unbroken.layout import ClusterLayout
 from unbroken.state.phases import DeepHealthStatus, NodeState, WorkerPhase
 from unbroken.state.records import Desired, EventType, Worker
@@ -86,6 +87,7 @@ class Agent:
         threading.Thread(target=self._checkpoint_loop, name="checkpoints", daemon=True).start()
         checks = threading.Thread(target=self._join_checks, name="join-checks", daemon=True)
         checks.start()
+        HealthMonitor(self.layout, self.node, self.cluster, self.stopping).start()  # kernel log + continuous checks
         try:
             while not self.stopping.is_set():
                 try:
@@ -193,6 +195,7 @@ class Agent:
             running = launcher.launch(
                 spec, worker, cluster_dir=self.layout.root, node=self.node, log_dir=log_dir, checkpoint_dir=checkpoint_dir,
                 checkpoint_endpoint=endpoint,
+                local_addr=self.store.get_node(self.node).address,
             )
         except OSError as exc:
             # e.g. the working_dir was deleted: the job's fault, not the node's. Report it

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from unbroken import procs
+from unbroken.backends import netns_launch
 from unbroken.launch_env import CLUSTER_DIR, NODE
 from unbroken.layout import ClusterLayout
 
@@ -26,9 +27,10 @@ class LocalBackend:
     def start_node(self, name: str) -> None:
         node_dir = self.layout.node_dir(name)
         node_dir.mkdir(parents=True, exist_ok=True)
+        prefix, env = netns_launch.prepare(self.layout, name, self._env(node=name))
         pid = _spawn(
-            [sys.executable, "-m", "unbroken.agent", "--dir", str(self.layout.root), "--node", name],
-            log=self.layout.agent_log(name), env=self._env(node=name),
+            [*prefix, sys.executable, "-m", "unbroken.agent", "--dir", str(self.layout.root), "--node", name],
+            log=self.layout.agent_log(name), env=env,
         )
         _write_pid(self.layout.agent_pid(name), pid)
 

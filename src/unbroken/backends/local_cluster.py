@@ -6,6 +6,7 @@ import shutil
 import time
 from collections.abc import Callable
 
+from unbroken.backends import netns_launch
 from unbroken.backends.base import provision_node
 from unbroken.checkpoint import shm
 from unbroken.checkpoint.peer import create_token
@@ -75,7 +76,9 @@ def down(layout: ClusterLayout) -> list[int]:
     left = LocalBackend(layout).stop_cluster()
     shutil.rmtree(shm.cluster_root(layout.root), ignore_errors=True)
     if layout.state_db.exists():
-        _set_status(SqliteStore(layout.state_db), "down")
+        store = SqliteStore(layout.state_db)
+        _set_status(store, "down")
+        netns_launch.teardown(layout, store)
     return left
 
 

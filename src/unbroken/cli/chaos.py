@@ -1,4 +1,4 @@
-"""``unbroken chaos kill-worker|hang-worker|kill-node|kill-controller``."""
+"""``unbroken chaos kill-worker|hang-worker|kill-node|kill-controller|xid|slow-link``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import typer
 from unbroken import chaos
 from unbroken.cli.common import DirOption, console, open_store
 
-app = typer.Typer(help="Inject real faults: signals to real processes.", no_args_is_help=True)
+app = typer.Typer(help="Inject real faults: signals to real processes, kernel-log lines, slow links.", no_args_is_help=True)
 
 JobArg = Annotated[str, typer.Argument(help="Job name")]
 NodeOpt = Annotated[str | None, typer.Option("--node", help="Pick a rank on this node")]
@@ -50,3 +50,28 @@ def kill_controller(directory: DirOption = None) -> None:
     layout, _ = open_store(directory)
     pid = chaos.kill_controller(layout)
     console.print(f"controller pid {pid} killed")
+
+
+@app.command("xid")
+def xid(node: Annotated[str, typer.Argument(help="Node name")], code: Annotated[int, typer.Argument(help="Xid code, e.g. 79 or 13")],
+        directory: DirOption = None, pci: Annotated[str, typer.Option(help="GPU bus id in the line")] = "PCI:0000:b9:00") -> None:
+    """Append an 'NVRM: Xid (PCI:...): CODE, ...' line to the node's kernel log; the Xid table decides what follows."""
+    from unbroken.health import chaos as health_chaos
+
+    layout, store = open_store(directory)
+    console.print(f"{node}: {health_chaos.inject_xid(store, layout, node, code, pci)}", highlight=False)
+
+
+@app.command("slow-link")
+def slow_link(node: Annotated[str, typer.Argument(help="Node name")],
+              rate: Annotated[str | None, typer.Argument(help="tc rate, e.g. 100mbit")] = None,
+              clear: Annotated[bool, typer.Option("--clear", help="Remove the limit")] = False,
+              directory: DirOption = None) -> None:
+    """Rate-limit a node's link with tc tbf (clusters with Local.NetworkNamespaces; root)."""
+    from unbroken.errors import UsageError
+    from unbroken.health import chaos as health_chaos
+
+    if clear == (rate is not None):
+        raise UsageError("give a RATE (e.g. 100mbit) or --clear")
+    layout, store = open_store(directory)
+    console.print(health_chaos.slow_link(store, layout, node, None if clear else rate))

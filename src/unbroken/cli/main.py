@@ -7,7 +7,7 @@ import sys
 import typer
 from rich.markup import escape
 
-from unbroken.cli import chaos, ckpt, cluster, job, node
+from unbroken.cli import chaos, check, ckpt, cluster, job, node
 from unbroken.cli.common import err_console
 from unbroken.errors import UnbrokenError
 
@@ -24,6 +24,7 @@ app.add_typer(job.app, name="job")
 app.add_typer(node.app, name="node")
 app.add_typer(chaos.app, name="chaos")
 app.add_typer(ckpt.app, name="ckpt")
+app.add_typer(check.app, name="check")
 
 
 @app.command("demo")
@@ -36,6 +37,20 @@ def demo_command(
     from unbroken.cli.demo import run_demo
 
     run_demo(directory, steps=steps, keep=keep)
+
+
+@app.command("validate")
+def validate_command(
+    directory: cluster.DirOption = None,
+    output: cluster.OutputOption = cluster.Output.table,
+    steps: int = typer.Option(20, help="Steps of the end-to-end training job"),
+    timeout: float = typer.Option(300.0, help="Seconds the training job may take"),
+) -> None:
+    """Validate an idle cluster before a big run: all checks on every node, the collective sweep, and a short
+    training job across all nodes; one verdict row per node (exit 1 if any node fails)."""
+    from unbroken.cli.validate import run_validate
+
+    run_validate(directory, output, steps, timeout)
 
 
 def run() -> None:

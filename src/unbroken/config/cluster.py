@@ -10,6 +10,8 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from unbroken.config.health import HealthSettings, Profile, resolve_profile
+
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
 
 
@@ -48,6 +50,9 @@ class LocalSettings(_Strict):
     one slow SQLite write under load never takes a healthy node out."""
     RebootTimeoutSeconds: float = Field(default=60.0, gt=0)
     """A rebooted node that has not re-registered by then is replaced instead."""
+    NetworkNamespaces: bool = False
+    """Root only: each node (agent and workers) in its own network namespace behind a
+    veth on one bridge, so that 'chaos slow-link' limits a real link."""
 
     @model_validator(mode="after")
     def _lost_after_heartbeat(self) -> "LocalSettings":
@@ -65,6 +70,8 @@ class ClusterConfig(_Strict):
     NodeRecovery: NodeRecovery = NodeRecovery.AUTOMATIC
     """Automatic: lost or faulty nodes are rebooted/replaced without an operator."""
     Local: LocalSettings = Field(default_factory=LocalSettings)
+    Health: HealthSettings = Field(default_factory=HealthSettings)
+    """Profile and Xid-table overrides, kernel-log source, monitor cadence (health checks)."""
 
     @field_validator("InstanceGroups")
     @classmethod
@@ -74,6 +81,19 @@ class ClusterConfig(_Strict):
         if duplicates:
             raise ValueError(f"InstanceGroupName must be unique, repeated: {', '.join(duplicates)}")
         return groups
+
+    @model_validator(mode="after")
+    def _known_instance_types(self) -> "ClusterConfig":
+        for index, group in enumerate(self.InstanceGroups):
+            try:
+                resolve_profile(self.Health, group.InstanceType)
+            except ValueError as exc:
+                raise ValueError(f"InstanceGroups.{index}.InstanceType: {exc}") from None
+        return self
+
+    def profile(self, instance_type: str) -> Profile:
+        """The health profile of ``instance_type`` with this cluster's overrides."""
+        return resolve_profile(self.Health, instance_type)
 
     @classmethod
     def with_nodes(cls, count: int, name: str = "local") -> "ClusterConfig":

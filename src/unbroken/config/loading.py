@@ -60,6 +60,8 @@ def describe_validation_error(exc: ValidationError, model: type[BaseModel]) -> s
             parts.append(f"{loc}: unknown field{_suggestion(err['loc'], model)}")
         elif err["type"] == "missing":
             parts.append(f"{loc}: required field is missing")
+        elif not err["loc"]:  # a whole-file rule: its message names the field itself
+            parts.append(err["msg"].removeprefix("Value error, "))
         else:
             msg = err["msg"].removeprefix("Value error, ")
             parts.append(f"{loc}: {_show(err.get('input'))} is invalid: {msg}")

@@ -112,7 +112,11 @@ class JobReconciler:
 
 
 def _free_port(address: str) -> int:
-    """A port free on ``address`` now, for the attempt's rendezvous store."""
+    """A port free on ``address`` now, for the attempt's rendezvous store. A node address
+    inside a network namespace is not bindable here: any port free here is as good."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((address, 0))
+        try:
+            sock.bind((address, 0))
+        except OSError:
+            sock.bind(("", 0))
         return int(sock.getsockname()[1])

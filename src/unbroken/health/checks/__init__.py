@@ -1,0 +1,1 @@
+"""Check families, one module each; every function takes a CheckContext and returns an Outcome."""

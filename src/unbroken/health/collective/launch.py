@@ -1,0 +1,88 @@
+"""Start one sweep worker per rank on the nodes being checked and return rank 0's report.
+
+A worker of node X is started the way X's own processes are: in X's network
+namespace when the cluster has them, tagged with X's name so that stopping X
+stops it too. Ranks are laid out node by node, ``procs_per_node`` each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from unbroken import procs
+from unbroken.errors import BackendError
+from unbroken.health.collective.worker import RESULT_MARK
+from unbroken.health.context import Peer
+from unbroken.launch_env import NODE
+from unbroken.netns import INNER_IFNAME
+
+
+def free_port(address: str) -> int:
+    """A port free on ``address``; where that address lives in another namespace, one free here
+    (ports are per namespace, so it is as good as any there)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((address, 0))
+        except OSError:
+            sock.bind(("", 0))
+        return int(sock.getsockname()[1])
+
+
+def _env(peer: Peer, local_rank: int) -> dict[str, str]:
+    env = {**os.environ, NODE: peer.name, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    ifname = INNER_IFNAME if peer.netns else ("lo" if peer.address.startswith("127.") else None)
+    if ifname:
+        env.update(GLOO_SOCKET_IFNAME=ifname, NCCL_SOCKET_IFNAME=ifname)
+    env["LOCAL_RANK"] = str(local_rank)
+    return env
+
+
+def run_sweep(peers: tuple[Peer, ...], plan: dict[str, Any], *, procs_per_node: int = 1, timeout: float = 180.0) -> dict[str, Any]:
+    world = len(peers) * procs_per_node
+    port = free_port(peers[0].address)
+    init = f"tcp://{peers[0].address}:{port}"
+    node_ranks = {p.name: [i * procs_per_node + k for k in range(procs_per_node)] for i, p in enumerate(peers)}
+    children: list[subprocess.Popen[str]] = []
+    with tempfile.TemporaryDirectory(prefix="unbroken-sweep-") as tmp:
+        try:
+            for i, peer in enumerate(peers):
+                for local in range(procs_per_node):
+                    rank = i * procs_per_node + local
+                    prefix = ["ip", "netns", "exec", peer.netns] if peer.netns else []
+                    argv = [*prefix, sys.executable, "-m", "unbroken.health.collective.worker",
+                            "--rank", str(rank), "--world", str(world), "--init", init]
+                    with open(f"{tmp}/{rank}.out", "w") as out, open(f"{tmp}/{rank}.err", "w") as err:
+                        child = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=out, stderr=err, text=True,
+                                                 env=_env(peer, local))
+                    children.append(child)
+                    assert child.stdin is not None
+                    child.stdin.write(json.dumps({**plan, "node_ranks": node_ranks, "local_rank": local}))
+                    child.stdin.close()
+            deadline = time.monotonic() + timeout
+            for child in children:
+                try:
+                    child.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    raise BackendError(f"collective sweep did not finish within {timeout:g} s") from None
+            text = Path(f"{tmp}/0.out").read_text()
+            line = next((ln for ln in text.splitlines() if ln.startswith(RESULT_MARK)), None)
+            if line is None:
+                failed = [f"{peers[r // procs_per_node].name} rank {r}: "
+                          f"{' '.join(Path(f'{tmp}/{r}.err').read_text().strip().splitlines()[-1:]) or 'exit ' + str(c.returncode)}"
+                          for r, c in enumerate(children) if c.returncode != 0]
+                raise BackendError(f"collective sweep failed: {'; '.join(failed) or 'rank 0 printed no report'}")
+            report: dict[str, Any] = json.loads(line[len(RESULT_MARK):])
+            return report
+        finally:
+            for child in children:
+                if child.poll() is None:
+                    procs.kill_now(procs.tree(child.pid))
+                    child.wait()

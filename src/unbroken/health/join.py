@@ -1,0 +1,75 @@
+"""Deep-check suites on join (``OnStartDeepHealthChecks``), for the agent's join checks.
+
+InstanceStress runs on the joining node alone. InstanceConnectivity runs the
+collective sweep across the joining node and up to ``MAX_PEERS`` peers that
+already passed (idle ones first, so a running job is disturbed as little as
+possible); a node with no such peer checks itself with two ranks. When the
+sweep names a peer (and not the joining node) as the slow one, the peer is
+the one taken out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from unbroken.config.cluster import ClusterConfig
+from unbroken.health import catalogue, events, faults, runner, targets
+from unbroken.health.context import Peer
+from unbroken.health.result import CheckResult, FaultAction, Suite, worst
+from unbroken.layout import ClusterLayout
+from unbroken.state.phases import DeepHealthStatus, NodeState
+from unbroken.state.sqlite import SqliteStore
+from unbroken.state.store import Store
+
+MAX_PEERS = 2
+"""Enough for the pairwise blame to name a slow node (three nodes), cheap enough to run on every join."""
+
+SUITES = (Suite.INSTANCE_STRESS.value, Suite.INSTANCE_CONNECTIVITY.value)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    passed: bool
+    reason: str
+    fault_type: str | None = None
+
+
+def connectivity_peers(store: Store, layout: ClusterLayout, cluster: ClusterConfig, me: str) -> tuple[Peer, ...]:
+    busy = {w.node for w in store.list_workers(active=True)}
+    ready = [n for n in store.list_nodes() if n.name != me and n.state is NodeState.SCHEDULABLE
+             and n.deep_health is DeepHealthStatus.PASSED]
+    ready.sort(key=lambda n: (n.name in busy, n.name))
+    return tuple(targets.peer(layout, cluster, n) for n in ready[:MAX_PEERS])
+
+
+def run_suite(suite: str, node: str, node_dir: Path) -> Verdict:
+    layout = ClusterLayout.of_node_dir(node_dir)
+    store = SqliteStore(layout.state_db)
+    cluster = ClusterConfig.model_validate_json(store.cluster_json())
+    me = store.get_node(node)
+    peers: tuple[Peer, ...] = ()
+    if suite == Suite.INSTANCE_CONNECTIVITY.value:
+        peers = (targets.peer(layout, cluster, me), *connectivity_peers(store, layout, cluster, node))
+    ctx = targets.context(layout, cluster, me, peers=peers)
+    results = runner.run_suite(catalogue.for_suite(Suite(suite), cluster.Health), ctx, Suite(suite))
+    for result in results:
+        events.record(store, result)
+    return verdict(store, node, results)
+
+
+def verdict(store: Store, node: str, results: list[CheckResult]) -> Verdict:
+    mine: list[CheckResult] = []
+    for result in results:
+        if not result.failed or result.action is FaultAction.NONE:
+            continue
+        if result.faulty_nodes and node not in result.faulty_nodes:
+            for other in result.faulty_nodes:  # the sweep blamed a peer, not us
+                events.apply_fault(store, other, result.action, f"{result.check}: {result.message}", source=result.check)
+            continue
+        mine.append(result)
+    if not mine:
+        return Verdict(True, f"{len(results)} checks passed")
+    action = worst([r.action for r in mine])
+    reason = "; ".join(f"{r.check}: {r.message}" for r in mine)
+    return Verdict(False, reason, faults.REBOOT_REQUIRED if action is FaultAction.REBOOT else faults.FAULTY_INSTANCE)

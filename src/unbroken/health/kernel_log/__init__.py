@@ -1,0 +1,1 @@
+"""Kernel-log monitoring: node-problem-detector rule files, NVIDIA's Xid table, and log sources."""

@@ -1,0 +1,104 @@
+"""The agent's continuous monitor: kernel-log rules in near real time, cheap checks periodically.
+
+Two threads, so that a slow periodic check (bounded by its timeout) never
+delays a kernel-log fault: Xid 79 moves the node within a poll interval of
+the line being written. Findings become results (log line + node event); a
+fault with a node action moves the node through the state machine
+(``events.apply_fault``); application-level findings are events only.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import threading
+
+from unbroken.config.cluster import ClusterConfig
+from unbroken.health import catalogue, events, runner, targets
+from unbroken.health.kernel_log.sources import LineSource, open_source
+from unbroken.health.kernel_log.watch import Finding, KernelLogWatch
+from unbroken.health.result import CheckResult, FaultAction, Status, Suite
+from unbroken.layout import ClusterLayout
+from unbroken.state.phases import NodeState
+from unbroken.state.sqlite import SqliteStore
+
+log = logging.getLogger("unbroken.health.monitor")
+
+POLL_SECONDS = 0.2
+"""Kernel-log poll: one stat() of a file, or a non-blocking read of /dev/kmsg."""
+
+
+def finding_result(node: str, finding: Finding) -> CheckResult:
+    status = Status.FAIL if finding.action is not FaultAction.NONE else Status.WARN
+    short = f"Xid{finding.metrics['xid']}" if finding.check == "kernel_log.xid" else finding.check.split(".", 1)[1]
+    return CheckResult(finding.check, Suite.CONTINUOUS, status, f"{finding.reason}: {finding.line.strip()}", short,
+                       dict(finding.metrics), finding.action, node)
+
+
+class HealthMonitor:
+    def __init__(self, layout: ClusterLayout, node: str, cluster: ClusterConfig, stopping: threading.Event) -> None:
+        self.layout, self.node, self.cluster, self.stopping = layout, node, cluster, stopping
+        self.settings = cluster.Health
+        # Opened now, in the agent's start-up: the source starts at "now" and later lines are ours.
+        self.source: LineSource = open_source(self.settings.KernelLogSource, layout.kernel_log(node))
+        self.watch = KernelLogWatch(self.settings)
+        self._last: dict[str, Status] = {}
+
+    def start(self) -> None:
+        threading.Thread(target=self._kernel_log_loop, name="kernel-log", daemon=True).start()
+        threading.Thread(target=self._periodic_loop, name="continuous-checks", daemon=True).start()
+
+    def _kernel_log_loop(self) -> None:
+        store = SqliteStore(self.layout.state_db)
+        try:
+            while not self.stopping.wait(POLL_SECONDS):
+                try:
+                    for line in self.source.read():
+                        for finding in self.watch.push(line):
+                            self.handle(store, finding)
+                except sqlite3.Error:
+                    log.exception("kernel-log monitor pass failed; retrying", extra={"node": self.node})
+        finally:
+            self.source.close()
+
+    def handle(self, store: SqliteStore, finding: Finding) -> None:
+        events.record(store, finding_result(self.node, finding))
+        if finding.action is not FaultAction.NONE:
+            events.apply_fault(store, self.node, finding.action, finding.reason, source=finding.check)
+
+    def _periodic_loop(self) -> None:
+        store = SqliteStore(self.layout.state_db)
+        interval = self.settings.MonitorIntervalSeconds
+        while not self.stopping.wait(interval):
+            try:
+                node = store.get_node(self.node)
+                if node.state is not NodeState.SCHEDULABLE:
+                    continue
+                ctx = targets.context(self.layout, self.cluster, node)
+                for spec in catalogue.for_suite(Suite.CONTINUOUS, self.settings):
+                    if self.stopping.is_set():
+                        return
+                    self.report(store, runner.run_check(spec, ctx, Suite.CONTINUOUS))
+            except sqlite3.Error:
+                log.exception("continuous checks pass failed; retrying", extra={"node": self.node})
+
+    def report(self, store: SqliteStore, result: CheckResult) -> None:
+        """Every run is logged; only failures and changes become events (no event flood every interval)."""
+        previous = self._last.get(result.check)
+        self._last[result.check] = result.status
+        if result.status is Status.FAIL or result.status is not previous:
+            events.record(store, result)
+        else:
+            events.log_result(result)
+        if result.failed and result.action is not FaultAction.NONE:
+            events.apply_fault(store, self.node, result.action, f"{result.check}: {result.message}", source=result.check)
+
+
+def detected_within(store: SqliteStore, node: str, since: float) -> float | None:
+    """Seconds from ``since`` to the node's first fault event after it (for measurements)."""
+    for event in store.list_events(object_kind="Node", object_name=node):
+        if event.ts >= since and event.reason in ("FaultyInstance", "RebootRequired"):
+            return event.ts - since
+    return None
+
+
