@@ -79,7 +79,7 @@ def test_read_only_persistent_tier_degrades_visibly_and_training_continues(make_
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,ro", "tmpfs", str(mount)], check=True)
     try:
         cluster = make_cluster("--nodes", "2")
-        cluster.submit(tmp_path, "tro", steps=40, checkpoint={"memory": {"keep": 2, "replicas": 1},
+        cluster.submit(tmp_path, "tro", steps=40, step_time=0.05, checkpoint={"memory": {"keep": 2, "replicas": 1},
                                                              "persistent": {"uri": f"file://{mount}/ckpt", "every_steps": 10}})
         job = cluster.wait_job_phase("tro", {"Succeeded", "Failed"}, 180)
         assert job.phase.value == "Succeeded", job.reason
@@ -87,7 +87,7 @@ def test_read_only_persistent_tier_degrades_visibly_and_training_continues(make_
         listed = cluster.json("ckpt", "list", "tro")
         failed = [s for s in listed["steps"] if s["persistent"] == "Failed"]
         assert failed, listed
-        assert "Read-only file system" in failed[0]["persistent_message"], failed
+        assert any("Read-only file system" in (s["persistent_message"] or "") for s in failed), failed
         assert any("Read-only file system" in w for w in listed["tier_warnings"]), listed
         agent_logs = "".join(p.read_text() for p in (cluster.dir / "nodes").glob("*/agent.log"))
         assert "drain of step" in agent_logs and "Read-only file system" in agent_logs

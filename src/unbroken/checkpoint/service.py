@@ -320,38 +320,46 @@ class CheckpointService:
         log.info("draining step %d to %s", newest.step, policy.persistent.uri, extra={"node": self.node, "job": job.name})
 
     def _upload(self, job: str, uri: str, row: CheckpointStep, shards: list[shm.StoredShard], policy: TierPolicy) -> None:
-        store_fs: PersistentStore | None = None
         for stored in shards:
             info = stored.info
-            error: str | None = None
-            for attempt in range(DRAIN_RETRIES):
-                try:
-                    store_fs = store_fs or PersistentStore(uri)
-                    started = time.monotonic()
-                    with shm.SharedRead(stored) as read:
-                        if not read.ok:
-                            error = "the shard was rewritten before it could be drained"
-                            break
-                        store_fs.upload_shard(stored.path, info)
-                    self.store.put_shard_copy(ShardCopy(
-                        job=job, step=info.step, rank=info.rank, tier=CheckpointTier.PERSISTENT, node="",
-                        attempt=info.attempt, world_size=info.world_size, size=info.size, checksum=info.checksum,
-                        info_json=info.model_dump_json(), created_at=time.time(),
-                    ))
-                    log.info("drained step %d rank %d", info.step, info.rank,
-                             extra={"node": self.node, "job": job, "bytes": info.size, "seconds": round(time.monotonic() - started, 3)})
-                    error = None
-                    break
-                except Exception as exc:  # noqa: BLE001 - any tier failure degrades, never kills the agent
-                    error = f"{type(exc).__name__}: {exc}"
-                    log.warning("drain of step %d rank %d failed (try %d of %d): %s", info.step, info.rank, attempt + 1, DRAIN_RETRIES, error,
-                                extra={"node": self.node, "job": job})
-                    time.sleep(RETRY_BASE_SECONDS * 2**attempt)  # backoff between retries of a failing tier
+            # The shared lock is held across retries: while the tier is slow or failing,
+            # the rank writes its spare slot instead of the one being drained.
+            with shm.SharedRead(stored) as read:
+                if not read.ok:
+                    # The rank moved on (its slot holds a newer step): this step is superseded,
+                    # not a tier failure. Give the drain up; a newer step will be due soon.
+                    self._abandon_drain(job, row, f"rank {info.rank}'s shard was rewritten before it was drained")
+                    return
+                error = self._upload_with_retries(job, uri, stored)
             self._drained.add((job, info.step, info.rank, info.attempt))
             if error is not None:
                 self._fail_drain(job, row, f"rank {info.rank}: {error}")
                 return
         self._try_commit_persistent(job, policy, row)
+
+    def _upload_with_retries(self, job: str, uri: str, stored: shm.StoredShard) -> str | None:
+        """None once the shard is in the tier (and recorded), else the last error."""
+        info = stored.info
+        error: str | None = None
+        for attempt in range(DRAIN_RETRIES):
+            try:
+                started = time.monotonic()
+                PersistentStore(uri).upload_shard(stored.path, info)
+                self.store.put_shard_copy(ShardCopy(
+                    job=job, step=info.step, rank=info.rank, tier=CheckpointTier.PERSISTENT, node="",
+                    attempt=info.attempt, world_size=info.world_size, size=info.size, checksum=info.checksum,
+                    info_json=info.model_dump_json(), created_at=time.time(),
+                ))
+                log.info("drained step %d rank %d", info.step, info.rank,
+                         extra={"node": self.node, "job": job, "bytes": info.size, "seconds": round(time.monotonic() - started, 3)})
+                return None
+            except Exception as exc:  # noqa: BLE001 - any tier failure degrades, never kills the agent
+                error = f"{type(exc).__name__}: {exc}"
+                log.warning("drain of step %d rank %d failed (try %d of %d): %s", info.step, info.rank, attempt + 1, DRAIN_RETRIES, error,
+                            extra={"node": self.node, "job": job})
+                if attempt + 1 < DRAIN_RETRIES:
+                    time.sleep(RETRY_BASE_SECONDS * 2**attempt)  # backoff between retries of a failing tier
+        return error
 
     def _fail_drain(self, job: str, row: CheckpointStep, message: str) -> None:
         with self.store.transaction():
@@ -364,6 +372,14 @@ class CheckpointService:
         text = f"persistent tier failed for step {row.step}: {message}; training continues on the memory tier"
         self.store.add_event("Job", job, "CheckpointTierFailing", text, type=EventType.WARNING)
         log.warning(text, extra={"node": self.node, "job": job, "tier": "persistent"})
+
+    def _abandon_drain(self, job: str, row: CheckpointStep, why: str) -> None:
+        with self.store.transaction():
+            current = self._persistent_row(job, row.step)
+            if current is not None and current.status is StepStatus.DRAINING and current.attempt == row.attempt:
+                self.store.delete_checkpoint_step(job, row.step, CheckpointTier.PERSISTENT)
+                self.store.delete_shard_copies(job, row.step, tier=CheckpointTier.PERSISTENT)
+        log.info("drain of step %d given up: %s", row.step, why, extra={"node": self.node, "job": job})
 
     def _persistent_row(self, job: str, step: int) -> CheckpointStep | None:
         return next((r for r in self.store.list_checkpoint_steps(job, tier=CheckpointTier.PERSISTENT) if r.step == step), None)

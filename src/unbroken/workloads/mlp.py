@@ -136,6 +136,7 @@ def main(argv: list[str]) -> int:
         print(f"rank {ctx.rank}: resumed at step {step} from {restored.source} in {time.monotonic() - restore_started:.3f} s", flush=True)
 
     loss_fn = nn.CrossEntropyLoss()
+    loss: torch.Tensor | None = None  # stays None when resumed from the final step
     first_loss = None
     first_step_of_process: int | None = None
     while step < args.steps:
@@ -171,13 +172,15 @@ def main(argv: list[str]) -> int:
             print(f"step {step} loss {loss.item():.4f}", flush=True)
 
     if ctx.rank == 0:
-        print(f"done: {step} steps, first loss {first_loss}, final loss {loss.item():.4f}, "
+        final = f"{loss.item():.4f}" if loss is not None else "- (resumed at the end)"
+        print(f"done: {step} steps, first loss {first_loss}, final loss {final}, "
               f"params sha256 {parameters_digest(model)}", flush=True)
         if args.output:
             torch.save(model.state_dict(), args.output)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    ctx.progress(step)  # winding down is progress too: a slow exit is not a hang
     return 0
 
 
