@@ -12,6 +12,7 @@ import json
 import mmap
 import os
 import random
+import shutil
 import socket
 import struct
 import subprocess
@@ -845,3 +846,27 @@ def test_concurrent_agents_commit_each_persistent_step_once_and_never_mark_it_fa
     assert rig.store.list_events(reason="CheckpointTierFailing") == []
     assert rig.steps(PERSISTENT) == [STEPS, STEPS - 1]
     assert PersistentStore(f"file://{tmp_path}/persist").committed_steps("j") == [STEPS, STEPS - 1]
+
+
+def test_the_newest_fully_replicated_step_outlives_retention_while_replication_lags(make_rig) -> None:
+    """Replication skips ahead when it falls behind, so for a while the newest memory steps
+    have no replicas. Losing the node then must still leave a step to resume from: the newest
+    step every rank has a replica of keeps its memory row, its replicas and its own slots
+    (pinned by the agent) until a newer one is fully replicated."""
+    rig = make_rig({"keep": 2, "replicas": 1})
+    ck = rig.checkpointer()
+    rig.save(ck, 1, sample_state(1), replicas=1)
+    rig.services["node-2"].close()  # the peer stops taking replicas: replication now lags forever
+    del rig.services["node-2"]
+    for step in (2, 3, 4, 5, 6):
+        rig.save(ck, step, sample_state(step))
+    rig.reconcile()
+    assert 1 in rig.steps(MEMORY), rig.steps(MEMORY)  # the fully replicated step stays listed
+    assert {5, 6} <= set(rig.steps(MEMORY))
+    assert rig.own(1).info.step == 1  # its own slot was not overwritten: the agent pins it
+    assert rig.copies(REPLICA, 1) == [(1, 0, "node-2")]
+    # node-1 lost: a rank elsewhere resumes from step 1's replica, not from scratch
+    shutil.rmtree(rig.root("node-1"))
+    restored = rig.checkpointer(node="node-3", attempt=1, agent=False, shm_root=rig.root("node-2")).load_shard(
+        1, 0, {"memory": {1: {"attempt": 0, "copies": {0: [("node-3", "replica")]}}}, "persistent": [], "endpoints": {}})
+    assert restored is not None and restored.payload["step"] == 1

@@ -100,6 +100,7 @@ class CheckpointService:
     _drained: set[tuple[str, int, int, int]] = field(default_factory=set)
     _replicator: _Background = field(default_factory=lambda: _Background("ckpt-replicate"))
     _drainer: _Background = field(default_factory=lambda: _Background("ckpt-drain"))
+    _pins: dict[Path, shm.SharedRead] = field(default_factory=dict)
     server: ShardServer | None = None
 
     def start(self) -> None:
@@ -109,6 +110,9 @@ class CheckpointService:
         log.info("shard server listening", extra={"node": self.node, "address": self.server.address})
 
     def close(self) -> None:
+        for pin in self._pins.values():
+            pin.__exit__(None, None, None)
+        self._pins.clear()
         if self.server is not None:
             self.server.close()
 
@@ -429,22 +433,51 @@ class CheckpointService:
             stale.unlink(missing_ok=True)  # half-written by a rank of a failed attempt: unreadable
         committed = self._committed(job.name, CheckpointTier.MEMORY)
         kept = {s.step for s in committed[: policy.memory.keep]}
-        oldest_kept = min(kept) if kept else None
-        draining = {s.step for s in self.store.list_checkpoint_steps(job.name, tier=CheckpointTier.PERSISTENT) if s.status is StepStatus.DRAINING}
-        if oldest_kept is None:
+        # The replica tier's own "newest committed step": the newest step every rank has a
+        # replica of. Replication skips ahead when it falls behind, so the newest memory
+        # steps may have no replicas yet; until a newer step is fully replicated this one
+        # is what survives losing a node, and it stays (rows, replicas, pinned own slots).
+        replicated = self._newest_fully_replicated(job.name, committed) if policy.memory.replicas else None
+        if replicated is not None:
+            kept.add(replicated)
+        self._pin_own_slots(job.name, replicated, shards)
+        if not kept:
             return
-        for row in committed[policy.memory.keep :]:
-            if row.step not in draining:
+        oldest_kept = min(kept)
+        draining = {s.step for s in self.store.list_checkpoint_steps(job.name, tier=CheckpointTier.PERSISTENT) if s.status is StepStatus.DRAINING}
+        for row in committed:
+            if row.step not in kept and row.step < max(kept) and row.step not in draining:
                 self.store.delete_checkpoint_step(job.name, row.step, CheckpointTier.MEMORY)
         for stored in shards:
             step = stored.info.step
             if step >= oldest_kept or step in kept or step in draining:
                 continue
             # Held replicas and slots of finished attempts are ours to delete; the current
-            # attempt's slots are reused by their rank, which never overwrites its newest one.
+            # attempt's slots are reused by their rank, which never overwrites its newest ones.
             if stored.held or (shm.slot_attempt(stored.path) or 0) < job.attempt:
                 shm.descriptor_path(stored.path).unlink(missing_ok=True)
                 stored.path.unlink(missing_ok=True)
+
+    def _newest_fully_replicated(self, job: str, committed: list[CheckpointStep]) -> int | None:
+        replicas = {(c.step, c.rank, c.attempt) for c in self.store.list_shard_copies(job, tier=CheckpointTier.REPLICA)}
+        for row in committed:  # newest first
+            if all((row.step, rank, row.attempt) in replicas for rank in range(row.world_size)):
+                return row.step
+        return None
+
+    def _pin_own_slots(self, job: str, step: int | None, shards: list[shm.StoredShard]) -> None:
+        """Hold a shared lock on this node's own slots of ``step`` so their ranks write other
+        slots (they have a spare) instead of overwriting the step a lost node would need."""
+        wanted = {s.path: s for s in shards if not s.held and s.info.step == step} if step is not None else {}
+        for path in [p for p in self._pins if p.parent.name == job and p not in wanted]:
+            self._pins.pop(path).__exit__(None, None, None)
+        for path, stored in wanted.items():
+            if path not in self._pins:
+                pin = shm.SharedRead(stored).__enter__()
+                if pin.ok:
+                    self._pins[path] = pin
+                else:
+                    pin.__exit__(None, None, None)
 
     def _retain_persistent(self, job: str, policy: TierPolicy, target: PersistentStore) -> None:
         assert policy.persistent is not None
@@ -459,6 +492,7 @@ class CheckpointService:
             self.store.delete_shard_copies(job, row.step, tier=CheckpointTier.PERSISTENT)
 
     def _drop_job(self, job: str, shards: list[shm.StoredShard]) -> None:
+        self._pin_own_slots(job, None, shards)
         for stale in shm.stale_slots(self.root, job, before_attempt=1 << 30):
             stale.unlink(missing_ok=True)
         for stored in shards:
