@@ -101,6 +101,7 @@ class CheckpointService:
     _replicator: _Background = field(default_factory=lambda: _Background("ckpt-replicate"))
     _drainer: _Background = field(default_factory=lambda: _Background("ckpt-drain"))
     _pins: dict[Path, shm.SharedRead] = field(default_factory=dict)
+    _policies: dict[str, TierPolicy | None] = field(default_factory=dict)
     server: ShardServer | None = None
 
     def start(self) -> None:
@@ -129,7 +130,7 @@ class CheckpointService:
             job = jobs.get(name)
             if job is None:
                 continue
-            policy = job.spec().checkpoint.tiers
+            policy = self._policy(job)
             if policy is None:
                 self._drop_job(name, shards)
                 continue
@@ -149,6 +150,12 @@ class CheckpointService:
 
     def _drain_pending(self, job: str) -> bool:
         return any(r.status is StepStatus.DRAINING for r in self.store.list_checkpoint_steps(job, tier=CheckpointTier.PERSISTENT)) or self._drainer.busy()
+
+    def _policy(self, job: Job) -> TierPolicy | None:
+        """The job's tiers; a job's spec never changes, so it is parsed once, not every pass."""
+        if job.spec_json not in self._policies:
+            self._policies[job.spec_json] = job.spec().checkpoint.tiers
+        return self._policies[job.spec_json]
 
     # -- 1. record ------------------------------------------------------------------
 
@@ -189,7 +196,7 @@ class CheckpointService:
         # A retired node's agent is gone for good: nobody else will delete its rows.
         retired = {n.name for n in self.store.list_nodes() if n.state is NodeState.RETIRED}
         for name, job in jobs.items():
-            if job.spec().checkpoint.tiers is None:
+            if self._policy(job) is None:
                 continue
             for copy in self.store.list_shard_copies(name):
                 if copy.tier is CheckpointTier.PERSISTENT:
