@@ -308,30 +308,14 @@ class SqliteStore:
             )
 
     def list_shard_copies(self, job: str, *, step: int | None = None, tier: CheckpointTier | None = None) -> list[ShardCopy]:
-        clauses: list[str] = ["job = ?"]
-        params: list[Any] = [job]
-        if step is not None:
-            clauses.append("step = ?")
-            params.append(step)
-        if tier is not None:
-            clauses.append("tier = ?")
-            params.append(tier.value)
-        rows = self._conn().execute(
-            f"SELECT * FROM shard_copies WHERE {' AND '.join(clauses)} ORDER BY step DESC, rank, tier, node", params
-        ).fetchall()
+        where, params = _where(job=job, step=step, tier=tier)
+        rows = self._conn().execute(f"SELECT * FROM shard_copies WHERE {where} ORDER BY step DESC, rank, tier, node", params).fetchall()
         return [_decode(ShardCopy, r) for r in rows]
 
     def delete_shard_copies(self, job: str, step: int, *, tier: CheckpointTier | None = None, node: str | None = None) -> None:
-        clauses: list[str] = ["job = ?", "step = ?"]
-        params: list[Any] = [job, step]
-        if tier is not None:
-            clauses.append("tier = ?")
-            params.append(tier.value)
-        if node is not None:
-            clauses.append("node = ?")
-            params.append(node)
+        where, params = _where(job=job, step=step, tier=tier, node=node)
         with self.transaction():
-            self._conn().execute(f"DELETE FROM shard_copies WHERE {' AND '.join(clauses)}", params)
+            self._conn().execute(f"DELETE FROM shard_copies WHERE {where}", params)
 
     def put_checkpoint_step(self, record: CheckpointStep, *, only_if_absent: bool = False) -> bool:
         """Write a step's row in one tier; with ``only_if_absent``, False if someone wrote it first."""
@@ -346,14 +330,8 @@ class SqliteStore:
 
     def list_checkpoint_steps(self, job: str, *, tier: CheckpointTier | None = None) -> list[CheckpointStep]:
         """Newest first."""
-        clauses: list[str] = ["job = ?"]
-        params: list[Any] = [job]
-        if tier is not None:
-            clauses.append("tier = ?")
-            params.append(tier.value)
-        rows = self._conn().execute(
-            f"SELECT * FROM checkpoint_steps WHERE {' AND '.join(clauses)} ORDER BY step DESC, tier", params
-        ).fetchall()
+        where, params = _where(job=job, tier=tier)
+        rows = self._conn().execute(f"SELECT * FROM checkpoint_steps WHERE {where} ORDER BY step DESC, tier", params).fetchall()
         return [_decode(CheckpointStep, r) for r in rows]
 
     def delete_checkpoint_step(self, job: str, step: int, tier: CheckpointTier) -> None:
@@ -391,6 +369,12 @@ class SqliteStore:
                 f"UPDATE {table} SET {assignments} WHERE {key} = ?", (*encoded.values(), value)
             )
         return self._get(table, cls, value, table[:-1], key=key)
+
+
+def _where(**equal: Any) -> tuple[str, list[Any]]:
+    """``col = ?`` for every argument that is not None, ANDed, with its parameters."""
+    given = {k: _encode_value(v) for k, v in equal.items() if v is not None}
+    return " AND ".join(f"{_quote(k)} = ?" for k in given), list(given.values())
 
 
 def _quote(column: str) -> str:
