@@ -1,9 +1,21 @@
 # The two commands of the README. Both work on a fresh machine: they create
-# .venv, install unbroken (torch 2.13.0 comes from the local CPU wheel) and run.
+# .venv, install unbroken and run.
+#
+# torch: on a machine without an NVIDIA driver the CPU build is installed first
+# (`torch==2.13.0+cpu`: the local wheel where pip's find-links has it, else
+# PyTorch's CPU index), so that pyproject's library-style range is already
+# satisfied and pip never pulls the ~4 GB CUDA build and its nvidia-* packages.
+# With a driver, the registry's default (CUDA) build is installed. A torch the
+# user installed into .venv themselves is never replaced.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
+
+TORCH_VERSION   ?= 2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+HAS_NVIDIA      := $(shell test -e /proc/driver/nvidia/version && echo yes)
+TORCH_SPEC      := torch==$(TORCH_VERSION)$(if $(HAS_NVIDIA),,+cpu)
 
 .PHONY: demo test install clean
 
@@ -17,9 +29,11 @@ test: $(STAMP)
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_SPEC)" \
+		|| $(BIN)/pip install -q "$(TORCH_SPEC)" --extra-index-url $(TORCH_CPU_INDEX)
 	$(BIN)/pip install -q -e '.[test]'
 	rm -f $(VENV)/.installed-*
 	touch $@
