@@ -86,7 +86,7 @@ def init(
 
     checkpointer: Checkpointer
     if env.checkpoint_tiers and env.managed:
-        from unbroken.checkpoint.policy import TierPolicy
+        from unbroken.config.checkpoint import TierPolicy
         from unbroken.checkpoint.tiered import from_environment
 
         policy = TierPolicy.model_validate_json(env.checkpoint_tiers)

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from unbroken.checkpoint import shm
 from unbroken.checkpoint.dcp import TieredStager, TieredStorageReader, TieredStorageWriter
 from unbroken.checkpoint.persistent import PersistentStore
-from unbroken.checkpoint.policy import TierPolicy
+from unbroken.config.checkpoint import TierPolicy
 from unbroken.checkpoint.service import CheckpointService
 from unbroken.checkpoint.tiered import TieredCheckpointer
 from unbroken.config.job import JobSpec

@@ -15,7 +15,7 @@ from test_file_checkpoint import assert_same, sample_state
 
 from unbroken.checkpoint import shard
 from unbroken.checkpoint.manifest import ShardInfo, StepManifest
-from unbroken.checkpoint.policy import MemoryTier, PersistentTier, TierPolicy
+from unbroken.config.checkpoint import MemoryTier, PersistentTier, TierPolicy
 from unbroken.config.job import JobSpec
 from unbroken.config.loading import validate_mapping
 from unbroken.errors import CheckpointError, ConfigError

@@ -415,7 +415,7 @@ KILLED_RANK = textwrap.dedent(
 
     import torch
 
-    from unbroken.checkpoint.policy import TierPolicy
+    from unbroken.config.checkpoint import TierPolicy
     from unbroken.checkpoint.tiered import TieredCheckpointer
 
     root, endpoint, policy = Path(sys.argv[1]), sys.argv[2], TierPolicy.model_validate_json(sys.argv[3])

@@ -38,7 +38,7 @@ from unbroken.checkpoint import shm
 from unbroken.checkpoint.manifest import ShardInfo, StepManifest
 from unbroken.checkpoint.peer import PeerClient, ShardServer
 from unbroken.checkpoint.persistent import PersistentStore
-from unbroken.checkpoint.policy import TierPolicy
+from unbroken.config.checkpoint import TierPolicy
 from unbroken.state.phases import NodeState
 from unbroken.state.records import CheckpointStep, CheckpointTier, EventType, Job, ShardCopy, StepStatus
 from unbroken.state.store import Store

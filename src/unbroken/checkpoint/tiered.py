@@ -35,7 +35,7 @@ from unbroken.checkpoint.api import Restored
 from unbroken.checkpoint.manifest import ShardInfo
 from unbroken.checkpoint.peer import PeerClient
 from unbroken.checkpoint.persistent import PersistentStore
-from unbroken.checkpoint.policy import TierPolicy
+from unbroken.config.checkpoint import TierPolicy
 from unbroken.errors import CheckpointError
 
 log = logging.getLogger("unbroken.checkpoint")

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from unbroken.checkpoint.policy import MemoryTier, PersistentTier, TierPolicy
+from unbroken.config.checkpoint import MemoryTier, PersistentTier, TierPolicy
 from unbroken.config.cluster import NAME_PATTERN
 
 

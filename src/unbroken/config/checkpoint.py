@@ -1,4 +1,4 @@
-"""Per-tier checkpoint policies: how often each tier takes a step and how many it keeps.
+"""Per-tier checkpoint policies (the job file's ``checkpoint:`` section): how often each tier takes a step and how many it keeps.
 
 Declared in the job file under ``checkpoint:`` and usable directly from Python::
 
