@@ -78,6 +78,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
+from unbroken.checkpoint import collectives
 from unbroken.checkpoint.tiered import TieredCheckpointer
 from unbroken.errors import CheckpointError
 
@@ -490,33 +491,17 @@ def _apply(request: ReadItem, value: Any, planner: LoadPlanner) -> None:
 
 
 class _Ranks:
-    """The few collectives a load needs; all no-ops outside a distributed run."""
+    """Which collectives a load may use: none for ``dcp.load(no_dist=True)`` or a single rank."""
 
     def __init__(self, collective: bool, group: dist.ProcessGroup | None) -> None:
-        self.on = collective and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+        self.on = collective and collectives.distributed(group)
         self.group = group
         self.rank = dist.get_rank(group) if self.on else 0
         self.size = dist.get_world_size(group) if self.on else 1
 
     def from_root(self, compute: Any) -> Any:
         """``compute()`` on rank 0, its value (or its error) on every rank."""
-        box: list[Any] = [None]
-        if self.rank == 0:
-            try:
-                box = [("ok", compute())]
-            except Exception as exc:  # noqa: BLE001 - every rank must leave the broadcast, and raise together
-                box = [("error", f"{type(exc).__name__}: {exc}")]
-        if self.on:
-            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
-        status, value = box[0]
-        if status == "error":
-            raise CheckpointError(f"rank 0 failed while choosing the step to load: {value}")
-        return value
+        return collectives.from_rank0(compute, self.group) if self.on else compute()
 
     def all(self, ok: bool) -> bool:
-        if not self.on:
-            return ok
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(flag.item())
+        return collectives.all_ok(ok, self.group) if self.on else ok

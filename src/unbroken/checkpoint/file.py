@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from unbroken.checkpoint import rng
+from unbroken.checkpoint import collectives, rng
 from unbroken.checkpoint.api import Restored
 from unbroken.errors import CheckpointError
 
@@ -116,7 +116,7 @@ class FileCheckpointer:
         """Newest committed step that *every* rank loads cleanly; older steps on any failure."""
         for step in self._agreed_candidates():
             payload = self._try_load(step)
-            if self._all_ranks_ok(payload is not None):
+            if collectives.all_ok(payload is not None):
                 assert payload is not None
                 self._discard_abandoned(after=step)
                 rng.apply(payload["rng"])
@@ -160,23 +160,7 @@ class FileCheckpointer:
 
     def _agreed_candidates(self) -> list[int]:
         """Rank 0's list of committed steps, so every rank walks the same candidates."""
-        steps = committed_steps(self.directory, self.world_size)
-        if not _distributed():
-            return steps
-        import torch.distributed as dist
-
-        box: list[Any] = [steps]
-        dist.broadcast_object_list(box, src=0)
-        return list(box[0])
-
-    def _all_ranks_ok(self, ok: bool) -> bool:
-        if not _distributed():
-            return ok
-        import torch.distributed as dist
-
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
+        return collectives.from_rank0(lambda: committed_steps(self.directory, self.world_size))
 
     def _apply_retention(self) -> None:
         """Keep the newest ``keep`` committed steps; drop anything older than the oldest kept.
@@ -224,9 +208,3 @@ def _check_crc32(path: Path) -> None:
             with archive.open(info) as record:  # raises BadZipFile at the end on a CRC mismatch
                 while record.read(1 << 20):
                     pass
-
-
-def _distributed() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from unbroken.checkpoint import rng, shard, shm
+from unbroken.checkpoint import collectives, rng, shard, shm
 from unbroken.checkpoint.api import Restored
 from unbroken.checkpoint.manifest import ShardInfo
 from unbroken.checkpoint.peer import PeerClient
@@ -139,14 +139,10 @@ class TieredCheckpointer:
         memory = self.policy.memory
         since = None if self._last_at is None else time.monotonic() - self._last_at
         due = memory.due(step, last_step=self._last_step, seconds_since_last=since)
-        if memory.every_seconds is None or not _distributed():
+        if memory.every_seconds is None:
             return due
-        import torch.distributed as dist
-
         # Ranks reach a step at slightly different times: agree, or no step would ever commit.
-        flag = torch.tensor([1 if due else 0], dtype=torch.int32, device=_collective_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return collectives.any_rank(due)
 
     def _copy(self, slot: shm.Slot, buffer: mmap.mmap, layout: shard.ShardLayout, tensors: list[torch.Tensor]) -> None:
         if not any(t.is_cuda for t in tensors):
@@ -191,12 +187,12 @@ class TieredCheckpointer:
     # -- restore --------------------------------------------------------------------
 
     def restore(self) -> Restored | None:
-        catalog = _broadcast(self.catalog() if self.rank == 0 or not _distributed() else None)
+        catalog = collectives.from_rank0(self.catalog)
         memory: dict[int, dict[str, Any]] = {int(k): v for k, v in catalog["memory"].items()}
         persistent: list[int] = catalog["persistent"]
         for step in sorted(set(memory) | set(persistent), reverse=True):
             loaded = self.load_shard(step, self.rank, catalog)
-            if _all_ranks_ok(loaded is not None):
+            if collectives.all_ok(loaded is not None):
                 assert loaded is not None
                 rng.apply(loaded.payload["rng"])
                 _say(f"restored step {step} from {loaded.source}")
@@ -358,38 +354,6 @@ def _map_private(path: Path, size: int) -> mmap.mmap:
     except OSError:
         pass  # older kernel: pages are mapped on first touch instead
     return view
-
-
-def _distributed() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _collective_device() -> torch.device:
-    import torch.distributed as dist
-
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
-def _broadcast(value: Any) -> Any:
-    if not _distributed():
-        return value
-    import torch.distributed as dist
-
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _all_ranks_ok(ok: bool) -> bool:
-    if not _distributed():
-        return ok
-    import torch.distributed as dist
-
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=_collective_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
 
 
 def from_environment(env: Any, rank: int, world_size: int, policy: TierPolicy, on_restored: Callable[[int], None] | None) -> TieredCheckpointer:
