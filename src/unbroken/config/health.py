@@ -4,7 +4,7 @@ Profiles (expected GPU count, throughput floors, busbw floor, RDMA devices) ship
 as data in ``config/data/profiles.yaml``; the cluster file may override any
 field of a shipped profile or add a new instance type. The Xid table is
 configuration too (``health/data/xid.yaml``), overridable per cluster with
-``XidActions``.
+``XidActions``; so is the NVSwitch SXid table (``health/data/sxid.yaml``, ``SXidActions``).
 """
 
 from __future__ import annotations
@@ -101,7 +101,14 @@ class HealthSettings(_Strict):
     Profiles: dict[str, ProfileOverride] = Field(default_factory=dict)
     """Override fields of shipped profiles, or define new instance types (then every required field)."""
     XidActions: dict[int, FaultAction] = Field(default_factory=dict)
-    """Xid code -> None | Reboot | Replace, over the shipped table (NVIDIA's Xid catalogue)."""
+    """Xid code -> None | Reboot | Replace, over the shipped table (NVIDIA's Xid catalogue).
+    For Xid 154 an entry here wins over the recovery action named in the line."""
+    SXidActions: dict[int, FaultAction] = Field(default_factory=dict)
+    """NVSwitch SXid code -> None | Reboot | Replace, over the shipped table (the Fabric Manager
+    guide's SXid list). A code in neither follows the line's severity word: ``Fatal`` is Reboot,
+    because a fatal NVSwitch error is recovered by resetting the switch and its GPUs, which on a
+    bare node means a reboot; ``Non-fatal`` is an event, because the switch corrected it or only
+    throughput suffers, and taking the node out for that would cost more than it saves."""
     ConditionActions: dict[str, FaultAction] = Field(default_factory=dict)
     """NPD condition type -> action for ``permanent`` rules (default Reboot: a deadlocked
     kernel or a read-only root filesystem is what a reboot is for). ``temporary`` rules

@@ -30,7 +30,12 @@ POLL_SECONDS = 0.2
 
 def finding_result(node: str, finding: Finding) -> CheckResult:
     status = Status.FAIL if finding.action is not FaultAction.NONE else Status.WARN
-    short = f"Xid{finding.metrics['xid']}" if finding.check == "kernel_log.xid" else finding.check.split(".", 1)[1]
+    if finding.check == "kernel_log.xid":
+        short = f"Xid{finding.metrics['xid']}"
+    elif finding.check == "kernel_log.sxid":
+        short = f"SXid{finding.metrics['sxid']}"
+    else:
+        short = finding.check.split(".", 1)[1]
     return CheckResult(finding.check, Suite.CONTINUOUS, status, f"{finding.reason}: {finding.line.strip()}", short,
                        dict(finding.metrics), finding.action, node)
 

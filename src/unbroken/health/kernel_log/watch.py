@@ -1,4 +1,4 @@
-"""Pure: kernel-log lines in, findings out (Xid table + every NPD rule file)."""
+"""Pure: kernel-log lines in, findings out (Xid table, NVSwitch SXid table, every NPD rule file)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,14 @@ from pathlib import Path
 
 from unbroken.config.health import FaultAction, HealthSettings
 from unbroken.health.kernel_log import rules
-from unbroken.health.kernel_log.xid import XidTable
+from unbroken.health.kernel_log.sxid import SXidTable
+from unbroken.health.kernel_log.xid import RECOVERY_ACTION_CHANGED, XidTable
 
 
 @dataclass(frozen=True)
 class Finding:
     check: str
-    """``kernel_log.xid`` or ``kernel_log.<rule reason>``."""
+    """``kernel_log.xid``, ``kernel_log.sxid`` or ``kernel_log.<rule reason>``."""
     action: FaultAction
     reason: str
     """For ``fault-reason``: ``Xid 79 (GPU has fallen off the bus) on PCI:0000:b9:00``."""
@@ -25,6 +26,7 @@ class KernelLogWatch:
     def __init__(self, settings: HealthSettings, rule_files: list[rules.NpdMonitorConfig] | None = None) -> None:
         self.settings = settings
         self.xids = XidTable(settings)
+        self.sxids = SXidTable(settings)
         configs = rule_files if rule_files is not None else [rules.shipped(), *(rules.load(Path(p)) for p in settings.RuleFiles)]
         self.matchers = [rules.RuleMatcher(c) for c in configs]
 
@@ -32,8 +34,16 @@ class KernelLogWatch:
         found: list[Finding] = []
         xid = self.xids.parse(line)
         if xid is not None:
-            found.append(Finding("kernel_log.xid", xid.entry.action, xid.reason, line,
-                                 {"xid": xid.code, "pci": xid.pci, "xid_name": xid.entry.name, "detail": xid.detail}))
+            metrics: dict[str, object] = {"xid": xid.code, "pci": xid.pci, "xid_name": xid.entry.name, "detail": xid.detail}
+            if xid.code == RECOVERY_ACTION_CHANGED:
+                metrics["recovery_action"] = xid.recovery.name if xid.recovery else None
+                metrics["recovery_action_code"] = xid.recovery.code if xid.recovery else None
+            found.append(Finding("kernel_log.xid", xid.action, xid.reason, line, metrics))
+        sxid = self.sxids.parse(line)
+        if sxid is not None:
+            found.append(Finding("kernel_log.sxid", sxid.action, sxid.reason, line,
+                                 {"sxid": sxid.code, "pci": sxid.pci, "switch": sxid.switch, "severity": sxid.severity,
+                                  "sxid_name": sxid.entry.name, "decided_by": sxid.decided_by, "detail": sxid.detail}))
         for matcher in self.matchers:
             for match in matcher.push(line):
                 rule = match.rule
