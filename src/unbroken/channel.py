@@ -1,15 +1,18 @@
 """The one-way channel from training ranks to their node's agent.
 
-Unix datagram sockets in Linux's abstract namespace: a send never blocks a
-training step (a full queue or a missing agent drops the message, it does
-not stall), there is no socket file to clean up or to exceed the 108-byte
-path limit, and it is scoped to the network namespace, i.e. the node.
+A unix datagram socket: a send never blocks a training step (a full queue or
+a missing agent drops the message, it does not stall). The socket is a file,
+``agent.sock`` in a directory the agent owns (mode 0700), and ranks find it
+through ``UNBROKEN_AGENT_SOCKET``. A file, not an abstract name, because
+abstract sockets belong to a network namespace: a rank in a pod (or in a
+local node's own namespace) reaches a DaemonSet agent through a hostPath
+mount of the directory, which an abstract name cannot cross.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
+import os
 import socket
 import threading
 import time
@@ -70,17 +73,21 @@ class RankMessage:
             raise TypeError("rank message field of the wrong type")
 
 
-def agent_address(cluster_dir: Path, node: str) -> bytes:
-    """Abstract socket name of ``node``'s agent; unique per cluster directory."""
-    digest = hashlib.sha1(str(cluster_dir.resolve()).encode()).hexdigest()[:16]
-    return f"\0unbroken-{digest}-{node}".encode()
+SOCKET_NAME = "agent.sock"
+MAX_PATH = 107
+"""``sun_path`` holds 108 bytes including the terminating NUL."""
+
+
+def agent_socket(directory: Path) -> Path:
+    """The agent's socket in ``directory`` (the agent's own folder on the node)."""
+    return directory / SOCKET_NAME
 
 
 class RankSender:
     """Used inside training processes. Never raises, never blocks."""
 
-    def __init__(self, address: bytes | None) -> None:
-        self._address = address
+    def __init__(self, address: Path | None) -> None:
+        self._address = str(address) if address is not None else None
         self._sock: socket.socket | None = None
         if address is not None:
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -121,10 +128,17 @@ class AgentReceiver:
     empties the queue as fast as ranks fill it.
     """
 
-    def __init__(self, address: bytes) -> None:
+    def __init__(self, path: Path) -> None:
+        if len(os.fsencode(path)) > MAX_PATH:
+            raise ValueError(f"agent socket path {path} is longer than {MAX_PATH} bytes; use a shorter directory")
+        # Only this user's processes (the agent's ranks) may send: the folder is 0700.
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.chmod(path.parent, 0o700)
+        path.unlink(missing_ok=True)  # left by an agent of this node that died: it is ours now
+        self.path = path
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * 1024 * 1024)
-        self._sock.bind(address)
+        self._sock.bind(str(path))
         self._sock.settimeout(0.2)
         self._received: deque[RankMessage] = deque(maxlen=MAX_BUFFERED)
         self._closed = threading.Event()

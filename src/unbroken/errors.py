@@ -38,6 +38,13 @@ class StoreError(UnbrokenError):
     """The state store is missing, too new, or unreadable."""
 
 
+class StoreUnavailable(StoreError):
+    """The store did not answer (busy, locked, unreachable): retryable, unlike its base.
+
+    Long-running loops (agent, monitors) catch this one and retry; a store hiccup
+    must never kill an agent, which would look like a lost node."""
+
+
 class BackendError(UnbrokenError):
     """Starting or stopping a node or worker failed."""
 

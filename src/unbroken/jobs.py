@@ -7,11 +7,11 @@ import time
 from unbroken.config.job import JobSpec
 from unbroken.state.phases import JobPhase
 from unbroken.state.records import Job, Worker
-from unbroken.state.store import Store
+from unbroken.state.store import ClusterStore
 
 
-def submit(store: Store, spec: JobSpec, *, note: str = "") -> Job:
-    """Record ``spec`` as a Pending job (and its JobCreated event) in one transaction.
+def submit(store: ClusterStore, spec: JobSpec, *, note: str = "") -> Job:
+    """Record ``spec`` as a Pending job, then its JobCreated event.
 
     Raises ConflictError if the name is taken; then nothing is written.
     """
@@ -19,9 +19,8 @@ def submit(store: Store, spec: JobSpec, *, note: str = "") -> Job:
     job = Job(name=spec.name, spec_json=spec.model_dump_json(), phase=JobPhase.PENDING, created_at=now, phase_changed_at=now)
     message = (f"{spec.nodes} nodes x {spec.procs_per_node} procs; auto_resume={spec.resilience.auto_resume}, "
                f"max_retry={spec.resilience.max_retry}" + (f"; {note}" if note else ""))
-    with store.transaction():
-        store.add_job(job)
-        store.add_event("Job", spec.name, "JobCreated", message)
+    store.add_job(job)
+    store.add_event("Job", spec.name, "JobCreated", message)
     return job
 
 

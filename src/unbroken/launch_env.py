@@ -20,6 +20,8 @@ CHECKPOINT_TIERS = "UNBROKEN_CHECKPOINT_TIERS"
 """The job's tier policy as JSON; set only when the job file declares tiers."""
 CHECKPOINT_ENDPOINT = "UNBROKEN_CHECKPOINT_ENDPOINT"
 """The local agent's shard server, ``host:port``."""
+AGENT_SOCKET = "UNBROKEN_AGENT_SOCKET"
+"""The node agent's socket file (``channel.py``): where ``ctx.progress`` goes."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class LaunchEnv:
     checkpoint_keep: int
     checkpoint_tiers: str | None = None
     checkpoint_endpoint: str | None = None
+    agent_socket: Path | None = None
 
     @property
     def managed(self) -> bool:
@@ -54,6 +57,7 @@ class LaunchEnv:
             checkpoint_keep=int(env.get(CHECKPOINT_KEEP, "2")),
             checkpoint_tiers=env.get(CHECKPOINT_TIERS) or None,
             checkpoint_endpoint=env.get(CHECKPOINT_ENDPOINT) or None,
+            agent_socket=Path(env[AGENT_SOCKET]) if env.get(AGENT_SOCKET) else None,
         )
 
     def to_environ(self) -> dict[str, str]:
@@ -66,4 +70,6 @@ class LaunchEnv:
             env[CHECKPOINT_TIERS] = self.checkpoint_tiers
         if self.checkpoint_endpoint is not None:
             env[CHECKPOINT_ENDPOINT] = self.checkpoint_endpoint
+        if self.agent_socket is not None:
+            env[AGENT_SOCKET] = str(self.agent_socket)
         return env

@@ -21,7 +21,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from unbroken.channel import MessageKind, RankMessage, RankSender, agent_address
+from unbroken.channel import MessageKind, RankMessage, RankSender
 from unbroken.checkpoint.api import Checkpointer
 from unbroken.launch_env import LaunchEnv
 
@@ -78,7 +78,7 @@ def init(
     if env.managed:
         _die_with_parent()
     _record_uncaught_errors()
-    sender = RankSender(agent_address(env.cluster_dir, env.node) if env.managed and env.cluster_dir else None)
+    sender = RankSender(env.agent_socket)
     directory = Path(checkpoint_dir) if checkpoint_dir else env.checkpoint_dir or Path("checkpoints")
 
     def on_restored(step: int) -> None:

@@ -1,9 +1,9 @@
 """Checks a node runs when it joins, before it takes work.
 
 The readiness check is always run. Deep-check suites named by the instance
-group's ``OnStartDeepHealthChecks`` are looked up in ``DEEP_SUITES``, which
-holds the health catalogue's suites (``unbroken.health.join``). A suite with
-nothing registered is reported, not silently passed.
+group's ``OnStartDeepHealthChecks`` are the health catalogue's suites
+(``unbroken.health.join.SUITES``), run by the ``deep`` function the agent
+passes in. A suite the catalogue does not know is reported, not silently passed.
 """
 
 from __future__ import annotations
@@ -29,17 +29,8 @@ class JoinResult:
 MIN_FREE_BYTES = 1 << 30
 """A node with under 1 GiB free cannot hold logs and a checkpoint shard."""
 
-DeepSuite = Callable[[str, Path], JoinResult]
-
-
-def _health_suite(suite: str) -> DeepSuite:
-    def run(node: str, node_dir: Path) -> JoinResult:
-        verdict = health_join.run_suite(suite, node, node_dir)
-        return JoinResult(verdict.passed, verdict.reason, verdict.fault_type)
-    return run
-
-
-DEEP_SUITES: dict[str, DeepSuite] = {suite: _health_suite(suite) for suite in health_join.SUITES}
+DeepSuite = Callable[[str], health_join.Verdict]
+"""Runs one deep-check suite on this node and says how it went."""
 
 
 def readiness(node: str, node_dir: Path) -> JoinResult:
@@ -59,18 +50,17 @@ def readiness(node: str, node_dir: Path) -> JoinResult:
     return JoinResult(True, "ready")
 
 
-def run_join_checks(node: str, node_dir: Path, suites: list[str]) -> tuple[JoinResult, list[str]]:
+def run_join_checks(node: str, node_dir: Path, suites: list[str], deep: DeepSuite) -> tuple[JoinResult, list[str]]:
     """Readiness then each requested deep suite. Returns the verdict and notes for events."""
     notes: list[str] = []
     result = readiness(node, node_dir)
     if not result.passed:
         return result, notes
     for suite in suites:
-        check = DEEP_SUITES.get(suite)
-        if check is None:
+        if suite not in health_join.SUITES:
             notes.append(f"deep-check suite {suite} has no checks in this release; only readiness was verified")
             continue
-        result = check(node, node_dir)
-        if not result.passed:
-            return result, notes
+        verdict = deep(suite)
+        if not verdict.passed:
+            return JoinResult(False, verdict.reason, verdict.fault_type), notes
     return JoinResult(True, "join checks passed"), notes

@@ -64,6 +64,18 @@ def torchrun_argv(spec: JobSpec, worker: Worker, log_dir: Path, local_addr: str 
     return argv
 
 
+@dataclass(frozen=True)
+class NodeSettings:
+    """What the node's agent tells every rank it launches, besides the job's own settings."""
+
+    agent_socket: Path
+    """Where ``ctx.progress`` sends to (the agent's channel)."""
+    checkpoint_endpoint: str | None
+    """The agent's shard server, for the tiered checkpoint's restore catalog."""
+    local_addr: str
+    """The node's address: ranks in a network namespace advertise it to their peers."""
+
+
 @dataclass
 class RunningWorker:
     worker_id: int
@@ -100,19 +112,18 @@ class RunningWorker:
 
 
 def launch(
-    spec: JobSpec, worker: Worker, *, cluster_dir: Path, node: str, log_dir: Path, checkpoint_dir: Path,
-    checkpoint_endpoint: str | None = None,
-    local_addr: str | None = None,
+    spec: JobSpec, worker: Worker, *, cluster_dir: Path, node: str, log_dir: Path, checkpoint_dir: Path, settings: NodeSettings,
 ) -> RunningWorker:
     log_dir.mkdir(parents=True, exist_ok=True)
     tiers = spec.checkpoint.tiers
     launch_env = LaunchEnv(
         cluster_dir=cluster_dir.resolve(), node=node, job=worker.job, attempt=worker.attempt,
         checkpoint_dir=checkpoint_dir, checkpoint_keep=spec.checkpoint.keep,
-        checkpoint_tiers=tiers.model_dump_json() if tiers else None, checkpoint_endpoint=checkpoint_endpoint,
+        checkpoint_tiers=tiers.model_dump_json() if tiers else None, checkpoint_endpoint=settings.checkpoint_endpoint,
+        agent_socket=settings.agent_socket,
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **spec.env, **launch_env.to_environ()}
-    argv = [sys.executable, "-c", _TRAMPOLINE, *torchrun_argv(spec, worker, log_dir, local_addr)]
+    argv = [sys.executable, "-c", _TRAMPOLINE, *torchrun_argv(spec, worker, log_dir, settings.local_addr)]
     with open(log_dir / "torchrun.log", "ab") as out:
         process = subprocess.Popen(
             argv, cwd=spec.working_dir, env=env, stdout=out, stderr=subprocess.STDOUT,

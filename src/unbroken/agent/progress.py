@@ -1,18 +1,22 @@
-"""Fold rank messages into per-worker progress rows.
+"""Fold rank messages into per-worker progress, reported with the node's lease renewal.
 
-Ranks send a datagram per step; the store gets at most one write per worker
-per flush. ``last_progress_at`` is the *oldest* of the ranks' latest reports,
-so one stopped rank makes the whole worker look stuck, which is the truth:
-its peers are blocked in a collective waiting for it.
+Ranks send a datagram per step; the store gets what changed since the last
+renewal, at most once a second per node, whatever the step rate.
+``last_progress_at`` is the *oldest* of the ranks' latest reports, so one
+stopped rank makes the whole worker look stuck, which is the truth: its peers
+are blocked in a collective waiting for it.
+
+Thread-safe: the lease loop takes what changed while the worker loop takes a
+finished worker's last report.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
-from typing import Any
 
 from unbroken.channel import MessageKind, RankMessage
-from unbroken.state.records import RankInfo
+from unbroken.state.records import RankInfo, WorkerProgress
 
 
 @dataclass
@@ -24,7 +28,7 @@ class _RankProgress:
 
 
 @dataclass
-class WorkerProgress:
+class _Progress:
     ranks: dict[int, _RankProgress] = field(default_factory=dict)
     first_step: int | None = None
     first_progress_at: float | None = None
@@ -43,41 +47,44 @@ class WorkerProgress:
             self.restored_step = msg.step
         self.dirty = True
 
-    def changes(self) -> dict[str, Any]:
-        """Columns of the worker row to write for the current state."""
-        reporting = [r for r in self.ranks.values() if r.ts is not None]
-        changes: dict[str, Any] = {
-            "ranks": tuple(sorted((RankInfo(rank=k, local_rank=r.local_rank, pid=r.pid) for k, r in self.ranks.items()),
-                                  key=lambda info: info.rank)),
-        }
-        if reporting:
-            changes["last_step"] = min(r.step for r in reporting if r.step is not None)
-            changes["last_progress_at"] = min(r.ts for r in reporting if r.ts is not None)
-            changes["first_step"] = self.first_step
-            changes["first_progress_at"] = self.first_progress_at
-        if self.restored_step is not None:
-            changes["restored_step"] = self.restored_step
-        return changes
+    def report(self, job: str, attempt: int) -> WorkerProgress:
+        reporting = [r for r in self.ranks.values() if r.ts is not None and r.step is not None]
+        ranks = tuple(sorted((RankInfo(rank=k, local_rank=r.local_rank, pid=r.pid) for k, r in self.ranks.items()),
+                             key=lambda info: info.rank))
+        return WorkerProgress(
+            job=job, attempt=attempt, ranks=ranks,
+            first_step=self.first_step if reporting else None,
+            first_progress_at=self.first_progress_at if reporting else None,
+            last_step=min(r.step for r in reporting if r.step is not None) if reporting else None,
+            last_progress_at=min(r.ts for r in reporting if r.ts is not None) if reporting else None,
+            restored_step=self.restored_step,
+        )
 
 
 class ProgressBook:
     """Per (job, attempt) progress of the workers on this node."""
 
     def __init__(self) -> None:
-        self._workers: dict[tuple[str, int], WorkerProgress] = {}
+        self._workers: dict[tuple[str, int], _Progress] = {}
+        self._lock = threading.Lock()
 
     def apply(self, messages: list[RankMessage]) -> None:
-        for msg in messages:
-            self._workers.setdefault((msg.job, msg.attempt), WorkerProgress()).apply(msg)
+        with self._lock:
+            for msg in messages:
+                self._workers.setdefault((msg.job, msg.attempt), _Progress()).apply(msg)
 
-    def take_dirty(self, keys: set[tuple[str, int]] | None = None) -> dict[tuple[str, int], dict[str, Any]]:
-        """Row changes for workers with news since the last take (only ``keys``, if given)."""
-        out = {}
-        for key, progress in self._workers.items():
-            if progress.dirty and (keys is None or key in keys):
-                out[key] = progress.changes()
-                progress.dirty = False
-        return out
+    def take_dirty(self) -> list[WorkerProgress]:
+        """Reports of the workers with news since the last take."""
+        with self._lock:
+            out = []
+            for (job, attempt), progress in self._workers.items():
+                if progress.dirty:
+                    out.append(progress.report(job, attempt))
+                    progress.dirty = False
+            return out
 
-    def forget(self, job: str, attempt: int) -> None:
-        self._workers.pop((job, attempt), None)
+    def take(self, job: str, attempt: int) -> WorkerProgress | None:
+        """The worker's report and its end in this book (it finished)."""
+        with self._lock:
+            progress = self._workers.pop((job, attempt), None)
+            return None if progress is None else progress.report(job, attempt)

@@ -1,38 +1,53 @@
-"""The ``Backend`` protocol: how the controller gets, restarts and gives back nodes.
+"""The ``Backend`` protocol: how the controller's decisions about nodes and attempts are carried out.
 
-Local: a node is an agent process. Kubernetes: a node is a Node object whose
-reboot/replacement is asked of the cloud provider (later).
+The controller decides ("attempt 3 of job mlp on node-1, node-4", "stop attempt 2",
+"reboot node-2"); the backend does it and reports what it sees. The two backends:
+
+| | local | Kubernetes |
+|---|---|---|
+| a node | an agent process (optionally in its own network namespace) | a Node; its agent is a DaemonSet pod |
+| reboot / replace | restart the agent / retire it and start a new node | a Remediator: node condition for external repair, a command, or self-reboot |
+| an attempt | one worker row per node, which the node agents run with ``torchrun`` | the PyTorchJob / TrainJob's pods, created by its own controller |
+| rendezvous | a free port on the first node, chosen here | the workload's controller (``MASTER_ADDR``/``MASTER_PORT``) |
+
+Every attempt operation is idempotent: the controller may be killed between
+deciding and doing, and does the same again on its next pass.
 """
 
 from __future__ import annotations
 
-import time
+from collections.abc import Sequence
 from typing import Protocol
 
-from unbroken.config.cluster import ClusterConfig
-from unbroken.state.phases import DeepHealthStatus, NodeState
-from unbroken.state.records import Node
-from unbroken.state.store import Store
+from unbroken.state.records import Job, Node, Worker
 
 
 class Backend(Protocol):
-    def start_node(self, name: str) -> None:
-        """Start the node's agent; it registers itself in the store."""
+    # -- nodes ----------------------------------------------------------------------
+    def reboot_node(self, node: Node) -> None:
+        """Stop everything of the node and bring its agent back; it joins again (re-runs its checks)."""
 
-    def stop_node(self, name: str) -> None:
-        """Stop the node's agent and every process of the node."""
+    def replace_node(self, node: Node) -> str | None:
+        """Take the node out for good; the name of its replacement if this backend provisions
+        one itself (local), None where something else brings capacity back (a cloud's repair)."""
 
+    # -- attempts -------------------------------------------------------------------
+    def launch_attempt(self, job: Job, attempt: int, placement: Sequence[Node]) -> str:
+        """Start ``attempt`` of ``job`` on ``placement`` (node rank = position); returns the
+        rendezvous endpoint. Launching an attempt that exists already changes nothing."""
 
-def provision_node(store: Store, backend: Backend, cluster: ClusterConfig, group: str, *, address: str = "127.0.0.1") -> str:
-    """Add a new node (``node-<n>``, never a reused name) to ``group`` and start it."""
-    spec = cluster.group(group)
-    name = f"node-{store.allocate_node_index()}"
-    store.add_node(
-        Node(
-            name=name, group=group, instance_type=spec.InstanceType, state=NodeState.JOINING,
-            deep_health=DeepHealthStatus.IN_PROGRESS, address=address, state_changed_at=time.time(),
-        )
-    )
-    store.add_event("Node", name, "NodeProvisioned", f"added to instance group {group} ({spec.InstanceType})")
-    backend.start_node(name)
-    return name
+    def stop_attempt(self, job: str, attempt: int) -> None:
+        """Ask every worker of the attempt to stop; they report Stopped once gone."""
+
+    def observe_attempt(self, job: str, attempt: int) -> list[Worker]:
+        """Each worker of the attempt: running, exited (code or signal), stopped, or lost with its node."""
+
+    def active_workers(self) -> list[Worker]:
+        """Every worker not yet ended, of any job: what makes a node busy."""
+
+    def worker_history(self, job: str) -> list[Worker]:
+        """Every worker of every attempt of ``job``, oldest first (for reports)."""
+
+    def release_workers(self, node: Node, reason: str) -> None:
+        """The node's agent is gone and can never confirm its workers stopped: close them as
+        Stopped (local: the rows; Kubernetes: force-delete pods stuck Terminating)."""

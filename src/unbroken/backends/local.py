@@ -1,33 +1,93 @@
-"""The local backend: every node is an agent process on this machine.
+"""The local backend: every node is an agent process on this machine, every worker a row its agent runs.
 
 Agents and the controller run detached (their own session) with logs and pid
 files under the cluster directory, and ``UNBROKEN_CLUSTER_DIR`` +
 ``UNBROKEN_NODE`` in their environment, which every process they start
 inherits. That environment tag is how ``stop_node`` and ``cluster down`` find
 every process of a node or cluster, orphans included.
+
+Attempts are rows in the :class:`~unbroken.state.worker_table.WorkerTable`, one
+per node: the controller's "run attempt 3 on node-1, node-4" becomes two
+Pending rows with ``desired=Run``; each node's agent launches ``torchrun`` for
+its row and reports its phase and exit, as a kubelet does for its pods.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import socket
 import subprocess
 import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 from unbroken import procs
 from unbroken.backends import netns_launch
+from unbroken.config.cluster import ClusterConfig
+from unbroken.errors import BackendError, ConflictError
 from unbroken.launch_env import CLUSTER_DIR, NODE
 from unbroken.layout import ClusterLayout
+from unbroken.state.phases import DeepHealthStatus, NodeState, WorkerPhase
+from unbroken.state.records import ClusterStatus, Desired, Job, Node, Worker
+from unbroken.state.store import ClusterStore
+from unbroken.state.updates import NodeUpdate, WorkerUpdate
+from unbroken.state.worker_table import WorkerTable
+
+_NODE_NUMBER = re.compile(r"^node-(\d+)$")
+
+
+@dataclass(frozen=True)
+class RankProcess:
+    """A rank found in a worker's process tree (what chaos hits)."""
+
+    rank: int
+    local_rank: int
+    pid: int
 
 
 class LocalBackend:
-    def __init__(self, layout: ClusterLayout) -> None:
+    def __init__(self, layout: ClusterLayout, store: ClusterStore, workers: WorkerTable, config: ClusterConfig) -> None:
         self.layout = layout
+        self.store = store
+        self.workers = workers
+        self.config = config
+
+    # -- nodes ----------------------------------------------------------------------
+
+    def provision_node(self, group: str) -> str:
+        """Add a new node (``node-<n>``, never a reused name) to ``group`` and start its agent.
+
+        Refused once the cluster is no longer Up: ``cluster down`` fences provisioning
+        first, so a replacement decided a moment before cannot outlive it.
+        """
+        self._fence()
+        spec = self.config.group(group)
+        while True:
+            name = f"node-{self._next_node_number()}"
+            try:
+                self.store.add_node(Node(
+                    name=name, group=group, instance_type=spec.InstanceType, state=NodeState.JOINING,
+                    deep_health=DeepHealthStatus.IN_PROGRESS, state_changed_at=time.time(),
+                ))
+                break
+            except ConflictError:
+                continue  # someone took that number between our read and our write
+        self.store.add_event("Node", name, "NodeProvisioned", f"added to instance group {group} ({spec.InstanceType})")
+        self.start_node(name)
+        return name
 
     def start_node(self, name: str) -> None:
+        self._fence()
         node_dir = self.layout.node_dir(name)
         node_dir.mkdir(parents=True, exist_ok=True)
-        prefix, env = netns_launch.prepare(self.layout, name, self._env(node=name))
+        prefix, env, address = netns_launch.prepare(self.layout, self.config, name, self._env(node=name))
+        if address is not None:
+            self.store.update_node(name, NodeUpdate(address=address))
         pid = _spawn(
             [*prefix, sys.executable, "-m", "unbroken.agent", "--dir", str(self.layout.root), "--node", name],
             log=self.layout.agent_log(name), env=env,
@@ -39,11 +99,87 @@ class LocalBackend:
         procs.kill_now(self.node_processes(name))
         procs.wait_gone(self.node_processes(name), 5.0)
 
-    def node_processes(self, name: str):
+    def reboot_node(self, node: Node) -> None:
+        self.stop_node(node.name)
+        self.start_node(node.name)
+
+    def replace_node(self, node: Node) -> str | None:
+        self.stop_node(node.name)
+        return self.provision_node(node.group)
+
+    def node_processes(self, name: str) -> list[psutil.Process]:
         members = procs.tree(_read_pid(self.layout.agent_pid(name)) or 0)
         tagged = [p for p in procs.cluster_processes(self.layout.root) if _env_of(p).get(NODE) == name]
         seen = {p.pid for p in members}
         return members + [p for p in tagged if p.pid not in seen]
+
+    def _next_node_number(self) -> int:
+        numbers = [int(m.group(1)) for n in self.store.list_nodes() if (m := _NODE_NUMBER.match(n.name))]
+        return max(numbers, default=0) + 1
+
+    def _fence(self) -> None:
+        status = self.store.cluster().status
+        if status is not ClusterStatus.UP:
+            raise BackendError(f"cluster in {self.layout.root} is {status.value}: not starting nodes")
+
+    # -- attempts -------------------------------------------------------------------
+
+    def launch_attempt(self, job: Job, attempt: int, placement: Sequence[Node]) -> str:
+        existing = self.workers.list_workers(job=job.name, attempt=attempt)
+        if existing:
+            return existing[0].rdzv_endpoint
+        first = placement[0]
+        endpoint = f"{first.address}:{_free_port(first.address)}"
+        now = time.time()
+        self.workers.add_workers([
+            Worker(job=job.name, attempt=attempt, node=node.name, node_rank=rank, desired=Desired.RUN,
+                   phase=WorkerPhase.PENDING, rdzv_endpoint=endpoint, created_at=now)
+            for rank, node in enumerate(placement)
+        ])
+        return endpoint
+
+    def stop_attempt(self, job: str, attempt: int) -> None:
+        for worker in self.workers.list_workers(job=job, attempt=attempt, active=True):
+            if worker.desired is not Desired.STOP:
+                self.workers.update_worker(worker.id, WorkerUpdate(desired=Desired.STOP))
+
+    def observe_attempt(self, job: str, attempt: int) -> list[Worker]:
+        return self.workers.list_workers(job=job, attempt=attempt)
+
+    def active_workers(self) -> list[Worker]:
+        return self.workers.list_workers(active=True)
+
+    def worker_history(self, job: str) -> list[Worker]:
+        return self.workers.list_workers(job=job)
+
+    def release_workers(self, node: Node, reason: str) -> None:
+        for worker in self.workers.list_workers(node=node.name, active=True):
+            self.workers.update_worker(worker.id, WorkerUpdate(
+                phase=WorkerPhase.STOPPED, desired=Desired.STOP, ended_at=time.time(), message=reason))
+
+    def rank_processes(self, worker: Worker) -> list[RankProcess]:
+        """The worker's rank processes, from its process tree: whatever the script does,
+        torchrun gives each rank ``RANK`` and ``LOCAL_RANK``. Processes a rank starts
+        (data loader workers) inherit them; only the topmost one per rank counts."""
+        found: dict[int, RankProcess] = {}
+        for proc in procs.tree(worker.pid or 0):
+            env = _env_of(proc)
+            if "RANK" not in env or "LOCAL_RANK" not in env:
+                continue
+            try:
+                parent_env = _env_of(proc.parent()) if proc.parent() else {}
+            except psutil.Error:
+                parent_env = {}
+            if "RANK" in parent_env:
+                continue
+            try:
+                rank = int(env["RANK"])
+                found[rank] = RankProcess(rank, int(env["LOCAL_RANK"]), proc.pid)
+            except ValueError:
+                continue
+        return [found[r] for r in sorted(found)]
+
+    # -- the controller and the whole cluster ---------------------------------------
 
     def start_controller(self) -> int:
         pid = _spawn(
@@ -58,15 +194,27 @@ class LocalBackend:
         return pid if procs.alive(pid) else None
 
     def stop_cluster(self, timeout: float = 10.0) -> list[int]:
-        """SIGTERM then SIGKILL every process of the cluster; returns pids still alive (should be none)."""
-        members = procs.cluster_processes(self.layout.root)
+        """SIGKILL every process of the cluster; returns the pids still alive (should be none).
+
+        The controller goes first and is waited for: it is the one process that
+        starts agents. Then every process tagged with the cluster is killed, and
+        the sweep repeats until a scan finds none: a process forked in the middle
+        of a sweep (an agent starting ``torchrun``, a replacement agent mid-exec)
+        shows up in the next scan, and its parent is dead by then.
+        """
         controller = self.controller_pid()
         if controller:
-            members += [p for p in procs.tree(controller) if p.pid not in {m.pid for m in members}]
-        procs.kill_now(members)
-        left = procs.wait_gone(members, timeout)
-        left += [p for p in procs.cluster_processes(self.layout.root) if p.pid not in {q.pid for q in left}]
-        return [p.pid for p in left]
+            victims = procs.tree(controller)
+            procs.kill_now(victims)
+            procs.wait_gone(victims, timeout)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            members = procs.cluster_processes(self.layout.root)
+            if not members:
+                return []
+            procs.kill_now(members)
+            procs.wait_gone(members, max(0.1, deadline - time.monotonic()))
+        return [p.pid for p in procs.cluster_processes(self.layout.root)]
 
     def _env(self, *, node: str | None) -> dict[str, str]:
         env = {**os.environ, CLUSTER_DIR: str(self.layout.root), "PYTHONUNBUFFERED": "1"}
@@ -75,6 +223,17 @@ class LocalBackend:
         else:
             env.pop(NODE, None)
         return env
+
+
+def _free_port(address: str) -> int:
+    """A port free on ``address`` now, for the attempt's rendezvous store. A node address
+    inside a network namespace is not bindable here: any port free here is as good."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((address, 0))
+        except OSError:
+            sock.bind(("", 0))
+        return int(sock.getsockname()[1])
 
 
 def _spawn(argv: list[str], *, log: Path, env: dict[str, str]) -> int:
@@ -99,8 +258,8 @@ def _read_pid(path: Path) -> int | None:
         return None
 
 
-def _env_of(proc) -> dict[str, str]:
+def _env_of(proc: psutil.Process) -> dict[str, str]:
     try:
         return proc.environ()
-    except Exception:  # noqa: BLE001 - the process may vanish or be unreadable mid-scan
-        return {}
+    except (psutil.Error, OSError):
+        return {}  # the process may vanish or be unreadable mid-scan

@@ -79,6 +79,7 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from unbroken.checkpoint import collectives
+from unbroken.checkpoint.restore_catalog import RestoreCatalog
 from unbroken.checkpoint.tiered import TieredCheckpointer
 from unbroken.errors import CheckpointError
 
@@ -354,7 +355,7 @@ class TieredStorageReader(StorageReader):
         self.sources: dict[int, str] = {}
         """Where each shard this rank loaded came from (``memory on node-1``, ``persistent ...``)."""
         self.load_id = uuid.uuid4().hex
-        self._catalog: dict[str, Any] = {}
+        self._catalog = RestoreCatalog(job=checkpointer.job)
         self._storage: dict[MetadataIndex, tuple[int, str]] = {}
         self._shards: dict[int, dict[str, Any]] = {}
         self._rank_states: dict[int, Any] = {}
@@ -377,7 +378,7 @@ class TieredStorageReader(StorageReader):
         if self.requested is not None:
             candidates = [self.requested]
         else:
-            candidates = sorted(set(catalog["memory"]) | set(catalog["persistent"]), reverse=True)
+            candidates = catalog.candidates()
         for step in candidates:
             self._shards, self.sources = {}, {}
             head = ranks.from_root(functools.partial(self._head, step, catalog))
@@ -445,7 +446,7 @@ class TieredStorageReader(StorageReader):
             raise CheckpointError(f"step {self.step}: no shard holds {item.storage_index.fqn}")
         return location
 
-    def _verify(self, step: int, catalog: dict[str, Any], world_size: int, ranks: _Ranks) -> bool:
+    def _verify(self, step: int, catalog: RestoreCatalog, world_size: int, ranks: _Ranks) -> bool:
         """This rank's share of the step's other shards (``r % world == rank``) loads and verifies."""
         try:
             return all(self._keep(step, r, catalog) is not None for r in range(1, world_size) if r % ranks.size == ranks.rank)
@@ -453,14 +454,14 @@ class TieredStorageReader(StorageReader):
             log.warning("step %d: checking shards failed: %s", step, exc)
             return False
 
-    def _head(self, step: int, catalog: dict[str, Any]) -> tuple[bytes, int] | None:
+    def _head(self, step: int, catalog: RestoreCatalog) -> tuple[bytes, int] | None:
         """Rank 0: the step's metadata and world size, if its shard 0 loads and is a DCP shard."""
         state = self._keep(step, 0, catalog)
         if state is None or "metadata" not in state:
             return None
         return state["metadata"], int(state["world_size"])
 
-    def _keep(self, step: int, rank: int, catalog: dict[str, Any]) -> dict[str, Any] | None:
+    def _keep(self, step: int, rank: int, catalog: RestoreCatalog) -> dict[str, Any] | None:
         """Load rank ``rank``'s shard of ``step`` and keep its items for ``read_data``; None if it does not load."""
         loaded = self.checkpointer.load_shard(step, rank, catalog)
         if loaded is None:

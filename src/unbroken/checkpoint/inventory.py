@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 from unbroken.checkpoint.peer import PeerClient
 from unbroken.checkpoint.persistent import PersistentStore
-from unbroken.checkpoint.service import endpoint_key
 from unbroken.errors import CheckpointError
+from unbroken.state.catalog import CheckpointCatalog
 from unbroken.state.records import CheckpointStep, CheckpointTier, Event, StepStatus
-from unbroken.state.store import Store
+from unbroken.state.store import ClusterStore
 
 
 @dataclass(frozen=True)
@@ -43,9 +43,9 @@ class Inventory:
     tier_warnings: list[Event] = field(default_factory=list)
 
 
-def inventory(store: Store, job: str) -> Inventory:
-    rows = store.list_checkpoint_steps(job)
-    copies = store.list_shard_copies(job)
+def inventory(catalog: CheckpointCatalog, cluster: ClusterStore, job: str) -> Inventory:
+    rows = catalog.list_checkpoint_steps(job)
+    copies = catalog.list_shard_copies(job)
     by_step: dict[int, dict[CheckpointTier, CheckpointStep]] = {}
     for row in rows:
         by_step.setdefault(row.step, {})[row.tier] = row
@@ -64,7 +64,7 @@ def inventory(store: Store, job: str) -> Inventory:
             persistent=per.status.value if per else "-", persistent_message=per.message if per else None,
             committed_at=min((t.committed_at for t in tiers.values() if t.committed_at), default=None),
         ))
-    warnings = store.list_events(object_kind="Job", object_name=job, reason="CheckpointTierFailing")
+    warnings = cluster.list_events(object_kind="Job", object_name=job, reason="CheckpointTierFailing")
     return Inventory(job, summaries, warnings[-3:])
 
 
@@ -79,22 +79,19 @@ class CopyCheck:
     detail: str = ""
 
 
-def verify_memory(store: Store, job: str, token: bytes) -> Iterator[CopyCheck]:
-    """Every live node's shard server re-checksums its copies of ``job``."""
-    for node in store.list_nodes():
-        address = store.get_meta(endpoint_key(node.name))
-        if not address:
-            continue
+def verify_memory(catalog: CheckpointCatalog, job: str, token: bytes) -> Iterator[CopyCheck]:
+    """Every node's shard server re-checksums its copies of ``job``."""
+    for node, address in sorted(catalog.shard_servers().items()):
         try:
             with PeerClient(address, token) as peer:
                 results = peer.verify(job)
         except (OSError, CheckpointError) as exc:
-            if any(c.node == node.name for c in store.list_shard_copies(job)):
-                yield CopyCheck(-1, -1, "memory", node.name, None, f"node unreachable: {exc}")
+            if any(c.node == node for c in catalog.list_shard_copies(job)):
+                yield CopyCheck(-1, -1, "memory", node, None, f"node unreachable: {exc}")
             continue
         for r in results:
             tier = "replica" if r["held"] else "memory"
-            yield CopyCheck(r["step"], r["rank"], tier, node.name, bool(r["ok"]), "" if r["ok"] else "checksum mismatch")
+            yield CopyCheck(r["step"], r["rank"], tier, node, bool(r["ok"]), "" if r["ok"] else "checksum mismatch")
 
 
 def verify_persistent(uri: str, job: str, steps: list[int] | None, on_bytes: Callable[[int], None] | None = None) -> Iterator[CopyCheck]:
@@ -120,7 +117,7 @@ def verify_persistent(uri: str, job: str, steps: list[int] | None, on_bytes: Cal
                 on_bytes(info.size)
 
 
-def prunable(store: Store, job: str, keep: int) -> list[int]:
+def prunable(catalog: CheckpointCatalog, job: str, keep: int) -> list[int]:
     """Committed persistent steps beyond the newest ``keep`` (never the newest committed one)."""
-    committed = [r.step for r in store.list_checkpoint_steps(job, tier=CheckpointTier.PERSISTENT) if r.status is StepStatus.COMMITTED]
+    committed = [r.step for r in catalog.list_checkpoint_steps(job, tier=CheckpointTier.PERSISTENT) if r.status is StepStatus.COMMITTED]
     return committed[max(keep, 1):]

@@ -43,7 +43,10 @@ from typing import Any
 
 from unbroken.checkpoint import shm
 from unbroken.checkpoint.manifest import ShardInfo
+from unbroken.checkpoint.restore_catalog import RestoreCatalog
 from unbroken.checkpoint.integrity import StreamingChecksum, checksum
+from pydantic import ValidationError
+
 from unbroken.errors import CheckpointError
 
 log = logging.getLogger("unbroken.checkpoint.peer")
@@ -124,7 +127,7 @@ class ShardServer:
         token: bytes,
         host: str = "127.0.0.1",
         *,
-        catalog: Callable[[str], dict[str, Any]] | None = None,
+        catalog: Callable[[str], RestoreCatalog] | None = None,
     ) -> None:
         self.root = root
         self.token = token
@@ -181,7 +184,7 @@ class ShardServer:
             shards = shm.scan(self.root, str(header["job"]))
             _send_header(sock, {"ok": True, "shards": [{"info": s.info.model_dump(mode="json"), "held": s.held} for s in shards]})
         elif op == "catalog" and self.catalog is not None:
-            _send_header(sock, {"ok": True, "catalog": self.catalog(str(header["job"]))})
+            _send_header(sock, {"ok": True, "catalog": self.catalog(str(header["job"])).model_dump(mode="json")})
         elif op == "verify":
             _send_header(sock, {"ok": True, "results": verify_local(self.root, str(header["job"]))})
         else:
@@ -312,10 +315,13 @@ class PeerClient:
         _send_header(self.sock, {"op": "list", "job": job})
         return [(ShardInfo.model_validate(s["info"]), bool(s["held"])) for s in self._reply()["shards"]]
 
-    def catalog(self, job: str) -> dict[str, Any]:
+    def catalog(self, job: str) -> RestoreCatalog:
         _send_header(self.sock, {"op": "catalog", "job": job})
-        catalog: dict[str, Any] = self._reply()["catalog"]
-        return catalog
+        raw = self._reply()["catalog"]
+        try:
+            return RestoreCatalog.model_validate(raw)
+        except ValidationError as exc:
+            raise CheckpointError(f"{self.address}: not a restore catalog this unbroken reads: {exc.errors()[0]['msg']}") from None
 
     def verify(self, job: str) -> list[dict[str, Any]]:
         _send_header(self.sock, {"op": "verify", "job": job})

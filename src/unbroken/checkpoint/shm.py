@@ -252,15 +252,17 @@ def scan(root: Path, job: str | None = None) -> list[StoredShard]:
     return found
 
 
-def stale_slots(root: Path, job: str, before_attempt: int) -> list[Path]:
-    """Slot files of attempts older than ``before_attempt`` that hold no complete shard
-    (a rank killed mid-save): nothing can ever read them."""
+def empty_slots(root: Path, job: str) -> list[tuple[Path, int]]:
+    """Slot files of ``job`` holding no complete shard (no descriptor), with the attempt that made them.
+
+    Those of an older attempt than the job's were half-written by a rank that died
+    mid-save: nothing can ever read them."""
     folder = own_dir(root, job)
     if not folder.is_dir():
         return []
     return [
-        entry for entry in folder.iterdir()
-        if (m := _SLOT.match(entry.name)) and int(m.group(1)) < before_attempt and not descriptor_path(entry).exists()
+        (entry, int(m.group(1))) for entry in folder.iterdir()
+        if (m := _SLOT.match(entry.name)) and not descriptor_path(entry).exists()
     ]
 
 

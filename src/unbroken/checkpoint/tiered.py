@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import atexit
 import ctypes
-import functools
 import logging
 import mmap
 import threading
@@ -30,9 +29,10 @@ from typing import Any, Callable
 
 import torch
 
-from unbroken.checkpoint import collectives, rng, shard, shm
+from unbroken.checkpoint import collectives, rng, shard, shm, tiers
 from unbroken.checkpoint.api import Restored
 from unbroken.checkpoint.manifest import ShardInfo
+from unbroken.checkpoint.restore_catalog import RestoreCatalog
 from unbroken.checkpoint.peer import PeerClient
 from unbroken.checkpoint.persistent import PersistentStore
 from unbroken.config.checkpoint import TierPolicy
@@ -47,7 +47,9 @@ def _say(message: str) -> None:
 
 
 @dataclass(frozen=True)
-class _Loaded:
+class Loaded:
+    """A shard's payload (``step``, ``state``, ``rng``) and where it came from."""
+
     payload: dict[str, Any]
     source: str
     size: int = 0
@@ -188,9 +190,7 @@ class TieredCheckpointer:
 
     def restore(self) -> Restored | None:
         catalog = collectives.from_rank0(self.catalog)
-        memory: dict[int, dict[str, Any]] = {int(k): v for k, v in catalog["memory"].items()}
-        persistent: list[int] = catalog["persistent"]
-        for step in sorted(set(memory) | set(persistent), reverse=True):
+        for step in catalog.candidates():
             loaded = self.load_shard(step, self.rank, catalog)
             if collectives.all_ok(loaded is not None):
                 assert loaded is not None
@@ -206,72 +206,56 @@ class TieredCheckpointer:
             _say(f"step {step} is not restorable on every rank; trying an older step")
         return None
 
-    def catalog(self, *, any_world_size: bool = False) -> dict[str, Any]:
+    def catalog(self, *, any_world_size: bool = False) -> RestoreCatalog:
         """Steps committed in memory (from the agent) and in the persistent tier, and where
         each shard's copies are. No collective: ``restore`` has rank 0 build it and broadcast.
         ``any_world_size`` keeps steps saved by a different number of ranks (DCP reshards)."""
-        memory: dict[int, dict[str, Any]] = {}
-        endpoints: dict[str, str] = {}
+        catalog = RestoreCatalog(job=self.job)
         if self.endpoint is not None:
             try:
                 with PeerClient(self.endpoint, self.token) as agent:
-                    raw = agent.catalog(self.job)
-                endpoints = {k: v for k, v in raw["endpoints"].items() if v}
-                for entry in raw["steps"]:
-                    if entry["world_size"] != self.world_size and not any_world_size:
-                        continue  # written by a run of another size: not ours to load per rank
-                    copies: dict[int, list[tuple[str, str]]] = {}
-                    for c in raw["copies"]:
-                        if c["step"] == entry["step"] and c["attempt"] == entry["attempt"]:
-                            copies.setdefault(c["rank"], []).append((c["node"], c["tier"]))
-                    memory[entry["step"]] = {"attempt": entry["attempt"], "copies": copies}
+                    catalog = agent.catalog(self.job)
             except (OSError, CheckpointError) as exc:
                 _say(f"memory tier catalog unavailable ({exc}); looking at the persistent tier only")
-                endpoints, memory = {}, {}
-        persistent: list[int] = []
+        if not any_world_size:
+            # written by a run of another size: not ours to load per rank
+            catalog = catalog.model_copy(update={"memory": tuple(s for s in catalog.memory if s.world_size == self.world_size)})
         if self.policy.persistent is not None:
             try:
                 persistent = PersistentStore(self.policy.persistent.uri).committed_steps(self.job)
+                catalog = catalog.model_copy(update={"persistent": tuple(persistent)})
             except Exception as exc:  # noqa: BLE001 - an unreachable tier is a fallback lost, not a crash
                 _say(f"persistent tier {self.policy.persistent.uri} unavailable for restore: {exc}")
-        return {"memory": memory, "persistent": persistent, "endpoints": endpoints}
+        return catalog
 
-    def load_shard(self, step: int, rank: int, catalog: dict[str, Any] | None = None) -> _Loaded | None:
+    def tiers(self) -> list[tiers.Tier]:
+        """Where this rank can read shards from; :func:`tiers.locations` orders their copies."""
+        found: list[tiers.Tier] = [
+            tiers.SharedMemoryTier(self.job, self.node, self.shm_root, self.attempt, self.rank, self._mapping),
+            tiers.PeerTier(self.job, self.node, self.token),
+        ]
+        if self.policy.persistent is not None:
+            found.append(tiers.PersistentTier(self.job, self.policy.persistent.uri))
+        return found
+
+    def load_shard(self, step: int, rank: int, catalog: RestoreCatalog | None = None) -> Loaded | None:
         """Rank ``rank``'s payload of ``step`` from the fastest copy that verifies, or None.
 
         Any rank's shard can be loaded from anywhere (the DCP reader needs that when
         the world size changes); ``restore`` loads its own.
         """
         catalog = catalog if catalog is not None else self.catalog()
-        memory = {int(k): v for k, v in catalog["memory"].items()}.get(step)
-        in_persistent = step in catalog["persistent"]
-        endpoints: dict[str, str] = catalog["endpoints"]
-        attempts: list[tuple[str, Callable[[], Any]]] = []
-        if memory is not None:
-            attempt = int(memory["attempt"])
-            copies = memory["copies"].get(rank, memory["copies"].get(str(rank), []))
-            local = [c for c in copies if c[0] == self.node]
-            remote = sorted((c for c in copies if c[0] != self.node), key=lambda c: c[1] != "replica")
-            if local:  # own slot or a replica held here: read straight from shared memory
-                tier = "memory" if any(t == "memory" for _, t in local) else "replica"
-                attempts.append((f"{tier} on {self.node}", functools.partial(self._read_local, step, rank, attempt)))
-            for node, tier in remote:
-                address = endpoints.get(node)
-                if address:
-                    attempts.append((f"{tier} on {node}", functools.partial(self._read_remote, address, step, rank)))
-        if in_persistent and self.policy.persistent is not None:
-            uri = self.policy.persistent.uri
-            attempts.append((f"persistent {uri}", functools.partial(self._read_persistent, uri, step, rank)))
-        for source, read in attempts:
+        for tier, location in tiers.locations(self.tiers(), catalog, step, rank):
             try:
-                payload, size = read()
+                loaded = tier.read(location, step, rank)
             except Exception as exc:  # noqa: BLE001 - any unreadable copy means: try the next one
-                _say(f"step {step} rank {rank} from {source}: {exc}")
+                _say(f"step {step} rank {rank} from {location.description}: {exc}")
                 continue
+            payload = loaded.payload
             if not isinstance(payload, dict) or payload.get("step") != step or "state" not in payload:
-                _say(f"step {step} rank {rank} from {source}: not a step-{step} checkpoint")
+                _say(f"step {step} rank {rank} from {location.description}: not a step-{step} checkpoint")
                 continue
-            return _Loaded(payload, source, size)
+            return Loaded(payload, location.description, loaded.size)
         return None
 
     PREFETCH_STEPS = 2
@@ -296,46 +280,6 @@ class TieredCheckpointer:
         if self._prefetch is not None:
             self._prefetch.join()
         return self._prefetched.pop((stored.path, stored.info.checksum), None) or _map_private(stored.path, stored.info.size)
-
-    def _read_local(self, step: int, rank: int, attempt: int) -> tuple[Any, int]:
-        """Straight from this node's shared memory, checksum first.
-
-        Files of an earlier attempt (and held replicas) are never rewritten in place,
-        only unlinked or replaced by a rename, so the tensors can be views of a
-        private mapping of them: no copy, and the pages live as long as the tensors.
-        Our own slots of this attempt are reused by later saves: those are copied.
-        """
-        for stored in shm.scan(self.shm_root, self.job):
-            info = stored.info
-            if info.step != step or info.rank != rank or info.attempt != attempt:
-                continue
-            reused_later = not stored.held and info.attempt == self.attempt and info.rank == self.rank
-            view = self._mapping(stored)
-            got = shard.checksum(view, info.size)
-            if got != info.checksum:
-                view.close()
-                raise CheckpointError(f"{stored.path}: checksum mismatch (descriptor {info.checksum}, data {got})")
-            return shard.read(view, info.metas(), info.skeleton_offset, info.size, copy=reused_later), info.size
-        raise CheckpointError(f"no copy of step {step} rank {rank} in {self.shm_root}")
-
-    def _read_remote(self, address: str, step: int, rank: int) -> Any:
-        holder: dict[str, bytearray] = {}
-
-        def into(info: ShardInfo) -> memoryview:
-            holder["buffer"] = bytearray(info.size)
-            return memoryview(holder["buffer"])
-
-        with PeerClient(address, self.token) as peer:
-            info = peer.get(self.job, step, rank, into)
-        return shard.read(holder.get("buffer", bytearray(1)), info.metas(), info.skeleton_offset, info.size, copy=False), info.size
-
-    def _read_persistent(self, uri: str, step: int, rank: int) -> Any:
-        store = PersistentStore(uri)
-        manifest = store.manifest(self.job, step)
-        info = manifest.shard(rank)
-        data = store.read_shard(info)
-        return shard.read(data, info.metas(), info.skeleton_offset, info.size, copy=False), info.size
-
 
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14; the constant is missing from older Pythons
 

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from unbroken import chaos
-from unbroken.cli.common import DirOption, console, open_store
+from unbroken.cli.common import DirOption, console, open_runtime
 
 app = typer.Typer(help="Inject real faults: signals to real processes, kernel-log lines, slow links.", no_args_is_help=True)
 
@@ -18,9 +18,9 @@ RankOpt = Annotated[int | None, typer.Option("--rank", help="Global rank to hit 
 
 
 def _signal_rank(directory, job: str, node: str | None, rank: int | None, sig: signal.Signals, reason: str) -> None:
-    _, store = open_store(directory)
-    target = chaos.pick_rank(store, job, node=node, rank=rank)
-    chaos.signal_rank(store, target, sig, reason)
+    runtime = open_runtime(directory)
+    target = chaos.pick_rank(runtime, job, node=node, rank=rank)
+    chaos.signal_rank(runtime, target, sig, reason)
     console.print(f"{sig.name} -> job {job} rank {target.rank} (pid {target.pid}) on {target.node}")
 
 
@@ -39,16 +39,14 @@ def hang_worker(job: JobArg, directory: DirOption = None, node: NodeOpt = None, 
 @app.command("kill-node")
 def kill_node(node: Annotated[str, typer.Argument(help="Node name")], directory: DirOption = None) -> None:
     """SIGKILL the node's agent and all its processes at once, as when a machine loses power."""
-    layout, store = open_store(directory)
-    count = chaos.kill_node(store, layout, node)
+    count = chaos.kill_node(open_runtime(directory), node)
     console.print(f"node {node}: {count} processes killed")
 
 
 @app.command("kill-controller")
 def kill_controller(directory: DirOption = None) -> None:
     """SIGKILL the controller; 'unbroken cluster up' in the same --dir starts it again."""
-    layout, _ = open_store(directory)
-    pid = chaos.kill_controller(layout)
+    pid = chaos.kill_controller(open_runtime(directory))
     console.print(f"controller pid {pid} killed")
 
 
@@ -56,10 +54,7 @@ def kill_controller(directory: DirOption = None) -> None:
 def xid(node: Annotated[str, typer.Argument(help="Node name")], code: Annotated[int, typer.Argument(help="Xid code, e.g. 79 or 13")],
         directory: DirOption = None, pci: Annotated[str, typer.Option(help="GPU bus id in the line")] = "PCI:0000:b9:00") -> None:
     """Append an 'NVRM: Xid (PCI:...): CODE, ...' line to the node's kernel log; the Xid table decides what follows."""
-    from unbroken.health import chaos as health_chaos
-
-    layout, store = open_store(directory)
-    console.print(f"{node}: {health_chaos.inject_xid(store, layout, node, code, pci)}", highlight=False)
+    console.print(f"{node}: {chaos.inject_xid(open_runtime(directory), node, code, pci)}", highlight=False)
 
 
 @app.command("slow-link")
@@ -69,9 +64,7 @@ def slow_link(node: Annotated[str, typer.Argument(help="Node name")],
               directory: DirOption = None) -> None:
     """Rate-limit a node's link with tc tbf (clusters with Local.NetworkNamespaces; root)."""
     from unbroken.errors import UsageError
-    from unbroken.health import chaos as health_chaos
 
     if clear == (rate is not None):
         raise UsageError("give a RATE (e.g. 100mbit) or --clear")
-    layout, store = open_store(directory)
-    console.print(health_chaos.slow_link(store, layout, node, None if clear else rate))
+    console.print(chaos.slow_link(open_runtime(directory), node, None if clear else rate))

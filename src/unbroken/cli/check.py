@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 import typer
 
-from unbroken.cli.common import DirOption, Output, OutputOption, console, open_store, print_json, table
+from unbroken.cli.common import DirOption, Output, OutputOption, console, open_runtime, print_json, table
 from unbroken.config.cluster import ClusterConfig
 from unbroken.errors import UsageError
 from unbroken.health import catalogue, events, runner, targets
@@ -15,7 +15,7 @@ from unbroken.health.collective.sweep import OPS, Row, format_table
 from unbroken.health.result import CheckResult, Status, Suite
 from unbroken.layout import ClusterLayout
 from unbroken.state.records import Node
-from unbroken.state.store import Store
+from unbroken.state.store import ClusterStore
 
 app = typer.Typer(help="Run health checks on demand: the same catalogue the agents run on join and while working.",
                   no_args_is_help=True)
@@ -32,7 +32,7 @@ def list_checks(output: OutputOption = Output.table) -> None:
                         [[s.id, ",".join(sorted(s.suites)), f"{s.timeout_s:g}s", s.description] for s in specs]))
 
 
-def _nodes(store: Store, names: list[str] | None) -> list[Node]:
+def _nodes(store: ClusterStore, names: list[str] | None) -> list[Node]:
     active = [n for n in store.list_nodes() if n.state.is_active]
     if not names:
         if not active:
@@ -45,7 +45,7 @@ def _nodes(store: Store, names: list[str] | None) -> list[Node]:
     return chosen
 
 
-def run_checks(layout: ClusterLayout, store: Store, cluster: ClusterConfig, nodes: list[Node], suites: list[Suite],
+def run_checks(layout: ClusterLayout, store: ClusterStore, cluster: ClusterConfig, nodes: list[Node], suites: list[Suite],
                params: dict[str, Any] | None = None) -> list[CheckResult]:
     """Node-local checks per node; multi-node (collective) checks once across all ``nodes``."""
     results: list[CheckResult] = []
@@ -87,10 +87,10 @@ def run(
 
     Examples:  unbroken check run   |   unbroken check run --node node-2 --suite InstanceStress
     """
-    layout, store = open_store(directory)
-    cluster = ClusterConfig.model_validate_json(store.cluster_json())
+    runtime = open_runtime(directory)
+    store = runtime.cluster
     suites = [catalogue.parse_suite(s) for s in suite] if suite else [Suite.INSTANCE_STRESS, Suite.INSTANCE_CONNECTIVITY]
-    results = run_checks(layout, store, cluster, _nodes(store, node), suites)
+    results = run_checks(runtime.layout, store, runtime.config, _nodes(store, node), suites)
     if output is Output.json:
         print_json([result_record(r) for r in results])
     else:
@@ -123,9 +123,9 @@ def collective(
 
     Example:  unbroken check collective --nodes node-1,node-2,node-3 -b 8 -e 256M -f 2
     """
-    layout, store = open_store(directory)
-    cluster = ClusterConfig.model_validate_json(store.cluster_json())
-    chosen = _nodes(store, [n.strip() for n in nodes.split(",") if n.strip()])
+    runtime = open_runtime(directory)
+    layout, cluster = runtime.layout, runtime.config
+    chosen = _nodes(runtime.cluster, [n.strip() for n in nodes.split(",") if n.strip()])
     wanted = [o.strip() for o in ops.split(",") if o.strip()]
     unknown = [o for o in wanted if o not in OPS]
     if unknown or not wanted:

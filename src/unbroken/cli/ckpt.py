@@ -10,8 +10,10 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, Trans
 from unbroken.checkpoint import inventory as inv
 from unbroken.checkpoint.peer import load_token
 from unbroken.checkpoint.persistent import PersistentStore
-from unbroken.cli.common import DirOption, Output, OutputOption, ago, console, open_store, print_json, table
+from unbroken.cli.common import DirOption, Output, OutputOption, ago, console, open_runtime, print_json, table
+from unbroken.config.checkpoint import TierPolicy
 from unbroken.errors import UsageError
+from unbroken.runtime import Runtime
 from unbroken.state.records import CheckpointTier, StepStatus
 
 app = typer.Typer(
@@ -22,8 +24,8 @@ app = typer.Typer(
 JobArg = Annotated[str, typer.Argument(help="Job name", show_default=False)]
 
 
-def _policy(store, job: str):  # noqa: ANN001, ANN202 - small local helper
-    tiers = store.get_job(job).spec().checkpoint.tiers
+def _policy(runtime: Runtime, job: str) -> TierPolicy:
+    tiers = runtime.cluster.get_job(job).spec().checkpoint.tiers
     if tiers is None:
         raise UsageError(f"job {job} uses the file checkpointer (no 'memory' tier in its job file); its checkpoints are files under checkpoint.dir")
     return tiers
@@ -36,9 +38,9 @@ def _size(n: int) -> str:
 @app.command("list")
 def list_steps(job: JobArg, directory: DirOption = None, output: OutputOption = Output.table) -> None:
     """Steps per tier: committed in memory (with own copies and replicas per rank), persistent state, size."""
-    _, store = open_store(directory)
-    policy = _policy(store, job)
-    found = inv.inventory(store, job)
+    runtime = open_runtime(directory)
+    policy = _policy(runtime, job)
+    found = inv.inventory(runtime.catalog, runtime.cluster, job)
     if output is Output.json:
         print_json({"job": job, "steps": found.steps, "tier_warnings": [w.message for w in found.tier_warnings],
                     "persistent_uri": policy.persistent.uri if policy.persistent else None})
@@ -67,9 +69,10 @@ def verify(
 
     Exits 1 if any copy is damaged; restore would skip it and fall back.
     """
-    layout, store = open_store(directory)
-    policy = _policy(store, job)
-    checks = [c for c in inv.verify_memory(store, job, load_token(layout.cluster_token)) if step is None or c.step in (step, -1)]
+    runtime = open_runtime(directory)
+    policy = _policy(runtime, job)
+    store = runtime.catalog
+    checks = [c for c in inv.verify_memory(store, job, load_token(runtime.layout.cluster_token)) if step is None or c.step in (step, -1)]
     if policy.persistent is not None:
         steps = None if step is None else [step]
         total = sum(r.size for r in store.list_checkpoint_steps(job, tier=CheckpointTier.PERSISTENT)
@@ -105,8 +108,9 @@ def prune(
     Never deletes the newest committed step or a step being drained. Shared memory
     needs no pruning: agents keep it at the policy's 'keep'.
     """
-    _, store = open_store(directory)
-    policy = _policy(store, job)
+    runtime = open_runtime(directory)
+    store = runtime.catalog
+    policy = _policy(runtime, job)
     if policy.persistent is None:
         raise UsageError(f"job {job} has no persistent tier; nothing to prune")
     tier = PersistentStore(policy.persistent.uri)

@@ -9,13 +9,13 @@ from typing import Annotated, Any
 import typer
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from unbroken.backends import local_cluster
-from unbroken.backends.local import LocalBackend
-from unbroken.cli.common import DirOption, Output, OutputOption, console, layout_for, open_store, print_json, table
+from unbroken.cli.common import DirOption, Output, OutputOption, console, layout_for, open_runtime, print_json, table
 from unbroken.config.cluster import ClusterConfig
 from unbroken.config.loading import load_model
 from unbroken.errors import UsageError
+from unbroken.runtime import Runtime, local_cluster
 from unbroken.state.phases import NodeState
+from unbroken.state.records import ClusterStatus
 
 app = typer.Typer(help="Start, inspect and stop a local cluster.", no_args_is_help=True)
 
@@ -36,7 +36,7 @@ def up(
         raise UsageError("give exactly one of --file/-f CLUSTER_FILE or --nodes N")
     config = load_model(file, ClusterConfig) if file else ClusterConfig.with_nodes(nodes or 1)
     layout = layout_for(directory)
-    store, resumed = local_cluster.up(layout, config)
+    runtime, resumed = local_cluster.up(layout, config)
     if resumed:
         console.print(f"cluster in {layout.root} was up without a controller: controller restarted")
         return
@@ -45,9 +45,9 @@ def up(
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True) as bar:
             task = bar.add_task("nodes joining")
             local_cluster.wait_ready(
-                store, timeout, lambda counts: bar.update(task, description="nodes: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
+                runtime, timeout, lambda counts: bar.update(task, description="nodes: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
             )
-        _print_nodes(store)
+        _print_nodes(runtime)
 
 
 @app.command("down")
@@ -69,15 +69,15 @@ def down(directory: DirOption = None) -> None:
 @app.command("status")
 def status(directory: DirOption = None, output: OutputOption = Output.table) -> None:
     """Controller, nodes by state, and jobs by phase."""
-    layout, store = open_store(directory)
-    config = ClusterConfig.model_validate_json(store.cluster_json())
-    pid = LocalBackend(layout).controller_pid()
-    nodes = store.list_nodes()
-    jobs = store.list_jobs()
+    runtime = open_runtime(directory)
+    config, layout = runtime.config, runtime.layout
+    pid = runtime.local_backend("cluster status").controller_pid()
+    nodes = runtime.cluster.list_nodes()
+    jobs = runtime.cluster.list_jobs()
     data: dict[str, Any] = {
         "cluster": config.ClusterName,
         "dir": str(layout.root),
-        "up": local_cluster.is_up(store),
+        "up": runtime.cluster.cluster().status is ClusterStatus.UP,
         "controller_pid": pid,
         "node_recovery": config.NodeRecovery.value,
         "nodes": _count(n.state.value for n in nodes if n.state is not NodeState.RETIRED),
@@ -91,7 +91,7 @@ def status(directory: DirOption = None, output: OutputOption = Output.table) -> 
     console.print(f"cluster [bold]{config.ClusterName}[/] in {layout.root}: "
                   f"{'up' if data['up'] else 'down'}, controller {'pid ' + str(pid) if pid else '[red]not running[/]'}, "
                   f"NodeRecovery {config.NodeRecovery.value}")
-    _print_nodes(store)
+    _print_nodes(runtime)
     if jobs:
         console.print("jobs: " + ", ".join(f"{v} {k}" for k, v in sorted(data["jobs"].items())))
 
@@ -103,8 +103,8 @@ def _count(values) -> dict[str, int]:
     return out
 
 
-def _print_nodes(store) -> None:
+def _print_nodes(runtime: Runtime) -> None:
     from unbroken.cli.node import node_rows
 
-    columns, rows = node_rows(store, include_retired=False)
+    columns, rows = node_rows(runtime, include_retired=False)
     console.print(table(None, columns, rows))

@@ -17,7 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from unbroken.layout import ClusterLayout, default_cluster_dir
-from unbroken.state.sqlite import SqliteStore
+from unbroken.runtime import Runtime, open_local
 
 # Outside a terminal (pipes, CI logs) rich would wrap tables at 80 columns; $COLUMNS
 # or a width that fits a node table on one line reads better there.
@@ -42,9 +42,9 @@ def layout_for(directory: Path | None) -> ClusterLayout:
     return ClusterLayout.at(directory or default_cluster_dir())
 
 
-def open_store(directory: Path | None) -> tuple[ClusterLayout, SqliteStore]:
-    layout = layout_for(directory)
-    return layout, SqliteStore(layout.state_db)
+def open_runtime(directory: Path | None) -> Runtime:
+    """The cluster of ``--dir`` (or $UNBROKEN_DIR, or ./.unbroken)."""
+    return open_local(layout_for(directory))
 
 
 def print_json(data: Any) -> None:

@@ -15,14 +15,13 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 
 from unbroken import chaos, jobs, report
 from unbroken.checkpoint.inventory import inventory
-from unbroken.backends import local_cluster
 from unbroken.cli.common import console, layout_for, table
 from unbroken.config.cluster import ClusterConfig
 from unbroken.config.job import JobSpec
 from unbroken.errors import UnbrokenError
+from unbroken.runtime import Runtime, local_cluster
 from unbroken.state.phases import JobPhase
 from unbroken.state.records import Job
-from unbroken.state.sqlite import SqliteStore
 
 CHECKPOINT_EVERY = 10
 
@@ -31,15 +30,15 @@ def run_demo(directory: Path | None, *, steps: int, keep: bool) -> None:
     layout = layout_for(directory or Path(".unbroken-demo"))
     config = ClusterConfig.with_nodes(3, name="demo")
     console.print(f"[bold]unbroken demo[/]: 3-node cluster in {layout.root}")
-    store, _ = local_cluster.up(layout, config)
+    runtime, _ = local_cluster.up(layout, config)
     try:
         with _spinner() as bar:
             task = bar.add_task("nodes joining")
-            local_cluster.wait_ready(store, 120, lambda c: bar.update(task, description=f"nodes: {c}"))
-        job = _submit(store, steps, layout.root / "persistent")
+            local_cluster.wait_ready(runtime, 120, lambda c: bar.update(task, description=f"nodes: {c}"))
+        job = _submit(runtime, steps, layout.root / "persistent")
         console.print(f"job [bold]{job.name}[/]: 2 nodes x 2 ranks, {steps} steps, checkpoint every {CHECKPOINT_EVERY}, auto-resume")
-        final = _run_with_fault(store, layout, job.name, steps)
-        _print_summary(store, final)
+        final = _run_with_fault(runtime, job.name, steps)
+        _print_summary(runtime, final)
         if final.phase is not JobPhase.SUCCEEDED:
             raise UnbrokenError(f"demo job ended {final.phase.value}: {final.reason}")
     finally:
@@ -50,7 +49,7 @@ def run_demo(directory: Path | None, *, steps: int, keep: bool) -> None:
             console.print(f"cluster torn down ({'no process left' if not left else f'still alive: {left}'})")
 
 
-def _submit(store: SqliteStore, steps: int, persistent_dir: Path) -> Job:
+def _submit(runtime: Runtime, steps: int, persistent_dir: Path) -> Job:
     spec = JobSpec.model_validate(
         {
             "name": "demo-mlp", "nodes": 2, "procs_per_node": 2,
@@ -65,10 +64,10 @@ def _submit(store: SqliteStore, steps: int, persistent_dir: Path) -> Job:
             },
         }
     )
-    return jobs.submit(store, spec, note="submitted by unbroken demo")
+    return jobs.submit(runtime.cluster, spec, note="submitted by unbroken demo")
 
 
-def _run_with_fault(store: SqliteStore, layout, name: str, steps: int) -> Job:
+def _run_with_fault(runtime: Runtime, name: str, steps: int) -> Job:
     kill_at = max(CHECKPOINT_EVERY * 2 + 5, int(steps * 0.4))
     killed: str | None = None
     with Progress(SpinnerColumn(), TextColumn("[bold]{task.fields[phase]:<11}"), BarColumn(),
@@ -76,14 +75,14 @@ def _run_with_fault(store: SqliteStore, layout, name: str, steps: int) -> Job:
                   TimeElapsedColumn(), console=console) as bar:
         task = bar.add_task("job", total=steps, phase="Pending", note="")
         while True:
-            job = store.get_job(name)
-            workers = store.list_workers(job=name, attempt=job.attempt)
+            job = runtime.cluster.get_job(name)
+            workers = runtime.backend.observe_attempt(name, job.attempt)
             step = jobs.current_step(workers)
             note = f"restarts {job.attempt}" + (f"; {killed} lost power at step {kill_at}" if killed else "")
             bar.update(task, completed=step, phase=job.phase.value, note=note)
             if killed is None and job.attempt == 0 and step >= kill_at:
                 victim = next(w.node for w in workers if w.node_rank == 1)
-                chaos.kill_node(store, layout, victim)
+                chaos.kill_node(runtime, victim)
                 killed = victim
                 bar.console.print(f"[red]chaos[/]: node {victim} lost power at step {step} (agent and ranks SIGKILLed)")
             if job.phase.is_terminal:
@@ -91,10 +90,11 @@ def _run_with_fault(store: SqliteStore, layout, name: str, steps: int) -> Job:
             time.sleep(0.2)
 
 
-def _print_summary(store: SqliteStore, job: Job) -> None:
-    events = store.list_events(object_kind="Job", object_name=job.name)
-    summary = report.summarize(job, store.list_workers(job=job.name), events)
-    node_events = [e for e in store.list_events(object_kind="Node") if e.reason in ("NodeLost", "NodeReplaced", "NodeSchedulable")]
+def _print_summary(runtime: Runtime, job: Job) -> None:
+    events = runtime.cluster.list_events(object_kind="Job", object_name=job.name)
+    summary = report.summarize(job, runtime.backend.worker_history(job.name), events)
+    node_events = [e for e in runtime.cluster.list_events(object_kind="Node")
+                   if e.reason in ("NodeLost", "NodeReplaced", "NodeSchedulable")]
     rows: list[list[object]] = [
         ["outcome", job.phase.value],
         ["restarts", summary.restarts],
@@ -104,17 +104,17 @@ def _print_summary(store: SqliteStore, job: Job) -> None:
         ["goodput", f"{summary.goodput:.1%}" if summary.goodput is not None else "-"],
         ["wall time", f"{summary.wall_seconds:.1f} s"],
         ["attempts", "; ".join(f"#{a.attempt} on {','.join(a.nodes)} from step {a.restored_step or 0}" for a in summary.attempts)],
-        ["restored from", _restore_sources(store, job)],
-        ["checkpoints now", _tiers_now(store, job)],
+        ["restored from", _restore_sources(runtime, job)],
+        ["checkpoints now", _tiers_now(runtime, job)],
     ]
     console.print(table("demo summary", ["", ""], rows))
     console.print(table("node events", ["NODE", "REASON", "MESSAGE"], [[e.object_name, e.reason, e.message] for e in node_events]))
 
 
-def _restore_sources(store: SqliteStore, job: Job) -> str:
+def _restore_sources(runtime: Runtime, job: Job) -> str:
     """Where each rank of the last attempt resumed from, as its log says ("restored step N from ...")."""
     sources: dict[str, int] = {}
-    for worker in store.list_workers(job=job.name, attempt=job.attempt):
+    for worker in runtime.backend.observe_attempt(job.name, job.attempt):
         for log_file in Path(worker.log_dir or "/nonexistent").rglob("stdout.log"):
             for line in log_file.read_text(errors="replace").splitlines():
                 if line.startswith("unbroken: restored step"):
@@ -123,8 +123,8 @@ def _restore_sources(store: SqliteStore, job: Job) -> str:
     return "; ".join(f"{n} rank(s) from {where}" for where, n in sorted(sources.items())) or "-"
 
 
-def _tiers_now(store: SqliteStore, job: Job) -> str:
-    found = inventory(store, job.name)
+def _tiers_now(runtime: Runtime, job: Job) -> str:
+    found = inventory(runtime.catalog, runtime.cluster, job.name)
     persistent = [s.step for s in found.steps if s.persistent == "Committed"]
     return f"persistent tier: steps {', '.join(map(str, persistent)) or '-'} (memory tier freed when the job ended)"
 

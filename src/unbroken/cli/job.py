@@ -11,12 +11,13 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from unbroken import jobs, report
 from unbroken.cli import logs_view
-from unbroken.cli.common import DirOption, Output, OutputOption, ago, clock, console, field_line, open_store, print_json, table
+from unbroken.cli.common import DirOption, Output, OutputOption, ago, clock, console, field_line, open_runtime, print_json, table
 from unbroken.config.job import load_job
 from unbroken.errors import UsageError
 from unbroken.state.phases import JobPhase
+from unbroken.runtime import Runtime
 from unbroken.state.records import Job
-from unbroken.state.store import Store
+from unbroken.state.updates import JobUpdate
 
 app = typer.Typer(help="Submit, follow and cancel training jobs.", no_args_is_help=True)
 
@@ -45,24 +46,24 @@ def start(
     if name is not None:
         overrides["name"] = name
     spec = load_job(file, overrides=overrides)
-    _, store = open_store(directory)
-    jobs.submit(store, spec)
+    runtime = open_runtime(directory)
+    jobs.submit(runtime.cluster, spec)
     console.print(f"job [bold]{spec.name}[/] submitted ({spec.nodes} x {spec.procs_per_node}); "
                   f"follow it with: unbroken job describe {spec.name}")
     if wait:
-        job = follow(store, spec.name, total_steps)
+        job = follow(runtime, spec.name, total_steps)
         if job.phase is not JobPhase.SUCCEEDED:
             raise typer.Exit(1)
 
 
-def follow(store: Store, name: str, total_steps: int | None = None, on_tick=None) -> Job:
+def follow(runtime: Runtime, name: str, total_steps: int | None = None, on_tick=None) -> Job:
     """Show a progress bar (step, phase, restarts) until the job is terminal."""
     with Progress(TextColumn("[bold]{task.fields[job]}"), BarColumn(), TextColumn("step {task.completed:.0f}"),
                   TextColumn("{task.fields[phase]}"), TimeElapsedColumn(), console=console) as bar:
         task = bar.add_task("job", total=total_steps, job=name, phase="Pending")
         while True:
-            job = store.get_job(name)
-            step = jobs.current_step(store.list_workers(job=name, attempt=job.attempt))
+            job = runtime.cluster.get_job(name)
+            step = jobs.current_step(runtime.backend.observe_attempt(name, job.attempt))
             phase = job.phase.value + (f" (restarts {job.attempt})" if job.attempt else "")
             bar.update(task, completed=step, phase=phase)
             if on_tick:
@@ -75,10 +76,10 @@ def follow(store: Store, name: str, total_steps: int | None = None, on_tick=None
 @app.command("list")
 def list_jobs(directory: DirOption = None, output: OutputOption = Output.table) -> None:
     """Jobs with phase, restarts, step and nodes."""
-    _, store = open_store(directory)
+    runtime = open_runtime(directory)
     rows, records = [], []
-    for job in store.list_jobs():
-        summary = report.summarize(job, store.list_workers(job=job.name), [])
+    for job in runtime.cluster.list_jobs():
+        summary = report.summarize(job, runtime.backend.worker_history(job.name), [])
         spec = job.spec()
         nodes = summary.attempts[-1].nodes if summary.attempts else []
         records.append({"name": job.name, "phase": job.phase.value, "restarts": job.attempt,
@@ -95,11 +96,11 @@ def list_jobs(directory: DirOption = None, output: OutputOption = Output.table) 
 @app.command("describe")
 def describe(name: JobArg, directory: DirOption = None, output: OutputOption = Output.table) -> None:
     """Phase, restarts, every attempt, steps lost, recovery times, goodput and events in order."""
-    _, store = open_store(directory)
-    job = store.get_job(name)
+    runtime = open_runtime(directory)
+    job = runtime.cluster.get_job(name)
     spec = job.spec()
-    events = store.list_events(object_kind="Job", object_name=name)
-    summary = report.summarize(job, store.list_workers(job=name), events)
+    events = runtime.cluster.list_events(object_kind="Job", object_name=name)
+    summary = report.summarize(job, runtime.backend.worker_history(name), events)
     if output is Output.json:
         print_json({"spec": spec.model_dump(mode="json"), "report": summary.to_dict(), "reason": job.reason, "events": events})
         return
@@ -136,21 +137,21 @@ def logs(
     follow_: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines until the job ends")] = False,
 ) -> None:
     """Print the job's logs: torchrun's per node and each rank's, prefixed with where they came from."""
-    layout, store = open_store(directory)
-    job = store.get_job(name)
+    runtime = open_runtime(directory)
+    job = runtime.cluster.get_job(name)
     chosen = job.attempt if attempt is None else attempt
     if not 0 <= chosen <= job.attempt:
         raise UsageError(f"job {name} has attempts 0..{job.attempt}, not {chosen}")
-    logs_view.show(store, layout, job, chosen, node=node, rank=rank, follow=follow_)
+    logs_view.show(runtime, job, chosen, node=node, rank=rank, follow=follow_)
 
 
 @app.command("cancel")
 def cancel(name: JobArg, directory: DirOption = None) -> None:
     """Stop the job's workers and mark it Cancelled."""
-    _, store = open_store(directory)
+    store = open_runtime(directory).cluster
     job = store.get_job(name)
     if job.phase.is_terminal:
         raise UsageError(f"job {name} already ended ({job.phase.value})")
-    store.update_job(name, cancel_requested=True)
+    store.update_job(name, JobUpdate(cancel_requested=True))
     store.add_event("Job", name, "JobCancelRequested", "cancel requested by user")
     console.print(f"job {name}: cancel requested")

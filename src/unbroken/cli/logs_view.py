@@ -10,7 +10,7 @@ from pathlib import Path
 from unbroken.errors import UsageError
 from unbroken.layout import ClusterLayout
 from unbroken.state.records import Job, Worker
-from unbroken.state.store import Store
+from unbroken.runtime import Runtime
 
 
 @dataclass(frozen=True)
@@ -51,11 +51,12 @@ def sources(layout: ClusterLayout, job: Job, workers: list[Worker], *, node: str
     return out
 
 
-def show(store: Store, layout: ClusterLayout, job: Job, attempt: int, *, node: str | None, rank: int | None, follow: bool) -> None:
+def show(runtime: Runtime, job: Job, attempt: int, *, node: str | None, rank: int | None, follow: bool) -> None:
     offsets: dict[Path, int] = {}
+    layout = runtime.layout
     while True:
-        job = store.get_job(job.name)
-        workers = store.list_workers(job=job.name, attempt=attempt)
+        job = runtime.cluster.get_job(job.name)
+        workers = runtime.backend.observe_attempt(job.name, attempt)
         ended = job.phase.is_terminal or attempt < job.attempt
         last_pass = not follow or ended
         for source in sources(layout, job, workers, node=node, rank=rank):

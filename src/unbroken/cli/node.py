@@ -7,20 +7,21 @@ from typing import Annotated
 
 import typer
 
-from unbroken.cli.common import DirOption, Output, OutputOption, ago, clock, console, field_line, open_store, print_json, table
+from unbroken.cli.common import DirOption, Output, OutputOption, ago, clock, console, field_line, open_runtime, print_json, table
 from unbroken.controller.node_decisions import MANUAL
 from unbroken.errors import UsageError
 from unbroken.state.phases import NodeState
+from unbroken.runtime import Runtime
 from unbroken.state.records import EventType, Node
-from unbroken.state.store import Store
+from unbroken.state.updates import NodeUpdate
 
 app = typer.Typer(help="Inspect nodes and take them in or out of service.", no_args_is_help=True)
 
 NodeArg = Annotated[str, typer.Argument(help="Node name, e.g. node-2")]
 
 
-def running_jobs(store: Store) -> dict[str, str]:
-    return {w.node: w.job for w in store.list_workers(active=True)}
+def running_jobs(runtime: Runtime) -> dict[str, str]:
+    return {w.node: w.job for w in runtime.backend.active_workers()}
 
 
 def node_record(node: Node, job: str | None) -> dict:
@@ -41,13 +42,13 @@ def node_record(node: Node, job: str | None) -> dict:
     }
 
 
-def node_rows(store: Store, include_retired: bool) -> tuple[list[str], list[list]]:
-    jobs = running_jobs(store)
+def node_rows(runtime: Runtime, include_retired: bool) -> tuple[list[str], list[list]]:
+    jobs = running_jobs(runtime)
     now = time.time()
     rows = [
         [n.name, n.group, n.instance_type, n.state.value, n.deep_health.value, n.fault_type,
          n.fault_reason, jobs.get(n.name), ago(n.heartbeat_at, now)]
-        for n in store.list_nodes() if include_retired or n.state is not NodeState.RETIRED
+        for n in runtime.cluster.list_nodes() if include_retired or n.state is not NodeState.RETIRED
     ]
     return ["NODE", "GROUP", "TYPE", "HEALTH", "DEEP-CHECK", "FAULT", "REASON", "JOB", "HEARTBEAT"], rows
 
@@ -59,22 +60,22 @@ def list_nodes(
     all_: Annotated[bool, typer.Option("--all", "-a", help="Include retired (replaced) nodes")] = False,
 ) -> None:
     """Nodes with health status, deep-check status, fault reason and running job."""
-    _, store = open_store(directory)
+    runtime = open_runtime(directory)
     if output is Output.json:
-        jobs = running_jobs(store)
-        print_json([node_record(n, jobs.get(n.name)) for n in store.list_nodes() if all_ or n.state is not NodeState.RETIRED])
+        jobs = running_jobs(runtime)
+        print_json([node_record(n, jobs.get(n.name)) for n in runtime.cluster.list_nodes() if all_ or n.state is not NodeState.RETIRED])
         return
-    columns, rows = node_rows(store, include_retired=all_)
+    columns, rows = node_rows(runtime, include_retired=all_)
     console.print(table(None, columns, rows))
 
 
 @app.command("describe")
 def describe(name: NodeArg, directory: DirOption = None, output: OutputOption = Output.table) -> None:
     """Labels, agent, fault history and the node's events in order."""
-    _, store = open_store(directory)
-    node = store.get_node(name)
-    record = node_record(node, running_jobs(store).get(name))
-    events = store.list_events(object_kind="Node", object_name=name)
+    runtime = open_runtime(directory)
+    node = runtime.cluster.get_node(name)
+    record = node_record(node, running_jobs(runtime).get(name))
+    events = runtime.cluster.list_events(object_kind="Node", object_name=name)
     if output is Output.json:
         print_json({**record, "events": events})
         return
@@ -93,17 +94,18 @@ def _move(directory, name: str, target: NodeState, allowed: set[NodeState], reas
     A node already waiting in ``target`` (e.g. lost while NodeRecovery is None)
     keeps its fault type and reason and only gets the operator's go-ahead.
     """
-    _, store = open_store(directory)
+    store = open_runtime(directory).cluster
     node = store.get_node(name)
     if node.state not in allowed | ({target} if recovery else set()):
         valid = ", ".join(sorted(s.value for s in allowed | ({target} if recovery else set())))
         raise UsageError(f"node {name} is {node.state.value}; {event} needs one of: {valid}")
-    changes: dict = {"state": target}
-    if recovery:
-        changes["recovery_requested"] = True
-        if node.state is not target:
-            changes.update(fault_type=MANUAL, fault_reason=reason)
-    store.update_node(name, expect_state=node.state, **changes)
+    if not recovery:
+        update = NodeUpdate(state=target)
+    elif node.state is target:
+        update = NodeUpdate(state=target, recovery_requested=True)
+    else:
+        update = NodeUpdate(state=target, recovery_requested=True, fault_type=MANUAL, fault_reason=reason)
+    store.update_node(name, update, expect_version=node.version)
     store.add_event("Node", name, event, reason, type=EventType.WARNING if recovery else EventType.NORMAL)
     console.print(f"node {name}: {node.state.value} -> {target.value}")
 

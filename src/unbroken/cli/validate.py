@@ -2,28 +2,32 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import typer
 
+from unbroken import jobs
 from unbroken.cli.check import run_checks
-from unbroken.cli.common import Output, console, open_store, print_json, table
-from unbroken.config.cluster import ClusterConfig
+from unbroken.cli.common import Output, console, open_runtime, print_json, table
+from unbroken.config.job import JobSpec
 from unbroken.errors import UsageError
 from unbroken.health import validate
 from unbroken.health.result import Status, Suite
-from unbroken.state.phases import NodeState
+from unbroken.runtime import Runtime
+from unbroken.state.phases import JobPhase, NodeState
+from unbroken.state.updates import JobUpdate
 
 _STYLE = {Status.PASS: "green", Status.WARN: "yellow", Status.FAIL: "red", Status.SKIP: "dim"}
 
 
 def run_validate(directory: Path | None, output: Output, steps: int, timeout: float) -> None:
-    layout, store = open_store(directory)
-    cluster = ClusterConfig.model_validate_json(store.cluster_json())
+    runtime = open_runtime(directory)
+    layout, store = runtime.layout, runtime.cluster
     nodes = [n for n in store.list_nodes() if n.state is NodeState.SCHEDULABLE]
     if not nodes:
         raise UsageError("no Schedulable node to validate (is the cluster up? see 'unbroken node list')")
-    busy = {w.node for w in store.list_workers(active=True)}
+    busy = {w.node for w in runtime.backend.active_workers()}
     if busy:
         raise UsageError(f"nodes {', '.join(sorted(busy))} are running jobs; validate an idle cluster (the stress "
                          "checks and the training job would disturb them)")
@@ -31,9 +35,9 @@ def run_validate(directory: Path | None, output: Output, steps: int, timeout: fl
     if output is Output.table:
         console.print(f"validating {len(nodes)} nodes: device, stress, storage and network checks, "
                       f"the collective sweep, and a {steps}-step training job across all of them")
-    results = run_checks(layout, store, cluster, nodes, [Suite.INSTANCE_STRESS, Suite.INSTANCE_CONNECTIVITY],
+    results = run_checks(layout, store, runtime.config, nodes, [Suite.INSTANCE_STRESS, Suite.INSTANCE_CONNECTIVITY],
                          params={"ops": ["all_reduce", "all_gather", "reduce_scatter"]})
-    training = validate.training_job(store, names, steps=steps, timeout=timeout, base_dir=str(layout.root))
+    training = training_job(runtime, names, steps=steps, timeout=timeout, base_dir=str(layout.root))
     verdicts = validate.tabulate(names, results, training)
     if output is Output.json:
         print_json(validate.to_json(verdicts))
@@ -46,3 +50,32 @@ def run_validate(directory: Path | None, output: Output, steps: int, timeout: fl
         console.print(f"[{style}]{'FAIL: ' + ', '.join(failed) if failed else 'PASS: every node is ready'}[/]")
     if any(v.verdict is Status.FAIL for v in verdicts):
         raise typer.Exit(1)
+
+
+def training_job(runtime: Runtime, nodes: list[str], *, steps: int, timeout: float, base_dir: str) -> dict[str, tuple[Status, str]]:
+    """Run the shipped MLP workload across ``nodes`` (one rank each) and report per node."""
+    store = runtime.cluster
+    name = f"validate-{int(time.time())}"
+    spec = JobSpec.model_validate({"name": name, "nodes": len(nodes), "procs_per_node": 1,
+                                   "command": ["-m", "unbroken.workloads.mlp", "--steps", str(steps)],
+                                   "resilience": {"auto_resume": False}}, context={"base_dir": base_dir})
+    jobs.submit(store, spec, note="unbroken validate")
+    deadline = time.monotonic() + timeout
+    job = store.get_job(name)
+    while not job.phase.is_terminal and time.monotonic() < deadline:
+        time.sleep(0.5)
+        job = store.get_job(name)
+    if not job.phase.is_terminal:
+        store.update_job(name, JobUpdate(cancel_requested=True))
+        return {n: (Status.FAIL, f"job {name} did not finish within {timeout:g} s ({job.phase.value})") for n in nodes}
+    ran = {w.node: w for w in runtime.backend.observe_attempt(name, job.attempt)}
+    out: dict[str, tuple[Status, str]] = {}
+    for node in nodes:
+        worker = ran.get(node)
+        if job.phase is JobPhase.SUCCEEDED and worker is not None:
+            out[node] = (Status.PASS, f"{steps} steps")
+        elif worker is None:
+            out[node] = (Status.SKIP, f"not placed ({job.reason})")
+        else:
+            out[node] = (Status.FAIL, worker.message or job.reason or job.phase.value)
+    return out

@@ -13,32 +13,36 @@ import logging
 import signal
 import sys
 import threading
-import time
 
 from unbroken import logs
-from unbroken.backends.local import LocalBackend
-from unbroken.config.cluster import ClusterConfig
 from unbroken.controller.job_reconciler import JobReconciler
 from unbroken.controller.node_reconciler import NodeReconciler
 from unbroken.layout import ClusterLayout
-from unbroken.state.sqlite import SqliteStore
+from unbroken.runtime import Runtime, open_local
+from unbroken.state.records import ClusterStatus
 
 log = logging.getLogger("unbroken.controller")
 
 LOOP_SECONDS = 0.2
 """Reaction time to any change; a pass over a small cluster costs ~1 ms of SQLite reads."""
 
+SILENT_AFTER_HEARTBEATS = 2
+"""Two missed lease renewals make a node a suspect, well before it is declared lost:
+its workers are not waited for at a restart, and it is handed no new attempt."""
 
-def run(layout: ClusterLayout, stopping: threading.Event) -> None:
-    store = SqliteStore(layout.state_db)
-    cluster = ClusterConfig.model_validate_json(store.cluster_json())
-    nodes = NodeReconciler(store, LocalBackend(layout), cluster)
-    # Three missed heartbeats make a node a suspect, well before it is declared lost.
-    jobs = JobReconciler(store, silent_after=3 * cluster.Local.HeartbeatIntervalSeconds)
+
+def run(runtime: Runtime, stopping: threading.Event) -> None:
+    cluster = runtime.config
+    nodes = NodeReconciler(runtime.cluster, runtime.backend, cluster)
+    jobs = JobReconciler(runtime.cluster, runtime.backend,
+                         silent_after=SILENT_AFTER_HEARTBEATS * cluster.Local.HeartbeatIntervalSeconds)
     log.info("controller started", extra={"cluster": cluster.ClusterName})
     while not stopping.is_set():
-        now = time.time()
+        now = runtime.clock()
         try:
+            if runtime.cluster.cluster().status is not ClusterStatus.UP:
+                log.info("cluster is going down; controller exits")
+                return
             nodes.reconcile_all(now)
             jobs.reconcile_all(now)
         except Exception:  # noqa: BLE001 - the supervisor loop must outlive one bad pass; it is logged
@@ -63,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
-    run(layout, stopping)
+    run(open_local(layout), stopping)
     return 0
 
 

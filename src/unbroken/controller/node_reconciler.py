@@ -1,23 +1,23 @@
-"""Applies node decisions: admit, fault, reboot, replace (through the backend)."""
+"""Applies node decisions: admit, fault, reboot, replace (the backend carries out the last two)."""
 
 from __future__ import annotations
 
 import logging
 
-
-from unbroken.backends.base import Backend, provision_node
+from unbroken.backends.base import Backend
 from unbroken.config.cluster import ClusterConfig
 from unbroken.controller import node_decisions
 from unbroken.controller.node_decisions import NodeAction, NodeDecision
 from unbroken.state.phases import NodeState
 from unbroken.state.records import EventType, Node
-from unbroken.state.store import StaleUpdate, Store
+from unbroken.state.store import ClusterStore, StaleUpdate
+from unbroken.state.updates import NodeUpdate
 
 log = logging.getLogger("unbroken.controller.nodes")
 
 
 class NodeReconciler:
-    def __init__(self, store: Store, backend: Backend, cluster: ClusterConfig) -> None:
+    def __init__(self, store: ClusterStore, backend: Backend, cluster: ClusterConfig) -> None:
         self.store = store
         self.backend = backend
         self.cluster = cluster
@@ -40,24 +40,21 @@ class NodeReconciler:
                 "%s: %s", decision.action.value, decision.reason, extra=extra)
         store = self.store
         if decision.action is NodeAction.ADMIT:
-            store.update_node(node.name, expect_state=node.state, state=NodeState.SCHEDULABLE)
+            store.update_node(node.name, NodeUpdate(state=NodeState.SCHEDULABLE), expect_version=node.version)
             store.add_event("Node", node.name, "NodeSchedulable", decision.reason)
         elif decision.action is NodeAction.FAULT:
             assert decision.target is not None
-            store.update_node(node.name, expect_state=node.state, state=decision.target,
-                              fault_type=decision.fault_type, fault_reason=decision.reason)
+            store.update_node(node.name, NodeUpdate(state=decision.target, fault_type=decision.fault_type, fault_reason=decision.reason),
+                              expect_version=node.version)
             store.add_event("Node", node.name, decision.fault_type or "NodeFault",
                             f"{decision.reason} -> {decision.target.value}", type=EventType.WARNING)
         elif decision.action is NodeAction.REBOOT:
-            store.update_node(node.name, expect_state=node.state, state=NodeState.REBOOTING, reboots=node.reboots + 1)
+            store.update_node(node.name, NodeUpdate(state=NodeState.REBOOTING, reboots=node.reboots + 1), expect_version=node.version)
             store.add_event("Node", node.name, "NodeRebooting", decision.reason)
-            self.backend.stop_node(node.name)
-            self.backend.start_node(node.name)
+            self.backend.reboot_node(node)
         elif decision.action is NodeAction.REPLACE:
-            self.backend.stop_node(node.name)
-            replacement = provision_node(store, self.backend, self.cluster, node.group, address=node.address)
-            store.update_node(node.name, expect_state=node.state, state=NodeState.RETIRED, replaced_by=replacement)
-            store.add_event("Node", node.name, "NodeReplaced", f"{decision.reason}; replaced by {replacement}")
+            replacement = self.backend.replace_node(node)
+            store.update_node(node.name, NodeUpdate(state=NodeState.RETIRED, replaced_by=replacement), expect_version=node.version)
+            store.add_event("Node", node.name, "NodeReplaced",
+                            f"{decision.reason}; replaced by {replacement}" if replacement else f"{decision.reason}; retired")
         return decision
-
-

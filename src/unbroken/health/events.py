@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from unbroken.health import faults
 from unbroken.health.result import CheckResult, FaultAction, Status
 from unbroken.state.records import EventType
-from unbroken.state.store import StaleUpdate, Store
+from unbroken.state.store import ClusterStore, StaleUpdate
+from unbroken.state.updates import NodeUpdate
 
 log = logging.getLogger("unbroken.health")
 
@@ -43,7 +45,7 @@ def log_result(result: CheckResult) -> None:
     log.log(_LEVEL[result.status], message(result), extra=extra)
 
 
-def record(store: Store, result: CheckResult, *, log_line: bool = True) -> None:
+def record(store: ClusterStore, result: CheckResult, *, log_line: bool = True) -> None:
     """Log line (agents; the CLI prints tables instead) + node event for one result."""
     if log_line:
         log_result(result)
@@ -51,23 +53,27 @@ def record(store: Store, result: CheckResult, *, log_line: bool = True) -> None:
                     type=EventType.WARNING if result.status in (Status.FAIL, Status.WARN) else EventType.NORMAL)
 
 
-def apply_fault(store: Store, node_name: str, action: FaultAction, reason: str, *, source: str) -> faults.NodeFault:
+JobsOn = Callable[[str], Iterable[str]]
+"""The jobs running on a node (the backend knows: worker rows locally, pods on Kubernetes)."""
+
+
+def apply_fault(store: ClusterStore, jobs_on: JobsOn, node_name: str, action: FaultAction, reason: str, *,
+                source: str) -> faults.NodeFault:
     """Move ``node_name`` out of service as ``action`` asks (through the node state machine),
     and tell the jobs running on it. Returns what was decided."""
     for _ in range(3):
         node = store.get_node(node_name)
         decision = faults.decide(node, action, reason)
-        try:
-            with store.transaction():
-                if decision.target is not None:
-                    store.update_node(node_name, expect_state=node.state, state=decision.target,
-                                      fault_type=decision.fault_type, fault_reason=decision.reason)
-                    store.add_event("Node", node_name, decision.fault_type or "NodeFault",
-                                    f"{decision.reason} -> {decision.target.value}", type=EventType.WARNING)
-                for job in sorted({w.job for w in store.list_workers(node=node_name, active=True)}):
-                    store.add_event("Job", job, "NodeFault", f"{source} on {node_name}: {decision.reason}", type=EventType.WARNING)
-        except StaleUpdate:
-            continue  # the controller moved the node meanwhile: decide again on what it is now
+        if decision.target is not None:
+            try:
+                store.update_node(node_name, NodeUpdate(state=decision.target, fault_type=decision.fault_type,
+                                                        fault_reason=decision.reason), expect_version=node.version)
+            except StaleUpdate:
+                continue  # the controller moved the node meanwhile: decide again on what it is now
+            store.add_event("Node", node_name, decision.fault_type or "NodeFault",
+                            f"{decision.reason} -> {decision.target.value}", type=EventType.WARNING)
+        for job in sorted(set(jobs_on(node_name))):
+            store.add_event("Job", job, "NodeFault", f"{source} on {node_name}: {decision.reason}", type=EventType.WARNING)
         if decision.target is not None:
             log.error("%s %s", faults.advice(decision.action), decision.reason,
                       extra={"node": node_name, "check": source, "state": decision.target.value,

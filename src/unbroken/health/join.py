@@ -10,8 +10,8 @@ the one taken out.
 
 from __future__ import annotations
 
+from collections.abc import Set
 from dataclasses import dataclass
-from pathlib import Path
 
 from unbroken.config.cluster import ClusterConfig
 from unbroken.health import catalogue, events, faults, runner, targets
@@ -19,8 +19,7 @@ from unbroken.health.context import Peer
 from unbroken.health.result import CheckResult, FaultAction, Suite, worst
 from unbroken.layout import ClusterLayout
 from unbroken.state.phases import DeepHealthStatus, NodeState
-from unbroken.state.sqlite import SqliteStore
-from unbroken.state.store import Store
+from unbroken.state.store import ClusterStore
 
 MAX_PEERS = 2
 """Enough for the pairwise blame to name a slow node (three nodes), cheap enough to run on every join."""
@@ -35,37 +34,35 @@ class Verdict:
     fault_type: str | None = None
 
 
-def connectivity_peers(store: Store, layout: ClusterLayout, cluster: ClusterConfig, me: str) -> tuple[Peer, ...]:
-    busy = {w.node for w in store.list_workers(active=True)}
+def connectivity_peers(store: ClusterStore, layout: ClusterLayout, cluster: ClusterConfig, me: str, busy: Set[str]) -> tuple[Peer, ...]:
     ready = [n for n in store.list_nodes() if n.name != me and n.state is NodeState.SCHEDULABLE
              and n.deep_health is DeepHealthStatus.PASSED]
     ready.sort(key=lambda n: (n.name in busy, n.name))
     return tuple(targets.peer(layout, cluster, n) for n in ready[:MAX_PEERS])
 
 
-def run_suite(suite: str, node: str, node_dir: Path) -> Verdict:
-    layout = ClusterLayout.of_node_dir(node_dir)
-    store = SqliteStore(layout.state_db)
-    cluster = ClusterConfig.model_validate_json(store.cluster_json())
+def run_suite(suite: str, node: str, *, store: ClusterStore, jobs_on: events.JobsOn, layout: ClusterLayout,
+              cluster: ClusterConfig, busy: Set[str] = frozenset()) -> Verdict:
+    """Run ``suite`` for the joining ``node``; ``busy`` nodes (running a job) are the last picked as peers."""
     me = store.get_node(node)
     peers: tuple[Peer, ...] = ()
     if suite == Suite.INSTANCE_CONNECTIVITY.value:
-        peers = (targets.peer(layout, cluster, me), *connectivity_peers(store, layout, cluster, node))
+        peers = (targets.peer(layout, cluster, me), *connectivity_peers(store, layout, cluster, node, busy))
     ctx = targets.context(layout, cluster, me, peers=peers)
     results = runner.run_suite(catalogue.for_suite(Suite(suite), cluster.Health), ctx, Suite(suite))
     for result in results:
         events.record(store, result)
-    return verdict(store, node, results)
+    return verdict(store, jobs_on, node, results)
 
 
-def verdict(store: Store, node: str, results: list[CheckResult]) -> Verdict:
+def verdict(store: ClusterStore, jobs_on: events.JobsOn, node: str, results: list[CheckResult]) -> Verdict:
     mine: list[CheckResult] = []
     for result in results:
         if not result.failed or result.action is FaultAction.NONE:
             continue
         if result.faulty_nodes and node not in result.faulty_nodes:
             for other in result.faulty_nodes:  # the sweep blamed a peer, not us
-                events.apply_fault(store, other, result.action, f"{result.check}: {result.message}", source=result.check)
+                events.apply_fault(store, jobs_on, other, result.action, f"{result.check}: {result.message}", source=result.check)
             continue
         mine.append(result)
     if not mine:

@@ -10,17 +10,17 @@ fault with a node action moves the node through the state machine
 from __future__ import annotations
 
 import logging
-import sqlite3
 import threading
 
 from unbroken.config.cluster import ClusterConfig
+from unbroken.errors import StoreUnavailable
 from unbroken.health import catalogue, events, runner, targets
 from unbroken.health.kernel_log.sources import LineSource, open_source
 from unbroken.health.kernel_log.watch import Finding, KernelLogWatch
 from unbroken.health.result import CheckResult, FaultAction, Status, Suite
 from unbroken.layout import ClusterLayout
 from unbroken.state.phases import NodeState
-from unbroken.state.sqlite import SqliteStore
+from unbroken.state.store import ClusterStore
 
 log = logging.getLogger("unbroken.health.monitor")
 
@@ -41,8 +41,9 @@ def finding_result(node: str, finding: Finding) -> CheckResult:
 
 
 class HealthMonitor:
-    def __init__(self, layout: ClusterLayout, node: str, cluster: ClusterConfig, stopping: threading.Event) -> None:
-        self.layout, self.node, self.cluster, self.stopping = layout, node, cluster, stopping
+    def __init__(self, store: ClusterStore, jobs_on: events.JobsOn, layout: ClusterLayout, node: str, cluster: ClusterConfig,
+                 stopping: threading.Event) -> None:
+        self.store, self.jobs_on, self.layout, self.node, self.cluster, self.stopping = store, jobs_on, layout, node, cluster, stopping
         self.settings = cluster.Health
         # Opened now, in the agent's start-up: the source starts at "now" and later lines are ours.
         self.source: LineSource = open_source(self.settings.KernelLogSource, layout.kernel_log(node))
@@ -54,25 +55,25 @@ class HealthMonitor:
         threading.Thread(target=self._periodic_loop, name="continuous-checks", daemon=True).start()
 
     def _kernel_log_loop(self) -> None:
-        store = SqliteStore(self.layout.state_db)
+        store = self.store
         try:
             while not self.stopping.wait(POLL_SECONDS):
                 try:
                     for line in self.source.read():
                         for finding in self.watch.push(line):
                             self.handle(store, finding)
-                except sqlite3.Error:
+                except StoreUnavailable:
                     log.exception("kernel-log monitor pass failed; retrying", extra={"node": self.node})
         finally:
             self.source.close()
 
-    def handle(self, store: SqliteStore, finding: Finding) -> None:
+    def handle(self, store: ClusterStore, finding: Finding) -> None:
         events.record(store, finding_result(self.node, finding))
         if finding.action is not FaultAction.NONE:
-            events.apply_fault(store, self.node, finding.action, finding.reason, source=finding.check)
+            events.apply_fault(store, self.jobs_on, self.node, finding.action, finding.reason, source=finding.check)
 
     def _periodic_loop(self) -> None:
-        store = SqliteStore(self.layout.state_db)
+        store = self.store
         interval = self.settings.MonitorIntervalSeconds
         while not self.stopping.wait(interval):
             try:
@@ -84,10 +85,10 @@ class HealthMonitor:
                     if self.stopping.is_set():
                         return
                     self.report(store, runner.run_check(spec, ctx, Suite.CONTINUOUS))
-            except sqlite3.Error:
+            except StoreUnavailable:
                 log.exception("continuous checks pass failed; retrying", extra={"node": self.node})
 
-    def report(self, store: SqliteStore, result: CheckResult) -> None:
+    def report(self, store: ClusterStore, result: CheckResult) -> None:
         """Every run is logged; only failures and changes become events (no event flood every interval)."""
         previous = self._last.get(result.check)
         self._last[result.check] = result.status
@@ -96,10 +97,10 @@ class HealthMonitor:
         else:
             events.log_result(result)
         if result.failed and result.action is not FaultAction.NONE:
-            events.apply_fault(store, self.node, result.action, f"{result.check}: {result.message}", source=result.check)
+            events.apply_fault(store, self.jobs_on, self.node, result.action, f"{result.check}: {result.message}", source=result.check)
 
 
-def detected_within(store: SqliteStore, node: str, since: float) -> float | None:
+def detected_within(store: ClusterStore, node: str, since: float) -> float | None:
     """Seconds from ``since`` to the node's first fault event after it (for measurements)."""
     for event in store.list_events(object_kind="Node", object_name=node):
         if event.ts >= since and event.reason in ("FaultyInstance", "RebootRequired"):

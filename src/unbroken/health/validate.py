@@ -7,15 +7,10 @@ end-to-end training job all pass (Skip counts as pass: not applicable here).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from unbroken import jobs
-from unbroken.config.job import JobSpec
 from unbroken.health.result import CheckResult, Status
-from unbroken.state.phases import JobPhase
-from unbroken.state.store import Store
 
 FAMILIES = ("devices", "stress", "storage", "network", "collective", "training")
 
@@ -58,34 +53,6 @@ def tabulate(nodes: list[str], results: list[CheckResult], training: dict[str, t
             if status is Status.FAIL:
                 verdicts[node].notes.append(f"training: {note}")
     return [verdicts[n] for n in nodes]
-
-
-def training_job(store: Store, nodes: list[str], *, steps: int, timeout: float, base_dir: str) -> dict[str, tuple[Status, str]]:
-    """Run the shipped MLP workload across ``nodes`` (one rank each) and report per node."""
-    name = f"validate-{int(time.time())}"
-    spec = JobSpec.model_validate({"name": name, "nodes": len(nodes), "procs_per_node": 1,
-                                   "command": ["-m", "unbroken.workloads.mlp", "--steps", str(steps)],
-                                   "resilience": {"auto_resume": False}}, context={"base_dir": base_dir})
-    jobs.submit(store, spec, note="unbroken validate")
-    deadline = time.monotonic() + timeout
-    job = store.get_job(name)
-    while not job.phase.is_terminal and time.monotonic() < deadline:
-        time.sleep(0.5)
-        job = store.get_job(name)
-    if not job.phase.is_terminal:
-        store.update_job(name, cancel_requested=True)
-        return {n: (Status.FAIL, f"job {name} did not finish within {timeout:g} s ({job.phase.value})") for n in nodes}
-    ran = {w.node: w for w in store.list_workers(job=name, attempt=job.attempt)}
-    out: dict[str, tuple[Status, str]] = {}
-    for node in nodes:
-        worker = ran.get(node)
-        if job.phase is JobPhase.SUCCEEDED and worker is not None:
-            out[node] = (Status.PASS, f"{steps} steps")
-        elif worker is None:
-            out[node] = (Status.SKIP, f"not placed ({job.reason})")
-        else:
-            out[node] = (Status.FAIL, worker.message or job.reason or job.phase.value)
-    return out
 
 
 def to_json(verdicts: list[NodeVerdict]) -> list[dict[str, Any]]:

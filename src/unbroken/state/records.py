@@ -1,4 +1,11 @@
-"""Typed rows of the store. Field names are the column names."""
+"""Typed records of the stores. Field names are the column names of the local (SQLite) store.
+
+``version`` on nodes and jobs plays the part of Kubernetes' ``resourceVersion``:
+every write bumps it, and a conditional write (``expect_version=``) of a record
+someone changed since it was read raises ``StaleUpdate``. Heartbeats and rank
+progress are not part of these records' versions (they are lease renewals), so a
+busy node never makes the controller's conditional writes stale.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,7 @@ from typing import TYPE_CHECKING
 from unbroken.state.phases import DeepHealthStatus, JobPhase, NodeState, WorkerPhase
 
 if TYPE_CHECKING:
+    from unbroken.config.cluster import ClusterConfig
     from unbroken.config.job import JobSpec
 
 
@@ -24,6 +32,28 @@ class EventType(StrEnum):
     WARNING = "Warning"
 
 
+class ClusterStatus(StrEnum):
+    UP = "Up"
+    STOPPING = "Stopping"
+    """``cluster down`` is under way: nothing may start a node or a worker (the fence)."""
+    DOWN = "Down"
+
+
+@dataclass(frozen=True)
+class ClusterRecord:
+    """The cluster object: its configuration (the cluster file, validated) and whether it is up."""
+
+    name: str
+    config_json: str
+    status: ClusterStatus
+    created_at: float
+
+    def config(self) -> "ClusterConfig":
+        from unbroken.config.cluster import ClusterConfig
+
+        return ClusterConfig.model_validate_json(self.config_json)
+
+
 @dataclass(frozen=True)
 class Node:
     name: str
@@ -36,12 +66,14 @@ class Node:
     fault_reason: str | None = None
     agent_pid: int | None = None
     heartbeat_at: float | None = None
+    """The node's lease: when its agent last renewed it (read only; ``renew_lease`` writes it)."""
     registered_at: float | None = None
     state_changed_at: float = 0.0
     reboots: int = 0
     replaced_by: str | None = None
     recovery_requested: bool = False
     """An operator asked for this node's reboot/replacement: carried out even with NodeRecovery None."""
+    version: int = 0
 
 
 @dataclass(frozen=True)
@@ -64,6 +96,10 @@ class Job:
     ended_at: float | None = None
     phase_changed_at: float = 0.0
     cancel_requested: bool = False
+    nodes: tuple[str, ...] = ()
+    """Where the current attempt was placed: written with the decision, before the backend
+    launches it, so a controller killed in between launches the same placement again."""
+    version: int = 0
 
     def spec(self) -> "JobSpec":
         from unbroken.config.job import JobSpec
@@ -95,6 +131,23 @@ class Worker:
     """Oldest of the node's ranks' latest progress: a single stuck rank shows here."""
     restored_step: int | None = None
     ranks: tuple[RankInfo, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class WorkerProgress:
+    """What a node agent reports of one of its workers with its lease renewal.
+
+    Local: the worker row's progress columns; Kubernetes: an annotation on the node's Lease.
+    """
+
+    job: str
+    attempt: int
+    ranks: tuple[RankInfo, ...] = ()
+    first_step: int | None = None
+    first_progress_at: float | None = None
+    last_step: int | None = None
+    last_progress_at: float | None = None
+    restored_step: int | None = None
 
 
 @dataclass(frozen=True)

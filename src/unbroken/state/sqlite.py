@@ -1,9 +1,11 @@
-"""SQLite implementation of the Store, safe for many processes at once.
+"""The local backend's state: one SQLite file that is the ClusterStore, the CheckpointCatalog
+and the WorkerTable at once, safe for many processes.
 
 WAL mode lets readers (CLI, agents) run while the controller writes; every
 write is one ``BEGIN IMMEDIATE`` transaction so two writers never interleave
 half-updates. ``synchronous=NORMAL`` in WAL mode survives any process being
 killed (the chaos we inject); only an OS crash can lose the last commits.
+Connections are per thread, so one ``SqliteStore`` serves every thread of a process.
 """
 
 from __future__ import annotations
@@ -13,25 +15,26 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, TypeVar, get_type_hints
+from typing import Any, ParamSpec, TypeVar, get_type_hints
 
-from unbroken.errors import ConflictError, NotFoundError, StoreError
+from unbroken.errors import ConflictError, NotFoundError, StoreError, StoreUnavailable
 from unbroken.state.phases import (
     JOB_TRANSITIONS,
     NODE_TRANSITIONS,
     WORKER_TRANSITIONS,
-    JobPhase,
-    NodeState,
     WorkerPhase,
     check_transition,
 )
 from unbroken.state.records import (
     CheckpointStep,
     CheckpointTier,
+    ClusterRecord,
+    ClusterStatus,
     Event,
     EventType,
     Job,
@@ -39,27 +42,33 @@ from unbroken.state.records import (
     RankInfo,
     ShardCopy,
     Worker,
+    WorkerProgress,
 )
 from unbroken.state.store import StaleUpdate
+from unbroken.state.updates import JobUpdate, NodeUpdate, WorkerUpdate
 
 __all__ = ["SCHEMA_VERSION", "SqliteStore", "StaleUpdate"]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS cluster (
+    id INTEGER PRIMARY KEY CHECK (id = 1), name TEXT NOT NULL, config_json TEXT NOT NULL,
+    status TEXT NOT NULL, created_at REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS nodes (
     name TEXT PRIMARY KEY, "group" TEXT NOT NULL, instance_type TEXT NOT NULL,
     state TEXT NOT NULL, deep_health TEXT NOT NULL, address TEXT NOT NULL,
-    fault_type TEXT, fault_reason TEXT, agent_pid INTEGER, heartbeat_at REAL,
+    fault_type TEXT, fault_reason TEXT, agent_pid INTEGER,
     registered_at REAL, state_changed_at REAL NOT NULL, reboots INTEGER NOT NULL,
-    replaced_by TEXT, recovery_requested INTEGER NOT NULL
+    replaced_by TEXT, recovery_requested INTEGER NOT NULL, version INTEGER NOT NULL DEFAULT 0
 );
+CREATE TABLE IF NOT EXISTS leases (node TEXT PRIMARY KEY, renewed_at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS jobs (
     name TEXT PRIMARY KEY, spec_json TEXT NOT NULL, phase TEXT NOT NULL,
     attempt INTEGER NOT NULL, reason TEXT, created_at REAL NOT NULL,
     started_at REAL, ended_at REAL, phase_changed_at REAL NOT NULL,
-    cancel_requested INTEGER NOT NULL
+    cancel_requested INTEGER NOT NULL, nodes TEXT NOT NULL DEFAULT '[]', version INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS workers (
     id INTEGER PRIMARY KEY AUTOINCREMENT, job TEXT NOT NULL REFERENCES jobs(name),
@@ -89,13 +98,48 @@ CREATE TABLE IF NOT EXISTS checkpoint_steps (
     updated_at REAL NOT NULL, committed_at REAL, message TEXT,
     PRIMARY KEY (job, step, tier)
 );
+CREATE TABLE IF NOT EXISTS shard_servers (node TEXT PRIMARY KEY, address TEXT NOT NULL);
 """
 
+# v2 kept the cluster, its status and the shard servers in a key-value table, heartbeats on
+# the node rows, and no versions. Moving a v2 file forward keeps every row.
+_FROM_V2 = """
+INSERT OR IGNORE INTO cluster (id, name, config_json, status, created_at)
+    SELECT 1, json_extract(c.value, '$.ClusterName'), c.value,
+           CASE (SELECT value FROM meta WHERE key = 'status') WHEN 'up' THEN 'Up' ELSE 'Down' END, 0
+    FROM meta c WHERE c.key = 'cluster';
+INSERT OR IGNORE INTO shard_servers (node, address)
+    SELECT substr(key, length('ckpt-endpoint/') + 1), value FROM meta WHERE key LIKE 'ckpt-endpoint/%';
+INSERT OR IGNORE INTO leases (node, renewed_at) SELECT name, heartbeat_at FROM nodes WHERE heartbeat_at IS NOT NULL;
+ALTER TABLE nodes DROP COLUMN heartbeat_at;
+ALTER TABLE nodes ADD COLUMN version INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE jobs ADD COLUMN nodes TEXT NOT NULL DEFAULT '[]';
+ALTER TABLE jobs ADD COLUMN version INTEGER NOT NULL DEFAULT 0;
+DROP TABLE meta;
+"""
+
+_NODES = "SELECT nodes.*, leases.renewed_at AS heartbeat_at FROM nodes LEFT JOIN leases ON leases.node = nodes.name"
+
 R = TypeVar("R")
+P = ParamSpec("P")
+
+
+def _store_call(method: Callable[P, R]) -> Callable[P, R]:
+    """SQLite's operational errors (a lock held past the timeout, an I/O error) become
+    :class:`StoreUnavailable`, the retryable error every store raises for a hiccup."""
+
+    @functools.wraps(method)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return method(*args, **kwargs)
+        except sqlite3.OperationalError as exc:
+            raise StoreUnavailable(f"state store busy or unreadable: {exc}") from exc
+
+    return call
 
 
 class SqliteStore:
-    """The local backend's store: ``<cluster dir>/state.db``."""
+    """``<cluster dir>/state.db``."""
 
     def __init__(self, path: Path, *, create: bool = False) -> None:
         self.path = path
@@ -104,15 +148,16 @@ class SqliteStore:
         self._local = threading.local()
         conn = self._conn()
         version = conn.execute("PRAGMA user_version").fetchone()[0]
-        if version < SCHEMA_VERSION:
-            # Every statement is CREATE ... IF NOT EXISTS, so running the schema on an
-            # older database adds what is new (v2: the checkpoint tables) and keeps the rest.
-            with self.transaction():
-                for statement in filter(str.strip, _SCHEMA.split(";")):
-                    conn.execute(statement)
-                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-        elif version > SCHEMA_VERSION:
+        if version > SCHEMA_VERSION:
             raise StoreError(f"{path}: schema version {version} is newer than this unbroken ({SCHEMA_VERSION}); upgrade unbroken")
+        if version < SCHEMA_VERSION:
+            with self._transaction():
+                for statement in _statements(_SCHEMA):
+                    conn.execute(statement)
+                if version == 2:
+                    for statement in _statements(_FROM_V2):
+                        conn.execute(statement)
+                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     # -- connection and transactions -------------------------------------------------
 
@@ -126,31 +171,20 @@ class SqliteStore:
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.execute("PRAGMA foreign_keys=ON")
             self._local.conn = conn
-            self._local.depth = 0
         return conn
 
     @contextmanager
-    def transaction(self) -> Iterator[None]:
-        """One atomic unit of writes; nests (inner blocks join the outer transaction)."""
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """One write: BEGIN IMMEDIATE takes the write lock up front, so a read-then-write
+        inside it (a version check, an insert-if-absent) cannot interleave with another writer."""
         conn = self._conn()
-        if self._local.depth:
-            self._local.depth += 1
-            try:
-                yield
-            finally:
-                self._local.depth -= 1
-            return
         conn.execute("BEGIN IMMEDIATE")
-        self._local.depth = 1
         try:
-            yield
+            yield conn
         except BaseException:
             conn.execute("ROLLBACK")
             raise
-        else:
-            conn.execute("COMMIT")
-        finally:
-            self._local.depth = 0
+        conn.execute("COMMIT")
 
     def close(self) -> None:
         conn = getattr(self._local, "conn", None)
@@ -158,115 +192,140 @@ class SqliteStore:
             conn.close()
             self._local.conn = None
 
-    # -- cluster --------------------------------------------------------------------
+    # -- the cluster object -------------------------------------------------------------
 
-    def save_cluster(self, config_json: str) -> None:
-        with self.transaction():
-            self._conn().execute("INSERT OR REPLACE INTO meta VALUES ('cluster', ?)", (config_json,))
+    @_store_call
+    def create_cluster(self, name: str, config_json: str) -> ClusterRecord:
+        """The one cluster of this file (what ``cluster up`` writes first), status Up."""
+        record = ClusterRecord(name=name, config_json=config_json, status=ClusterStatus.UP, created_at=time.time())
+        with self._transaction() as conn:
+            conn.execute("INSERT OR REPLACE INTO cluster VALUES (1, ?, ?, ?, ?)",
+                         (record.name, record.config_json, record.status.value, record.created_at))
+        return record
 
-    def cluster_json(self) -> str:
-        row = self._conn().execute("SELECT value FROM meta WHERE key='cluster'").fetchone()
+    @_store_call
+    def cluster(self) -> ClusterRecord:
+        row = self._conn().execute("SELECT name, config_json, status, created_at FROM cluster WHERE id = 1").fetchone()
         if row is None:
             raise StoreError(f"{self.path}: holds no cluster configuration")
-        return row[0]
+        return _decode(ClusterRecord, row)
 
-    def get_meta(self, key: str) -> str | None:
-        row = self._conn().execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
-        return row[0] if row else None
-
-    def set_meta(self, key: str, value: str) -> None:
-        with self.transaction():
-            self._conn().execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
-
-    def allocate_node_index(self) -> int:
-        with self.transaction():
-            conn = self._conn()
-            row = conn.execute("SELECT value FROM meta WHERE key='next_node_index'").fetchone()
-            index = int(row[0]) if row else 1
-            conn.execute("INSERT OR REPLACE INTO meta VALUES ('next_node_index', ?)", (str(index + 1),))
-            return index
+    @_store_call
+    def set_cluster_status(self, status: ClusterStatus) -> None:
+        with self._transaction() as conn:
+            conn.execute("UPDATE cluster SET status = ? WHERE id = 1", (status.value,))
 
     # -- nodes ----------------------------------------------------------------------
 
+    @_store_call
     def add_node(self, node: Node) -> None:
-        self._insert("nodes", node, conflict=f"node {node.name} already exists")
+        row = _encode(node)
+        row.pop("heartbeat_at")
+        self._insert("nodes", row, conflict=f"node {node.name} already exists")
 
+    @_store_call
     def get_node(self, name: str) -> Node:
-        return self._get("nodes", Node, name, "node")
+        row = self._conn().execute(f"{_NODES} WHERE nodes.name = ?", (name,)).fetchone()
+        if row is None:
+            raise NotFoundError(f"node {name} not found")
+        return _decode(Node, row)
 
+    @_store_call
     def list_nodes(self) -> list[Node]:
-        rows = self._conn().execute("SELECT * FROM nodes ORDER BY length(name), name").fetchall()
+        rows = self._conn().execute(f"{_NODES} ORDER BY length(nodes.name), nodes.name").fetchall()
         return [_decode(Node, r) for r in rows]
 
-    def update_node(self, name: str, *, expect_state: NodeState | None = None, **changes: Any) -> Node:
-        with self.transaction():
+    @_store_call
+    def update_node(self, name: str, update: NodeUpdate, *, expect_version: int | None = None) -> Node:
+        changes = update.changes()
+        with self._transaction() as conn:
             current = self.get_node(name)
-            if expect_state is not None and current.state != expect_state:
-                raise StaleUpdate(f"node {name} is {current.state.value}, expected {expect_state.value}")
+            _check_version(f"node {name}", current.version, expect_version)
             if "state" in changes:
                 check_transition(f"node {name}", NODE_TRANSITIONS, current.state, changes["state"])
                 if changes["state"] != current.state:
-                    changes.setdefault("state_changed_at", time.time())
-            return self._update("nodes", Node, "name", name, changes)
+                    changes["state_changed_at"] = time.time()
+            _update(conn, "nodes", "name", name, {**changes, "version": current.version + 1})
+        return self.get_node(name)
+
+    @_store_call
+    def renew_lease(self, node: str, *, at: float, progress: Sequence[WorkerProgress] = ()) -> None:
+        live = [p.value for p in WorkerPhase if not p.is_terminal]
+        with self._transaction() as conn:
+            conn.execute("INSERT OR REPLACE INTO leases VALUES (?, ?)", (node, at))
+            for report in progress:
+                values = {k: v for k, v in _encode(report).items() if k not in ("job", "attempt") and v is not None}
+                if not values:
+                    continue
+                assignments = ", ".join(f"{_quote(c)} = ?" for c in values)
+                conn.execute(
+                    f"UPDATE workers SET {assignments} WHERE job = ? AND attempt = ? AND node = ? "
+                    f"AND phase IN ({', '.join('?' for _ in live)})",
+                    (*values.values(), report.job, report.attempt, node, *live),
+                )
 
     # -- jobs -----------------------------------------------------------------------
 
+    @_store_call
     def add_job(self, job: Job) -> None:
-        self._insert("jobs", job, conflict=f"job {job.name} already exists")
+        self._insert("jobs", _encode(job), conflict=f"job {job.name} already exists")
 
+    @_store_call
     def get_job(self, name: str) -> Job:
         return self._get("jobs", Job, name, "job")
 
+    @_store_call
     def list_jobs(self) -> list[Job]:
         rows = self._conn().execute("SELECT * FROM jobs ORDER BY created_at").fetchall()
         return [_decode(Job, r) for r in rows]
 
-    def update_job(self, name: str, *, expect_phase: JobPhase | None = None, **changes: Any) -> Job:
-        with self.transaction():
+    @_store_call
+    def update_job(self, name: str, update: JobUpdate, *, expect_version: int | None = None) -> Job:
+        changes = update.changes()
+        with self._transaction() as conn:
             current = self.get_job(name)
-            if expect_phase is not None and current.phase != expect_phase:
-                raise StaleUpdate(f"job {name} is {current.phase.value}, expected {expect_phase.value}")
+            _check_version(f"job {name}", current.version, expect_version)
             if "phase" in changes:
                 check_transition(f"job {name}", JOB_TRANSITIONS, current.phase, changes["phase"])
                 if changes["phase"] != current.phase:
-                    changes.setdefault("phase_changed_at", time.time())
-            return self._update("jobs", Job, "name", name, changes)
+                    changes["phase_changed_at"] = time.time()
+            _update(conn, "jobs", "name", name, {**changes, "version": current.version + 1})
+        return self.get_job(name)
 
-    # -- workers --------------------------------------------------------------------
+    # -- workers (the local backend's) ----------------------------------------------
 
-    def add_worker(self, worker: Worker) -> Worker:
-        with self.transaction():
-            row = _encode(dataclasses.replace(worker, created_at=worker.created_at or time.time()))
-            row.pop("id")
-            cur = self._conn().execute(
-                f"INSERT INTO workers ({', '.join(row)}) VALUES ({', '.join('?' for _ in row)})",
-                tuple(row.values()),
-            )
-            return self._get_worker(int(cur.lastrowid or 0))
+    @_store_call
+    def add_workers(self, workers: Sequence[Worker]) -> list[Worker]:
+        ids = []
+        with self._transaction() as conn:
+            for worker in workers:
+                row = _encode(dataclasses.replace(worker, created_at=worker.created_at or time.time()))
+                row.pop("id")
+                cur = conn.execute(f"INSERT INTO workers ({', '.join(row)}) VALUES ({', '.join('?' for _ in row)})",
+                                   tuple(row.values()))
+                ids.append(int(cur.lastrowid or 0))
+        return [self._get_worker(i) for i in ids]
 
     def list_workers(
         self, *, job: str | None = None, node: str | None = None, attempt: int | None = None, active: bool = False
     ) -> list[Worker]:
-        clauses: list[str] = []
-        params: list[Any] = []
-        for column, value in (("job", job), ("node", node), ("attempt", attempt)):
-            if value is not None:
-                clauses.append(f"{column} = ?")
-                params.append(value)
+        where, params = _where(job=job, node=node, attempt=attempt)
         if active:
             live = [p.value for p in WorkerPhase if not p.is_terminal]
-            clauses.append(f"phase IN ({', '.join('?' for _ in live)})")
+            where = " AND ".join(filter(None, [where, f"phase IN ({', '.join('?' for _ in live)})"]))
             params.extend(live)
-        where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
-        rows = self._conn().execute(f"SELECT * FROM workers {where} ORDER BY id", params).fetchall()
+        rows = self._conn().execute(f"SELECT * FROM workers {'WHERE ' + where if where else ''} ORDER BY id", params).fetchall()
         return [_decode(Worker, r) for r in rows]
 
-    def update_worker(self, worker_id: int, **changes: Any) -> Worker:
-        with self.transaction():
+    @_store_call
+    def update_worker(self, worker_id: int, update: WorkerUpdate) -> Worker:
+        changes = update.changes()
+        with self._transaction() as conn:
             current = self._get_worker(worker_id)
             if "phase" in changes:
                 check_transition(f"worker {worker_id}", WORKER_TRANSITIONS, current.phase, changes["phase"])
-            return self._update("workers", Worker, "id", worker_id, changes)
+            _update(conn, "workers", "id", worker_id, changes)
+        return self._get_worker(worker_id)
 
     def _get_worker(self, worker_id: int) -> Worker:
         return self._get("workers", Worker, worker_id, "worker", key="id")
@@ -277,74 +336,95 @@ class SqliteStore:
         self, object_kind: str, object_name: str, reason: str, message: str, *, type: EventType = EventType.NORMAL
     ) -> Event:
         event = Event(ts=time.time(), object_kind=object_kind, object_name=object_name, type=type, reason=reason, message=message)
-        with self.transaction():
-            row = _encode(event)
-            row.pop("id")
-            cur = self._conn().execute(
-                f"INSERT INTO events ({', '.join(row)}) VALUES ({', '.join('?' for _ in row)})", tuple(row.values())
-            )
+        row = _encode(event)
+        row.pop("id")
+        with self._transaction() as conn:
+            cur = conn.execute(f"INSERT INTO events ({', '.join(row)}) VALUES ({', '.join('?' for _ in row)})", tuple(row.values()))
         return dataclasses.replace(event, id=int(cur.lastrowid or 0))
 
     def list_events(
         self, *, object_kind: str | None = None, object_name: str | None = None, reason: str | None = None
     ) -> list[Event]:
-        clauses, params = [], []
-        for column, value in (("object_kind", object_kind), ("object_name", object_name), ("reason", reason)):
-            if value is not None:
-                clauses.append(f"{column} = ?")
-                params.append(value)
-        where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
-        rows = self._conn().execute(f"SELECT * FROM events {where} ORDER BY id", params).fetchall()
+        where, params = _where(object_kind=object_kind, object_name=object_name, reason=reason)
+        rows = self._conn().execute(f"SELECT * FROM events {'WHERE ' + where if where else ''} ORDER BY id", params).fetchall()
         return [_decode(Event, r) for r in rows]
 
-    # -- checkpoints ----------------------------------------------------------------
+    # -- the checkpoint catalog -----------------------------------------------------
 
+    @_store_call
     def put_shard_copy(self, copy: ShardCopy) -> None:
         row = _encode(copy)
-        with self.transaction():
-            self._conn().execute(
+        with self._transaction() as conn:
+            conn.execute(
                 f'INSERT OR REPLACE INTO shard_copies ({", ".join(_quote(c) for c in row)}) VALUES ({", ".join("?" for _ in row)})',
                 tuple(row.values()),
             )
 
+    @_store_call
     def list_shard_copies(self, job: str, *, step: int | None = None, tier: CheckpointTier | None = None) -> list[ShardCopy]:
         where, params = _where(job=job, step=step, tier=tier)
         rows = self._conn().execute(f"SELECT * FROM shard_copies WHERE {where} ORDER BY step DESC, rank, tier, node", params).fetchall()
         return [_decode(ShardCopy, r) for r in rows]
 
-    def delete_shard_copies(self, job: str, step: int, *, tier: CheckpointTier | None = None, node: str | None = None) -> None:
-        where, params = _where(job=job, step=step, tier=tier, node=node)
-        with self.transaction():
-            self._conn().execute(f"DELETE FROM shard_copies WHERE {where}", params)
+    @_store_call
+    def delete_shard_copies(self, job: str, step: int, *, tier: CheckpointTier | None = None, node: str | None = None,
+                            rank: int | None = None) -> None:
+        where, params = _where(job=job, step=step, tier=tier, node=node, rank=rank)
+        with self._transaction() as conn:
+            conn.execute(f"DELETE FROM shard_copies WHERE {where}", params)
 
+    @_store_call
     def put_checkpoint_step(self, record: CheckpointStep, *, only_if_absent: bool = False) -> bool:
-        """Write a step's row in one tier; with ``only_if_absent``, False if someone wrote it first."""
         row = _encode(record)
         verb = "INSERT OR IGNORE" if only_if_absent else "INSERT OR REPLACE"
-        with self.transaction():
-            cursor = self._conn().execute(
+        with self._transaction() as conn:
+            cursor = conn.execute(
                 f'{verb} INTO checkpoint_steps ({", ".join(_quote(c) for c in row)}) VALUES ({", ".join("?" for _ in row)})',
                 tuple(row.values()),
             )
         return cursor.rowcount > 0
 
+    @_store_call
+    def replace_checkpoint_step(self, current: CheckpointStep, new: CheckpointStep | None) -> bool:
+        with self._transaction() as conn:
+            stored = conn.execute("SELECT * FROM checkpoint_steps WHERE job = ? AND step = ? AND tier = ?",
+                                  (current.job, current.step, current.tier.value)).fetchone()
+            if stored is None or _decode(CheckpointStep, stored) != current:
+                return False
+            conn.execute("DELETE FROM checkpoint_steps WHERE job = ? AND step = ? AND tier = ?",
+                         (current.job, current.step, current.tier.value))
+            if new is not None:
+                row = _encode(new)
+                conn.execute(f'INSERT INTO checkpoint_steps ({", ".join(_quote(c) for c in row)}) VALUES ({", ".join("?" for _ in row)})',
+                             tuple(row.values()))
+        return True
+
+    @_store_call
     def list_checkpoint_steps(self, job: str, *, tier: CheckpointTier | None = None) -> list[CheckpointStep]:
-        """Newest first."""
         where, params = _where(job=job, tier=tier)
         rows = self._conn().execute(f"SELECT * FROM checkpoint_steps WHERE {where} ORDER BY step DESC, tier", params).fetchall()
         return [_decode(CheckpointStep, r) for r in rows]
 
+    @_store_call
     def delete_checkpoint_step(self, job: str, step: int, tier: CheckpointTier) -> None:
-        with self.transaction():
-            self._conn().execute("DELETE FROM checkpoint_steps WHERE job = ? AND step = ? AND tier = ?", (job, step, tier.value))
+        with self._transaction() as conn:
+            conn.execute("DELETE FROM checkpoint_steps WHERE job = ? AND step = ? AND tier = ?", (job, step, tier.value))
+
+    @_store_call
+    def set_shard_server(self, node: str, address: str) -> None:
+        with self._transaction() as conn:
+            conn.execute("INSERT OR REPLACE INTO shard_servers VALUES (?, ?)", (node, address))
+
+    @_store_call
+    def shard_servers(self) -> dict[str, str]:
+        return {row["node"]: row["address"] for row in self._conn().execute("SELECT node, address FROM shard_servers")}
 
     # -- generic row plumbing -------------------------------------------------------
 
-    def _insert(self, table: str, record: Any, *, conflict: str) -> None:
-        row = _encode(record)
+    def _insert(self, table: str, row: dict[str, Any], *, conflict: str) -> None:
         try:
-            with self.transaction():
-                self._conn().execute(
+            with self._transaction() as conn:
+                conn.execute(
                     f'INSERT INTO {table} ({", ".join(_quote(c) for c in row)}) VALUES ({", ".join("?" for _ in row)})',
                     tuple(row.values()),
                 )
@@ -357,18 +437,22 @@ class SqliteStore:
             raise NotFoundError(f"{what} {value} not found")
         return _decode(cls, row)
 
-    def _update(self, table: str, cls: type[R], key: str, value: Any, changes: dict[str, Any]) -> R:
-        if changes:
-            names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-            unknown = set(changes) - names
-            if unknown:
-                raise TypeError(f"{cls.__name__} has no fields {sorted(unknown)}")
-            encoded = {k: _encode_value(v) for k, v in changes.items()}
-            assignments = ", ".join(f"{_quote(c)} = ?" for c in encoded)
-            self._conn().execute(
-                f"UPDATE {table} SET {assignments} WHERE {key} = ?", (*encoded.values(), value)
-            )
-        return self._get(table, cls, value, table[:-1], key=key)
+
+def _statements(script: str) -> list[str]:
+    return [s for s in (part.strip() for part in script.split(";")) if s]
+
+
+def _check_version(what: str, current: int, expected: int | None) -> None:
+    if expected is not None and current != expected:
+        raise StaleUpdate(f"{what} changed since it was read (version {current}, expected {expected})")
+
+
+def _update(conn: sqlite3.Connection, table: str, key: str, value: Any, changes: dict[str, Any]) -> None:
+    if not changes:
+        return
+    encoded = {k: _encode_value(v) for k, v in changes.items()}
+    assignments = ", ".join(f"{_quote(c)} = ?" for c in encoded)
+    conn.execute(f"UPDATE {table} SET {assignments} WHERE {key} = ?", (*encoded.values(), value))
 
 
 def _where(**equal: Any) -> tuple[str, list[Any]]:
@@ -386,8 +470,8 @@ def _encode_value(value: Any) -> Any:
         return value.value
     if isinstance(value, bool):
         return int(value)
-    if isinstance(value, tuple) and all(isinstance(v, RankInfo) for v in value):
-        return json.dumps([dataclasses.asdict(v) for v in value])
+    if isinstance(value, tuple):
+        return json.dumps([dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for v in value])  # type: ignore[arg-type]
     return value
 
 
@@ -414,6 +498,8 @@ def _decode(cls: type[R], row: sqlite3.Row) -> R:
             values[name] = bool(raw)
         elif name == "ranks":
             values[name] = tuple(RankInfo(**r) for r in json.loads(raw))
+        elif name == "nodes":
+            values[name] = tuple(json.loads(raw))
         else:
             values[name] = raw
     return cls(**values)

@@ -1,54 +1,57 @@
-"""The ``Store`` protocol: the only shared state of controller, agents and CLI.
+"""The ``ClusterStore`` protocol: the control-plane objects every component shares.
+
+Nodes (with their labels: health state, deep-check status, fault type and
+reason), jobs (spec and status), events, and one lease per node. It is shaped
+so that an API server can hold it: every method is one object read or write;
+conditional writes carry the version the writer read (``resourceVersion``);
+there is no transaction spanning objects and no catch-all key-value table.
+High-churn data stays out: a node's heartbeat and its ranks' progress are one
+lease renewal per node per second (``renew_lease``), and checkpoint bookkeeping
+lives in the :class:`~unbroken.state.catalog.CheckpointCatalog`.
 
 Local clusters use :class:`~unbroken.state.sqlite.SqliteStore`; the Kubernetes
-backend implements the same methods over Nodes, PyTorchJobs and Events.
-Every method is atomic on its own; :meth:`Store.transaction` groups several
-into one (the job reconciler's "mark restarting + stop workers + event").
+backend maps the same methods onto Nodes (labels, taints, conditions),
+PyTorchJob/TrainJob annotations and status, Events and coordination.k8s.io Leases.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Protocol
 
 from unbroken.errors import ConflictError
-from unbroken.state.phases import JobPhase, NodeState
-from unbroken.state.records import CheckpointStep, CheckpointTier, Event, EventType, Job, Node, ShardCopy, Worker
+from unbroken.state.records import ClusterRecord, ClusterStatus, Event, EventType, Job, Node, WorkerProgress
+from unbroken.state.updates import JobUpdate, NodeUpdate
 
 
 class StaleUpdate(ConflictError):
-    """An ``expect_*`` guard did not hold: somebody changed the row first. Re-read and retry."""
+    """A conditional write found a newer version than the one the writer read. Re-read and decide again."""
 
 
-class Store(Protocol):
-    def transaction(self) -> AbstractContextManager[None]: ...
-
-    # cluster
-    def save_cluster(self, config_json: str) -> None: ...
-    def cluster_json(self) -> str: ...
-    def allocate_node_index(self) -> int: ...
-    def get_meta(self, key: str) -> str | None: ...
-    def set_meta(self, key: str, value: str) -> None: ...
+class ClusterStore(Protocol):
+    # the cluster object
+    def cluster(self) -> ClusterRecord: ...
+    def set_cluster_status(self, status: ClusterStatus) -> None: ...
 
     # nodes
-    def add_node(self, node: Node) -> None: ...
+    def add_node(self, node: Node) -> None:
+        """Raises ConflictError if a node of that name exists (names are never reused)."""
     def get_node(self, name: str) -> Node: ...
     def list_nodes(self) -> list[Node]: ...
-    def update_node(self, name: str, *, expect_state: NodeState | None = None, **changes: Any) -> Node: ...
+    def update_node(self, name: str, update: NodeUpdate, *, expect_version: int | None = None) -> Node:
+        """Apply ``update`` (state changes checked against the node lifecycle); with
+        ``expect_version``, only if the node is still at that version, else StaleUpdate."""
+
+    def renew_lease(self, node: str, *, at: float, progress: Sequence[WorkerProgress] = ()) -> None:
+        """The node's heartbeat, with its workers' progress since the last renewal: one write.
+        Agents call it at most once a second; it does not change the node's version."""
 
     # jobs
-    def add_job(self, job: Job) -> None: ...
+    def add_job(self, job: Job) -> None:
+        """Raises ConflictError if the name is taken; then nothing is written."""
     def get_job(self, name: str) -> Job: ...
     def list_jobs(self) -> list[Job]: ...
-    def update_job(self, name: str, *, expect_phase: JobPhase | None = None, **changes: Any) -> Job: ...
-
-    # workers
-    def add_worker(self, worker: Worker) -> Worker: ...
-    def list_workers(
-        self, *, job: str | None = None, node: str | None = None, attempt: int | None = None, active: bool = False
-    ) -> list[Worker]:
-        """Oldest first; ``active`` keeps only Pending and Running workers."""
-    def update_worker(self, worker_id: int, **changes: Any) -> Worker: ...
+    def update_job(self, name: str, update: JobUpdate, *, expect_version: int | None = None) -> Job: ...
 
     # events
     def add_event(
@@ -56,12 +59,5 @@ class Store(Protocol):
     ) -> Event: ...
     def list_events(
         self, *, object_kind: str | None = None, object_name: str | None = None, reason: str | None = None
-    ) -> list[Event]: ...
-
-    # checkpoints: where each shard copy is, and each step's state per tier
-    def put_shard_copy(self, copy: ShardCopy) -> None: ...
-    def list_shard_copies(self, job: str, *, step: int | None = None, tier: CheckpointTier | None = None) -> list[ShardCopy]: ...
-    def delete_shard_copies(self, job: str, step: int, *, tier: CheckpointTier | None = None, node: str | None = None) -> None: ...
-    def put_checkpoint_step(self, record: CheckpointStep, *, only_if_absent: bool = False) -> bool: ...
-    def list_checkpoint_steps(self, job: str, *, tier: CheckpointTier | None = None) -> list[CheckpointStep]: ...
-    def delete_checkpoint_step(self, job: str, step: int, tier: CheckpointTier) -> None: ...
+    ) -> list[Event]:
+        """Oldest first."""

@@ -1,0 +1,134 @@
+"""The local backend's worker runner in each agent: what a kubelet is to its pods.
+
+It reads the worker rows of its node (what the controller, through the local
+backend, wants run or stopped), launches and stops ``torchrun`` groups to
+match, and writes back what it sees: Running with a pid, then Succeeded,
+Failed (with the failing rank and its exit code) or Stopped. It keeps only the
+``Popen`` handles of the workers it started: after an agent restart, workers
+it cannot see are stopped and reported lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from unbroken import procs
+from unbroken.agent import launcher
+from unbroken.agent.progress import ProgressBook
+from unbroken.layout import ClusterLayout
+from unbroken.state.phases import WorkerPhase
+from unbroken.state.records import Desired, Worker, WorkerProgress
+from unbroken.state.store import ClusterStore
+from unbroken.state.updates import WorkerUpdate
+from unbroken.state.worker_table import WorkerTable
+
+log = logging.getLogger("unbroken.agent.workers")
+
+
+class WorkerRunner:
+    def __init__(self, node: str, table: WorkerTable, store: ClusterStore, layout: ClusterLayout, book: ProgressBook,
+                 launch_settings: Callable[[], launcher.NodeSettings]) -> None:
+        self.node = node
+        self.table = table
+        self.store = store
+        self.layout = layout
+        self.book = book
+        self.launch_settings = launch_settings
+        """Where this node's ranks find their agent (socket, shard server) and its address, read at launch."""
+        self.running: dict[int, launcher.RunningWorker] = {}
+
+    def reconcile(self) -> None:
+        active = self.table.list_workers(node=self.node, active=True)
+        self._stop_unwanted({w.id for w in active})
+        for worker in active:
+            running = self.running.get(worker.id)
+            if running is None:
+                self._reconcile_unstarted(worker)
+                continue
+            code = running.exited()
+            if code is not None:
+                self._record_exit(worker, running, code)
+            elif worker.desired is Desired.STOP:
+                running.begin_stop()
+                running.continue_stop()
+
+    def stop_orphans(self) -> None:
+        """Workers this node ran before the agent restarted are gone or unmanageable: stop them."""
+        for worker in self.table.list_workers(node=self.node, active=True):
+            if worker.phase is WorkerPhase.RUNNING and worker.pid and procs.alive(worker.pid):
+                procs.terminate_tree(worker.pid, grace=1.0)
+
+    def kill_all(self) -> None:
+        for running in list(self.running.values()):
+            running.kill()
+
+    def _stop_unwanted(self, active_ids: set[int]) -> None:
+        """Stop processes whose worker row was closed by someone else (the controller
+        gave them up as lost): a row that says Stopped must not hide a live process."""
+        for worker_id, running in list(self.running.items()):
+            if worker_id in active_ids:
+                continue
+            if running.exited() is not None:
+                del self.running[worker_id]
+            else:
+                running.begin_stop()
+                running.continue_stop()
+
+    def _reconcile_unstarted(self, worker: Worker) -> None:
+        if worker.desired is Desired.STOP:
+            self.table.update_worker(worker.id, WorkerUpdate(phase=WorkerPhase.STOPPED, ended_at=time.time(),
+                                                             message="stopped before launch"))
+        elif worker.phase is WorkerPhase.PENDING:
+            self._launch(worker)
+        else:  # Running but not ours: launched by a previous incarnation of this agent
+            if worker.pid:
+                procs.terminate_tree(worker.pid, grace=1.0)
+            self.table.update_worker(worker.id, WorkerUpdate(phase=WorkerPhase.STOPPED, ended_at=time.time(),
+                                                             message="lost: node agent restarted"))
+
+    def _launch(self, worker: Worker) -> None:
+        spec = self.store.get_job(worker.job).spec()
+        log_dir = self.layout.worker_log_dir(worker.job, worker.attempt, self.node)
+        checkpoint_dir = spec.checkpoint.dir or self.layout.checkpoint_dir(worker.job)
+        try:
+            running = launcher.launch(spec, worker, cluster_dir=self.layout.root, node=self.node, log_dir=log_dir,
+                                      checkpoint_dir=checkpoint_dir, settings=self.launch_settings())
+        except OSError as exc:
+            # e.g. the working_dir was deleted: the job's fault, not the node's. Report it
+            # as a failed worker instead of letting the agent die and the node look lost.
+            message = f"cannot start torchrun in {spec.working_dir}: {exc.strerror or exc}"
+            self.table.update_worker(worker.id, WorkerUpdate(phase=WorkerPhase.FAILED, ended_at=time.time(), exit_code=127,
+                                                             message=message))
+            log.error(message, extra={"node": self.node, "job": worker.job})
+            return
+        self.running[worker.id] = running
+        self.table.update_worker(worker.id, WorkerUpdate(phase=WorkerPhase.RUNNING, pid=running.process.pid,
+                                                         started_at=time.time(), log_dir=str(log_dir)))
+        log.info("launched worker", extra={"node": self.node, "job": worker.job, "attempt": worker.attempt, "pid": running.process.pid})
+
+    def _record_exit(self, worker: Worker, running: launcher.RunningWorker, code: int) -> None:
+        del self.running[worker.id]
+        if worker.desired is Desired.STOP or running.stop_started is not None:
+            phase, exit_code, message = WorkerPhase.STOPPED, code, "stopped by the controller"
+        elif code == 0:
+            phase, exit_code, message = WorkerPhase.SUCCEEDED, 0, "all ranks exited 0"
+        else:
+            phase = WorkerPhase.FAILED
+            exit_code, message = launcher.describe_exit(code, running.log_dir)
+        # The worker's last steps go with its closing write, not with the next lease renewal.
+        last = _progress_update(self.book.take(worker.job, worker.attempt))
+        self.table.update_worker(worker.id, WorkerUpdate(phase=phase, exit_code=exit_code, ended_at=time.time(), message=message,
+                                                         **last))
+        level = logging.WARNING if phase is WorkerPhase.FAILED else logging.INFO
+        log.log(level, "worker %s: %s", phase.value, message, extra={"node": self.node, "job": worker.job, "attempt": worker.attempt})
+
+
+def _progress_update(progress: WorkerProgress | None) -> dict[str, Any]:
+    if progress is None:
+        return {}
+    fields = ("ranks", "first_step", "first_progress_at", "last_step", "last_progress_at", "restored_step")
+    return {name: value for name in fields if (value := getattr(progress, name)) is not None}
+

@@ -1,0 +1,73 @@
+"""The composition root: the one place that builds the stores and the backend.
+
+Every process (controller, agent, CLI) asks for a :class:`Runtime` and gets the
+same four seams, whichever backend is behind them:
+
+- ``cluster``: the :class:`~unbroken.state.store.ClusterStore` (nodes, jobs, events, leases);
+- ``catalog``: the :class:`~unbroken.state.catalog.CheckpointCatalog`;
+- ``backend``: the :class:`~unbroken.backends.base.Backend` (nodes and attempts);
+- ``clock``: ``time.time``, or a fake one in tests of the reconcilers.
+
+Locally the first two are the same SQLite file (``<dir>/state.db``) and the
+backend runs agent processes. Nothing outside this package constructs
+``SqliteStore`` or ``LocalBackend``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from unbroken.backends.base import Backend
+from unbroken.backends.local import LocalBackend
+from unbroken.config.cluster import ClusterConfig
+from unbroken.errors import UsageError
+from unbroken.layout import ClusterLayout
+from unbroken.state.catalog import CheckpointCatalog
+from unbroken.state.sqlite import SqliteStore
+from unbroken.state.store import ClusterStore
+from unbroken.state.worker_table import WorkerTable
+
+Clock = Callable[[], float]
+
+__all__ = ["Clock", "Runtime", "create_local", "open_local"]
+
+
+@dataclass(frozen=True)
+class Runtime:
+    cluster: ClusterStore
+    catalog: CheckpointCatalog
+    backend: Backend
+    config: ClusterConfig
+    """The cluster file this cluster was started with (validated)."""
+    layout: ClusterLayout
+    """Where this cluster's files are (node folders, logs, the token)."""
+    clock: Clock = field(default=time.time)
+    worker_table: WorkerTable | None = None
+    """The local backend's worker rows, which local agents run; None where kubelet runs pods."""
+
+    def local_backend(self, what: str) -> LocalBackend:
+        """The backend as a :class:`LocalBackend`, for what only exists locally (pids, signals, agents)."""
+        if not isinstance(self.backend, LocalBackend):
+            raise UsageError(f"{what} needs a local cluster (this one runs on {type(self.backend).__name__})")
+        return self.backend
+
+
+def open_local(layout: ClusterLayout, *, clock: Clock = time.time) -> Runtime:
+    """The runtime of the local cluster in ``layout`` (StoreError if there is none)."""
+    return _local(layout, SqliteStore(layout.state_db), clock)
+
+
+def create_local(layout: ClusterLayout, config: ClusterConfig, *, clock: Clock = time.time) -> Runtime:
+    """A new local cluster's state in ``layout``: the store, holding ``config``, status Up."""
+    store = SqliteStore(layout.state_db, create=True)
+    store.create_cluster(config.ClusterName, config.model_dump_json())
+    return _local(layout, store, clock)
+
+
+def _local(layout: ClusterLayout, store: SqliteStore, clock: Clock) -> Runtime:
+    config = store.cluster().config()
+    backend = LocalBackend(layout, store, store, config)
+    return Runtime(cluster=store, catalog=store, backend=backend, config=config, layout=layout, clock=clock,
+                   worker_table=store)
