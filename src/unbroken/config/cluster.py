@@ -43,11 +43,14 @@ class InstanceGroup(_Strict):
 class LocalSettings(_Strict):
     """Timings of the local backend. Defaults favour fast recovery on one machine."""
 
-    HeartbeatIntervalSeconds: float = Field(default=0.5, gt=0, le=60)
-    """How often an agent writes its heartbeat; cheap (one SQLite row)."""
+    HeartbeatIntervalSeconds: float = Field(default=1.0, ge=1.0, le=60)
+    """How often an agent renews its node's lease, carrying its ranks' progress. At most once
+    a second (the minimum), so that it maps onto a Kubernetes Lease renewal: one write per
+    node per second whatever the step rate. Rank progress reaches the controller this often,
+    fresh enough for hang timeouts of seconds."""
     NodeLostAfterSeconds: float = Field(default=4.0, gt=0, le=600)
-    """A node whose heartbeat is older than this is lost. Several heartbeats long, so
-    one slow SQLite write under load never takes a healthy node out."""
+    """A node whose lease is older than this is lost: three missed renewals and a margin,
+    so one slow write under load never takes a healthy node out."""
     RebootTimeoutSeconds: float = Field(default=60.0, gt=0)
     """A rebooted node that has not re-registered by then is replaced instead."""
     NetworkNamespaces: bool = False
