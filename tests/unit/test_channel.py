@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from unbroken.agent.progress import ProgressBook
-from unbroken.channel import MAX_DATAGRAM, AgentReceiver, MessageKind, RankMessage, RankSender, agent_address
-from unbroken.state.records import RankInfo
+from unbroken.channel import MAX_DATAGRAM, AgentReceiver, MessageKind, RankMessage, RankSender, agent_socket
+from unbroken.state.records import RankInfo, WorkerProgress
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -41,6 +41,10 @@ def run_python(code: str, *args: str, cwd: Path, env: dict[str, str] | None = No
     return result
 
 
+def by_worker(reports: list[WorkerProgress]) -> dict[tuple[str, int], WorkerProgress]:
+    return {(r.job, r.attempt): r for r in reports}
+
+
 def drain_until(receiver: AgentReceiver, count: int, timeout: float = 10.0) -> list[RankMessage]:
     got: list[RankMessage] = []
     deadline = time.monotonic() + timeout
@@ -62,7 +66,7 @@ def test_sender_without_address_drops_everything() -> None:
 
 
 def test_sender_to_an_address_nobody_listens_on_returns_false_at_once(tmp_path: Path) -> None:
-    sender = RankSender(agent_address(tmp_path, "no-agent-here"))
+    sender = RankSender(agent_socket(tmp_path / "no-agent-here"))
     started = time.monotonic()
     results = [sender.send(msg(MessageKind.PROGRESS, 0, 1.0, step)) for step in range(1000)]
     elapsed = time.monotonic() - started
@@ -73,9 +77,9 @@ def test_sender_to_an_address_nobody_listens_on_returns_false_at_once(tmp_path: 
 
 
 def test_sender_to_a_full_queue_drops_instead_of_blocking(tmp_path: Path) -> None:
-    address = agent_address(tmp_path, "busy")
+    address = agent_socket(tmp_path / "busy")
     receiver = AgentReceiver(address)  # bound but never drained while we send
-    sender = RankSender(address)
+    sender = RankSender(Path(address))
     try:
         started = time.monotonic()
         results = [sender.send(msg(MessageKind.PROGRESS, 0, 1.0, step, loss=0.5)) for step in range(50_000)]
@@ -89,25 +93,34 @@ def test_sender_to_a_full_queue_drops_instead_of_blocking(tmp_path: Path) -> Non
         receiver.close()
 
 
-# -- addresses -------------------------------------------------------------------------
+# -- the socket file ------------------------------------------------------------------
 
 
-def test_agent_address_is_per_cluster_dir_and_per_node(tmp_path: Path) -> None:
-    a, b = tmp_path / "cluster-a", tmp_path / "cluster-b"
-    a.mkdir()
-    b.mkdir()
-    names = {agent_address(a, "node-1"), agent_address(a, "node-2"), agent_address(b, "node-1"), agent_address(b, "node-2")}
-    assert len(names) == 4
-    assert all(name.startswith(b"\0") and len(name) < 108 for name in names)
-    assert agent_address(a / "." / ".." / "cluster-a", "node-1") == agent_address(a, "node-1"), "resolved, not spelled"
+def test_the_agent_socket_lives_in_a_private_folder_and_replaces_a_stale_one(tmp_path: Path) -> None:
+    path = agent_socket(tmp_path / "agent")
+    first = AgentReceiver(path)
+    first.close()  # an agent that died leaves its socket file behind
+    assert path.exists()
+    receiver = AgentReceiver(path)  # its successor binds the same path
+    sender = RankSender(path)
+    try:
+        assert sender.send(msg(MessageKind.HELLO, 0, 1.0))
+        assert [m.kind for m in drain_until(receiver, 1)] == [MessageKind.HELLO]
+        assert (path.parent.stat().st_mode & 0o777) == 0o700, "only the agent's user may reach it"
+    finally:
+        sender.close()
+        receiver.close()
 
 
-def test_two_clusters_receive_only_their_own_messages(tmp_path: Path) -> None:
-    a, b = tmp_path / "a", tmp_path / "b"
-    a.mkdir()
-    b.mkdir()
-    ra, rb = AgentReceiver(agent_address(a, "node-1")), AgentReceiver(agent_address(b, "node-1"))
-    sender = RankSender(agent_address(a, "node-1"))
+def test_a_socket_path_too_long_for_unix_sockets_is_a_clear_error(tmp_path: Path) -> None:
+    deep = tmp_path / ("x" * 120)
+    with pytest.raises(ValueError, match="longer than 107 bytes"):
+        AgentReceiver(agent_socket(deep))
+
+
+def test_two_agents_receive_only_their_own_messages(tmp_path: Path) -> None:
+    ra, rb = AgentReceiver(agent_socket(tmp_path / "a")), AgentReceiver(agent_socket(tmp_path / "b"))
+    sender = RankSender(agent_socket(tmp_path / "a"))
     try:
         assert sender.send(msg(MessageKind.HELLO, 0, 1.0))
         assert [m.kind for m in drain_until(ra, 1)] == [MessageKind.HELLO]
@@ -118,17 +131,42 @@ def test_two_clusters_receive_only_their_own_messages(tmp_path: Path) -> None:
         rb.close()
 
 
+NETNS_SENDER = """
+import sys
+from pathlib import Path
+from unbroken.channel import MessageKind, RankMessage, RankSender
+ok = RankSender(Path(sys.argv[1])).send(RankMessage(kind=MessageKind.HELLO, job="j", attempt=0, rank=0, local_rank=0, pid=1, ts=1.0))
+sys.exit(0 if ok else 3)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="creating a network namespace needs root")
+def test_a_rank_in_another_network_namespace_reaches_its_agent(tmp_path: Path) -> None:
+    """What a pod does with a hostPath mount: an abstract socket name would not cross the namespace."""
+    namespace = f"ub-test-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", namespace], check=True)
+    receiver = AgentReceiver(agent_socket(tmp_path / "agent"))
+    try:
+        result = subprocess.run(["ip", "netns", "exec", namespace, sys.executable, "-c", NETNS_SENDER, str(receiver.path)],
+                                env=clean_env(), capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert [m.kind for m in drain_until(receiver, 1)] == [MessageKind.HELLO]
+    finally:
+        receiver.close()
+        subprocess.run(["ip", "netns", "delete", namespace], check=False)
+
+
 # -- receiving from another process ----------------------------------------------------
 
 SENDER = """
 import json, os, socket, sys, time
 from pathlib import Path
-from unbroken.channel import MessageKind, RankMessage, RankSender, agent_address
+from unbroken.channel import MessageKind, RankMessage, RankSender
 
-address = agent_address(Path(sys.argv[1]), sys.argv[2])
+address = sys.argv[1]
 raw = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # blocking: waits while the agent's queue is full
 raw.settimeout(20)
-sender = RankSender(address)
+sender = RankSender(Path(address))
 common = dict(job="train", attempt=2, rank=3, local_rank=1, pid=os.getpid())
 valid = RankMessage(kind=MessageKind.PROGRESS, ts=1001.25, step=7, metrics={"loss": 0.125, "lr": 3e-4}, **common).encode()
 garbage = [
@@ -174,10 +212,8 @@ print(json.dumps({"pid": os.getpid()}), flush=True)
 
 
 def test_receiver_gets_messages_sent_from_another_process_and_skips_garbage(tmp_path: Path) -> None:
-    cluster = tmp_path / "cluster"
-    cluster.mkdir()
-    receiver = AgentReceiver(agent_address(cluster, "node-1"))
-    proc = subprocess.Popen([sys.executable, "-c", SENDER, str(cluster), "node-1"], cwd=tmp_path, env=clean_env(),
+    receiver = AgentReceiver(agent_socket(tmp_path / "node-1"))
+    proc = subprocess.Popen([sys.executable, "-c", SENDER, str(receiver.path)], cwd=tmp_path, env=clean_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     got: list[RankMessage] = []
     try:
@@ -223,13 +259,13 @@ def test_wrongly_typed_message_is_rejected_by_decode() -> None:
 # -- progress book ---------------------------------------------------------------------
 
 
-def test_progress_book_folds_ranks_into_one_worker_row() -> None:
+def test_progress_book_folds_ranks_into_one_worker_report() -> None:
     book = ProgressBook()
     book.apply([msg(MessageKind.HELLO, 0, 100.0), msg(MessageKind.HELLO, 1, 100.1)])
-    assert book.take_dirty() == {
-        ("job", 0): {"ranks": (RankInfo(rank=0, local_rank=0, pid=1000), RankInfo(rank=1, local_rank=1, pid=1001))},
-    }
-    assert book.take_dirty() == {}, "each change is returned once"
+    assert book.take_dirty() == [WorkerProgress(
+        job="job", attempt=0, ranks=(RankInfo(rank=0, local_rank=0, pid=1000), RankInfo(rank=1, local_rank=1, pid=1001)),
+    )]
+    assert book.take_dirty() == [], "each change is reported once"
 
     book.apply([
         msg(MessageKind.PROGRESS, 0, 105.0, 5),
@@ -238,22 +274,22 @@ def test_progress_book_folds_ranks_into_one_worker_row() -> None:
         msg(MessageKind.PROGRESS, 0, 115.0, 7),  # rank 1 is stuck at step 5
         msg(MessageKind.PROGRESS, 1, 104.0, 4),  # late datagram: an earlier report from rank 1
     ])
-    row = book.take_dirty()[("job", 0)]
-    assert row["last_step"] == 4, "the slowest rank's latest step"
-    assert row["last_progress_at"] == 104.0, "the oldest of the ranks' latest reports: a stuck rank shows"
-    assert row["first_step"] == 4 and row["first_progress_at"] == 104.0, "the earliest report"
-    assert "restored_step" not in row
-    assert book.take_dirty() == {}
+    [row] = book.take_dirty()
+    assert row.last_step == 4, "the slowest rank's latest step"
+    assert row.last_progress_at == 104.0, "the oldest of the ranks' latest reports: a stuck rank shows"
+    assert row.first_step == 4 and row.first_progress_at == 104.0, "the earliest report"
+    assert row.restored_step is None
+    assert book.take_dirty() == []
 
     book.apply([msg(MessageKind.PROGRESS, 1, 120.0, 8)])
-    row = book.take_dirty()[("job", 0)]
-    assert row["last_step"] == 7 and row["last_progress_at"] == 115.0
-    assert row["first_step"] == 4 and row["first_progress_at"] == 104.0
+    [row] = book.take_dirty()
+    assert row.last_step == 7 and row.last_progress_at == 115.0
+    assert row.first_step == 4 and row.first_progress_at == 104.0
 
     book.apply([msg(MessageKind.RESTORED, 0, 121.0, 6)])
-    row = book.take_dirty()[("job", 0)]
-    assert row["restored_step"] == 6
-    assert row["last_step"] == 7, "a restore is not progress"
+    [row] = book.take_dirty()
+    assert row.restored_step == 6
+    assert row.last_step == 7, "a restore is not progress"
 
 
 def test_restarted_rank_with_a_new_pid_replaces_its_old_entry() -> None:
@@ -262,16 +298,16 @@ def test_restarted_rank_with_a_new_pid_replaces_its_old_entry() -> None:
         msg(MessageKind.HELLO, 0, 1.0), msg(MessageKind.HELLO, 1, 1.0),
         msg(MessageKind.PROGRESS, 0, 10.0, 3), msg(MessageKind.PROGRESS, 1, 5.0, 1),
     ])
-    assert book.take_dirty()[("job", 0)]["last_progress_at"] == 5.0
+    assert book.take_dirty()[0].last_progress_at == 5.0
 
     book.apply([msg(MessageKind.HELLO, 1, 20.0, pid=4242)])
-    row = book.take_dirty()[("job", 0)]
-    assert row["ranks"] == (RankInfo(rank=0, local_rank=0, pid=1000), RankInfo(rank=1, local_rank=1, pid=4242))
-    assert row["last_progress_at"] == 10.0 and row["last_step"] == 3, "the old process's reports are gone"
+    [row] = book.take_dirty()
+    assert row.ranks == (RankInfo(rank=0, local_rank=0, pid=1000), RankInfo(rank=1, local_rank=1, pid=4242))
+    assert row.last_progress_at == 10.0 and row.last_step == 3, "the old process's reports are gone"
 
     book.apply([msg(MessageKind.PROGRESS, 1, 21.0, 4, pid=4242)])
-    row = book.take_dirty()[("job", 0)]
-    assert row["last_step"] == 3 and row["last_progress_at"] == 10.0
+    [row] = book.take_dirty()
+    assert row.last_step == 3 and row.last_progress_at == 10.0
 
 
 def test_progress_book_keeps_jobs_and_attempts_apart() -> None:
@@ -281,11 +317,21 @@ def test_progress_book_keeps_jobs_and_attempts_apart() -> None:
         msg(MessageKind.PROGRESS, 0, 2.0, 9, job="a", attempt=1),
         msg(MessageKind.PROGRESS, 0, 3.0, 5, job="b", attempt=0),
     ])
-    rows = book.take_dirty()
-    assert {key: row["last_step"] for key, row in rows.items()} == {("a", 0): 1, ("a", 1): 9, ("b", 0): 5}
-    book.forget("a", 0)
+    rows = by_worker(book.take_dirty())
+    assert {key: row.last_step for key, row in rows.items()} == {("a", 0): 1, ("a", 1): 9, ("b", 0): 5}
+
+
+def test_taking_a_finished_workers_report_ends_it_and_keeps_the_others_news() -> None:
+    book = ProgressBook()
+    book.apply([msg(MessageKind.PROGRESS, 0, 1.0, 1, job="a"), msg(MessageKind.PROGRESS, 0, 2.0, 3, job="b")])
+    final = book.take("a", 0)
+    assert final is not None and final.last_step == 1
+    assert book.take("a", 0) is None, "a finished worker is gone from the book"
+    assert by_worker(book.take_dirty()) == {("b", 0): WorkerProgress(
+        job="b", attempt=0, ranks=(RankInfo(rank=0, local_rank=0, pid=1000),), first_step=3, first_progress_at=2.0,
+        last_step=3, last_progress_at=2.0)}, "b's news was not lost by taking a"
     book.apply([msg(MessageKind.PROGRESS, 0, 4.0, 2, job="a", attempt=0)])
-    assert book.take_dirty()[("a", 0)]["first_step"] == 2, "a forgotten worker starts over"
+    assert book.take_dirty()[0].first_step == 2, "a worker taken out starts over"
 
 
 # -- the training API outside an agent --------------------------------------------------
@@ -335,10 +381,3 @@ def test_import_unbroken_does_not_import_torch(tmp_path: Path) -> None:
     print("torch" in sys.modules, sorted(m for m in sys.modules if m.startswith("torch")))
     """
     assert run_python(code, cwd=tmp_path).stdout.strip() == "False []"
-
-
-def test_take_dirty_for_some_workers_keeps_the_others_news() -> None:
-    book = ProgressBook()
-    book.apply([msg(MessageKind.PROGRESS, 0, 1.0, 1, job="a"), msg(MessageKind.PROGRESS, 0, 2.0, 3, job="b")])
-    assert set(book.take_dirty({("a", 0)})) == {("a", 0)}
-    assert book.take_dirty()[("b", 0)]["last_step"] == 3, "b's news was not lost by taking only a's"
