@@ -2,7 +2,7 @@
 and the command surface stays what the docs promise.
 
 No cluster processes are started here: commands that need a store get one made
-directly with ``SqliteStore(create=True)``. Every call names its cluster directory
+directly with ``runtime.create_local`` (the state, no processes). Every call names its cluster directory
 explicitly so nothing ever lands in the current directory.
 """
 
@@ -18,7 +18,9 @@ from helpers import run_cli
 
 from unbroken.config.cluster import ClusterConfig
 from unbroken.errors import ConfigError, ConflictError, NotFoundError, StoreError, UsageError
-from unbroken.state.sqlite import SqliteStore
+from unbroken.layout import ClusterLayout
+from unbroken.runtime import create_local
+from unbroken.state.store import ClusterStore
 
 NAME_PATTERN_TEXT = "'^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$'"
 
@@ -34,14 +36,12 @@ def one_line_error(result: subprocess.CompletedProcess[str], exit_code: int) -> 
     return lines[0]
 
 
-def make_store(root: Path) -> SqliteStore:
+def make_store(root: Path) -> ClusterStore:
     """A cluster directory with a store and a 1-node cluster config, but no processes."""
-    store = SqliteStore(root / "state.db", create=True)
-    store.save_cluster(ClusterConfig.with_nodes(1).model_dump_json())
-    return store
+    return create_local(ClusterLayout.at(root), ClusterConfig.with_nodes(1)).cluster
 
 
-def snapshot(store: SqliteStore) -> tuple[list, list]:
+def snapshot(store: ClusterStore) -> tuple[list, list]:
     return store.list_jobs(), store.list_events()
 
 

@@ -71,7 +71,7 @@ def test_cluster_yaml_loads_with_defaults(tmp_path: Path) -> None:
     [group] = config.InstanceGroups
     assert (group.InstanceGroupName, group.InstanceType, group.InstanceCount) == ("workers", "cpu-dev", 2)
     assert group.OnStartDeepHealthChecks == []
-    assert (config.Local.HeartbeatIntervalSeconds, config.Local.NodeLostAfterSeconds, config.Local.RebootTimeoutSeconds) == (0.5, 4.0, 60.0)
+    assert (config.Local.HeartbeatIntervalSeconds, config.Local.NodeLostAfterSeconds, config.Local.RebootTimeoutSeconds) == (1.0, 4.0, 60.0)
     assert config.group("workers") is group
 
 
@@ -298,7 +298,8 @@ def test_unknown_top_level_cluster_key_lists_valid_fields(tmp_path: Path) -> Non
          "ClusterName", "'My_Cluster'", "[a-z0-9]"),
         ("ClusterName: c\nInstanceGroups: [{InstanceGroupName: Workers, InstanceCount: 1}]\n",
          "InstanceGroups.0.InstanceGroupName", "'Workers'", "should match pattern"),
-        (MINIMAL_CLUSTER + "Local: {HeartbeatIntervalSeconds: 0}\n", "Local.HeartbeatIntervalSeconds", "0", "greater than 0"),
+        (MINIMAL_CLUSTER + "Local: {HeartbeatIntervalSeconds: 0.5}\n", "Local.HeartbeatIntervalSeconds", "0.5",
+         "greater than or equal to 1"),
         ("ClusterName: c\nInstanceGroups: [{InstanceGroupName: w, InstanceCount: 1, OnStartDeepHealthChecks: [Quick]}]\n",
          "InstanceGroups.0.OnStartDeepHealthChecks.0", "'Quick'", "'InstanceStress' or 'InstanceConnectivity'"),
         ("ClusterName: c\nInstanceGroups: []\n", "InstanceGroups", "[]", "at least 1 item"),

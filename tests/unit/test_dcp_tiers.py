@@ -63,7 +63,7 @@ def _poll(predicate: Callable[[], Any], what: str, timeout: float = COMMIT_TIMEO
 
 def _committed_in_memory(ck: TieredCheckpointer, step: int) -> None:
     ck.wait()
-    _poll(lambda: step in ck.catalog()["memory"], f"step {step} committed in memory")
+    _poll(lambda: ck.catalog().memory_step(step) is not None, f"step {step} committed in memory")
 
 
 def _committed_in_persistent(ck: TieredCheckpointer, step: int) -> None:
@@ -354,7 +354,7 @@ def make_tiers(tmp_path: Path) -> Iterator[Callable[..., Tiers]]:
         store = SqliteStore(tmp_path / "state.db", create=True)
         store.add_job(Job(name=JOB, spec_json=spec.model_dump_json(), phase=JobPhase.RUNNING))
         shm_root = Path(tempfile.mkdtemp(prefix="unbroken-dcp-test-", dir="/dev/shm"))
-        service = CheckpointService(store, "node-1", shm_root, token=TOKEN)
+        service = CheckpointService(store, store, "node-1", shm_root, token=TOKEN)
         service.start()
         stop = threading.Event()
 

@@ -1,56 +1,114 @@
-"""The job reconciler against a real SQLite store (no processes): one pass, several jobs."""
+"""The job reconciler against a real local runtime (SQLite store, local backend) with no processes:
+what one pass decides and writes, and that a controller killed between deciding and doing loses nothing."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
+import pytest
+
 from unbroken import jobs
+from unbroken.config.cluster import ClusterConfig
 from unbroken.config.job import JobSpec
 from unbroken.controller.job_reconciler import JobReconciler
-from unbroken.state.phases import DeepHealthStatus, JobPhase, NodeState
-from unbroken.state.records import Node
-from unbroken.state.sqlite import SqliteStore
+from unbroken.layout import ClusterLayout
+from unbroken.runtime import Runtime, create_local
+from unbroken.state.phases import DeepHealthStatus, JobPhase, NodeState, WorkerPhase
+from unbroken.state.records import Desired, Node
+from unbroken.state.updates import JobUpdate, WorkerUpdate
 
 
-def test_two_jobs_in_one_pass_never_get_the_same_nodes(tmp_path: Path) -> None:
-    store = SqliteStore(tmp_path / "state.db", create=True)
+@pytest.fixture
+def runtime(tmp_path: Path) -> Runtime:
+    return create_local(ClusterLayout.at(tmp_path / "cluster"), ClusterConfig.with_nodes(3))
+
+
+def add_nodes(runtime: Runtime, *names: str, now: float) -> None:
+    for name in names:
+        runtime.cluster.add_node(Node(name=name, group="workers", instance_type="cpu-dev", state=NodeState.SCHEDULABLE,
+                                      deep_health=DeepHealthStatus.PASSED, state_changed_at=now))
+        runtime.cluster.renew_lease(name, at=now)
+
+
+def reconciler(runtime: Runtime) -> JobReconciler:
+    return JobReconciler(runtime.cluster, runtime.backend, silent_after=2.0)
+
+
+def submit(runtime: Runtime, name: str, nodes: int, **resilience: object) -> None:
+    jobs.submit(runtime.cluster, JobSpec.model_validate({"name": name, "nodes": nodes, "command": ["-m", "x"],
+                                                         "resilience": resilience}))
+
+
+def test_two_jobs_in_one_pass_never_get_the_same_nodes(runtime: Runtime) -> None:
     now = time.time()
-    for name in ("node-1", "node-2", "node-3"):
-        store.add_node(Node(name=name, group="g", instance_type="cpu-dev", state=NodeState.SCHEDULABLE,
-                            deep_health=DeepHealthStatus.PASSED, heartbeat_at=now, state_changed_at=now))
-    for name in ("first", "second"):
-        jobs.submit(store, JobSpec.model_validate({"name": name, "nodes": 2, "command": ["-m", "x"]}))
+    add_nodes(runtime, "node-1", "node-2", "node-3", now=now)
+    submit(runtime, "first", 2)
+    submit(runtime, "second", 2)
 
-    JobReconciler(store, silent_after=1.5).reconcile_all(now)
+    reconciler(runtime).reconcile_all(now)
 
-    first, second = store.get_job("first"), store.get_job("second")
-    assert first.phase is JobPhase.RUNNING
+    first, second = runtime.cluster.get_job("first"), runtime.cluster.get_job("second")
+    assert first.phase is JobPhase.RUNNING and first.nodes == ("node-1", "node-2")
     assert second.phase is JobPhase.PENDING and "needs 2" in (second.reason or "") and "1 available" in second.reason
-    assert sorted(w.node for w in store.list_workers(job="first")) == ["node-1", "node-2"]
-    assert store.list_workers(job="second") == []
+    assert sorted(w.node for w in runtime.backend.observe_attempt("first", 0)) == ["node-1", "node-2"]
+    assert runtime.backend.observe_attempt("second", 0) == []
+    endpoints = {w.rdzv_endpoint for w in runtime.backend.observe_attempt("first", 0)}
+    assert len(endpoints) == 1, "the backend gave the attempt one rendezvous endpoint"
 
 
-def test_resumed_event_is_written_once_per_attempt(tmp_path: Path) -> None:
-    store = SqliteStore(tmp_path / "state.db", create=True)
+def test_resumed_event_is_written_once_per_attempt(runtime: Runtime) -> None:
+    table = runtime.worker_table
+    assert table is not None
     now = time.time()
-    for name in ("node-1", "node-2"):
-        store.add_node(Node(name=name, group="g", instance_type="cpu-dev", state=NodeState.SCHEDULABLE,
-                            deep_health=DeepHealthStatus.PASSED, heartbeat_at=now, state_changed_at=now))
-    jobs.submit(store, JobSpec.model_validate({"name": "r", "nodes": 1, "command": ["-m", "x"]}))
-    reconciler = JobReconciler(store, silent_after=1.5)
-    reconciler.reconcile_all(now)
-    [w0] = store.list_workers(job="r")
-    store.update_worker(w0.id, phase=w0.phase.RUNNING, last_step=30, first_step=1, first_progress_at=now, last_progress_at=now)
-    store.update_worker(w0.id, phase=w0.phase.FAILED, exit_code=-9, message="rank 0 exited with signal 9")
-    store.update_job("r", spec_json=JobSpec.model_validate(
-        {"name": "r", "nodes": 1, "command": ["-m", "x"], "resilience": {"auto_resume": True}}).model_dump_json())
-    reconciler.reconcile_all(now)  # -> Restarting
-    reconciler.reconcile_all(now)  # -> attempt 1 placed
-    [w1] = store.list_workers(job="r", attempt=1)
-    store.update_worker(w1.id, phase=w1.phase.RUNNING, restored_step=20, first_step=21, first_progress_at=now + 1,
-                        last_step=21, last_progress_at=now + 1)
+    add_nodes(runtime, "node-1", "node-2", now=now)
+    submit(runtime, "r", 1, auto_resume=True)
+    passes = reconciler(runtime)
+    passes.reconcile_all(now)
+    [w0] = runtime.backend.observe_attempt("r", 0)
+    table.update_worker(w0.id, WorkerUpdate(phase=WorkerPhase.RUNNING, last_step=30, first_step=1, first_progress_at=now,
+                                            last_progress_at=now))
+    table.update_worker(w0.id, WorkerUpdate(phase=WorkerPhase.FAILED, exit_code=-9, message="rank 0 exited with signal 9"))
+    passes.reconcile_all(now)  # -> Restarting
+    passes.reconcile_all(now)  # -> attempt 1 placed
+    [w1] = runtime.backend.observe_attempt("r", 1)
+    table.update_worker(w1.id, WorkerUpdate(phase=WorkerPhase.RUNNING, restored_step=20, first_step=21, first_progress_at=now + 1,
+                                            last_step=21, last_progress_at=now + 1))
     for _ in range(3):
-        reconciler.reconcile_all(now + 1)
-    resumed = store.list_events(object_kind="Job", object_name="r", reason="JobResumed")
+        passes.reconcile_all(now + 1)
+    resumed = runtime.cluster.list_events(object_kind="Job", object_name="r", reason="JobResumed")
     assert [e.message for e in resumed] == ["attempt 1 resumed from step 20; 10 steps lost"]
+
+
+def test_a_placement_whose_launch_never_happened_is_launched_on_the_next_pass(runtime: Runtime) -> None:
+    """The controller wrote "attempt 0 on node-2" and died before the backend launched it."""
+    now = time.time()
+    add_nodes(runtime, "node-1", "node-2", now=now)
+    submit(runtime, "lost", 1)
+    runtime.cluster.update_job("lost", JobUpdate(phase=JobPhase.RUNNING, attempt=0, nodes=("node-2",), started_at=now))
+    assert runtime.backend.observe_attempt("lost", 0) == []
+
+    reconciler(runtime).reconcile_all(now)
+
+    [worker] = runtime.backend.observe_attempt("lost", 0)
+    assert (worker.node, worker.desired, worker.phase) == ("node-2", Desired.RUN, WorkerPhase.PENDING)
+    assert runtime.cluster.get_job("lost").phase is JobPhase.RUNNING
+
+
+def test_a_stop_decided_but_never_applied_is_applied_on_the_next_pass(runtime: Runtime) -> None:
+    """The controller wrote "Restarting" (or "Failed") and died before asking the backend to stop the workers."""
+    now = time.time()
+    add_nodes(runtime, "node-1", "node-2", now=now)
+    submit(runtime, "failing", 1, auto_resume=False)
+    submit(runtime, "restarting", 1, auto_resume=True)
+    passes = reconciler(runtime)
+    passes.reconcile_all(now)
+    runtime.cluster.update_job("failing", JobUpdate(phase=JobPhase.FAILED, reason="decided", ended_at=now))
+    runtime.cluster.update_job("restarting", JobUpdate(phase=JobPhase.RESTARTING, reason="decided"))
+
+    passes.reconcile_all(now)
+
+    for name in ("failing", "restarting"):
+        [worker] = runtime.backend.observe_attempt(name, 0)
+        assert worker.desired is Desired.STOP, f"{name}'s worker was not asked to stop"
+    assert runtime.cluster.get_job("restarting").phase is JobPhase.RESTARTING, "it waits for its worker to stop"

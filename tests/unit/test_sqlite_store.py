@@ -1,4 +1,6 @@
-"""The SQLite store: round trips, guards, transactions, schema, and real multi-process writers."""
+"""The SQLite store behind the local backend: the ClusterStore, the CheckpointCatalog and the
+WorkerTable on one file. Round trips, versions, typed updates, compare-and-swap, leases, the
+schema and its migration, and real multi-process writers racing for the same rows."""
 
 from __future__ import annotations
 
@@ -14,8 +16,23 @@ import pytest
 
 from unbroken.errors import ConflictError, NotFoundError, StoreError
 from unbroken.state.phases import DeepHealthStatus, IllegalTransition, JobPhase, NodeState, WorkerPhase
-from unbroken.state.records import Desired, Event, EventType, Job, Node, RankInfo, Worker
+from unbroken.state.records import (
+    CheckpointStep,
+    CheckpointTier,
+    ClusterStatus,
+    Desired,
+    Event,
+    EventType,
+    Job,
+    Node,
+    RankInfo,
+    ShardCopy,
+    StepStatus,
+    Worker,
+    WorkerProgress,
+)
 from unbroken.state.sqlite import SCHEMA_VERSION, SqliteStore, StaleUpdate
+from unbroken.state.updates import UNSET, JobUpdate, NodeUpdate, WorkerUpdate
 
 
 @pytest.fixture
@@ -26,6 +43,7 @@ def db(tmp_path: Path) -> Path:
 @pytest.fixture
 def store(db: Path):
     s = SqliteStore(db, create=True)
+    s.create_cluster("test", '{"ClusterName": "test"}')
     yield s
     s.close()
 
@@ -44,16 +62,35 @@ def a_worker(job: str = "train", node: str = "node-1", attempt: int = 0, **field
                   phase=WorkerPhase.PENDING, rdzv_endpoint="127.0.0.1:29500", **fields)
 
 
+def a_step(step: int = 10, status: StepStatus = StepStatus.DRAINING, **fields) -> CheckpointStep:
+    return CheckpointStep(**{"job": "train", "step": step, "tier": CheckpointTier.PERSISTENT, "attempt": 0, "world_size": 2,
+                             "status": status, "size": 100, "updated_at": 1.0, **fields})
+
+
+# -- the cluster object ------------------------------------------------------------------
+
+
+def test_cluster_record_and_its_status(db):
+    store = SqliteStore(db, create=True)
+    with pytest.raises(StoreError, match="no cluster configuration"):
+        store.cluster()
+    created = store.create_cluster("dev", '{"ClusterName": "dev"}')
+    assert store.cluster() == created and created.status is ClusterStatus.UP
+    store.set_cluster_status(ClusterStatus.STOPPING)
+    assert store.cluster().status is ClusterStatus.STOPPING
+    assert store.cluster().config_json == '{"ClusterName": "dev"}'
+
+
 # -- nodes ------------------------------------------------------------------------------
 
 
 def test_node_round_trip_decodes_enums(store):
-    node = a_node(address="10.0.0.7", agent_pid=1234, heartbeat_at=12.5, registered_at=11.0, state_changed_at=11.0)
+    node = a_node(address="10.0.0.7", agent_pid=1234, registered_at=11.0, state_changed_at=11.0)
     store.add_node(node)
     got = store.get_node("node-1")
     assert got == node
     assert type(got.state) is NodeState and type(got.deep_health) is DeepHealthStatus
-    assert type(got.heartbeat_at) is float and type(got.agent_pid) is int and got.fault_type is None
+    assert type(got.agent_pid) is int and got.fault_type is None and got.heartbeat_at is None
 
 
 def test_list_nodes_orders_by_number(store):
@@ -62,50 +99,44 @@ def test_list_nodes_orders_by_number(store):
     assert [n.name for n in store.list_nodes()] == ["node-1", "node-2", "node-10"]
 
 
-def test_update_node_changes_fields_and_stamps_state_change(store):
+def test_every_update_bumps_the_version_and_a_state_change_is_stamped(store):
     store.add_node(a_node(state_changed_at=1.0))
-    got = store.update_node("node-1", state=NodeState.SCHEDULABLE, deep_health=DeepHealthStatus.PASSED, heartbeat_at=99.0)
-    assert got.state is NodeState.SCHEDULABLE and got.deep_health is DeepHealthStatus.PASSED
-    assert got.heartbeat_at == 99.0
+    got = store.update_node("node-1", NodeUpdate(state=NodeState.SCHEDULABLE, deep_health=DeepHealthStatus.PASSED))
+    assert (got.state, got.deep_health, got.version) == (NodeState.SCHEDULABLE, DeepHealthStatus.PASSED, 1)
     assert got.state_changed_at > 1.0
-    assert store.get_node("node-1") == got
-    # a write without a state change keeps the stamp
-    again = store.update_node("node-1", heartbeat_at=100.0)
-    assert again.state_changed_at == got.state_changed_at
+    again = store.update_node("node-1", NodeUpdate(fault_reason="noted"))
+    assert again.version == 2 and again.state_changed_at == got.state_changed_at, "no state change, no new stamp"
 
 
-def test_update_node_explicit_state_changed_at_wins(store):
+def test_a_conditional_write_of_a_stale_read_raises_and_writes_nothing(store):
     store.add_node(a_node())
-    assert store.update_node("node-1", state=NodeState.SCHEDULABLE, state_changed_at=42.0).state_changed_at == 42.0
+    read = store.get_node("node-1")
+    store.update_node("node-1", NodeUpdate(state=NodeState.SCHEDULABLE))  # someone else, after our read
+    before = store.get_node("node-1")
+    with pytest.raises(StaleUpdate, match="changed since it was read"):
+        store.update_node("node-1", NodeUpdate(state=NodeState.PENDING_REBOOT, fault_type="X"), expect_version=read.version)
+    assert store.get_node("node-1") == before
+    assert issubclass(StaleUpdate, ConflictError)
+    got = store.update_node("node-1", NodeUpdate(state=NodeState.PENDING_REBOOT, fault_type="X"), expect_version=before.version)
+    assert (got.state, got.fault_type) == (NodeState.PENDING_REBOOT, "X")
 
 
 def test_update_node_rejects_illegal_transition_and_writes_nothing(store):
     store.add_node(a_node())
-    store.update_node("node-1", state=NodeState.PENDING_REPLACEMENT)
-    store.update_node("node-1", state=NodeState.RETIRED)
+    store.update_node("node-1", NodeUpdate(state=NodeState.PENDING_REPLACEMENT))
+    store.update_node("node-1", NodeUpdate(state=NodeState.RETIRED))
     before = store.get_node("node-1")
     with pytest.raises(IllegalTransition, match="Retired -> Schedulable"):
-        store.update_node("node-1", state=NodeState.SCHEDULABLE, fault_reason="should not be written")
+        store.update_node("node-1", NodeUpdate(state=NodeState.SCHEDULABLE, fault_reason="should not be written"))
     assert store.get_node("node-1") == before
 
 
-def test_update_node_expect_state_guard(store):
-    store.add_node(a_node())
-    store.update_node("node-1", state=NodeState.SCHEDULABLE)
-    before = store.get_node("node-1")
-    with pytest.raises(StaleUpdate, match="Schedulable, expected Joining"):
-        store.update_node("node-1", expect_state=NodeState.JOINING, state=NodeState.PENDING_REBOOT, fault_type="X")
-    assert store.get_node("node-1") == before
-    assert issubclass(StaleUpdate, ConflictError)
-    # a guard that holds lets the write through
-    got = store.update_node("node-1", expect_state=NodeState.SCHEDULABLE, state=NodeState.PENDING_REBOOT, fault_type="X")
-    assert (got.state, got.fault_type) == (NodeState.PENDING_REBOOT, "X")
-
-
-def test_update_unknown_field_is_a_type_error(store):
-    store.add_node(a_node())
+def test_updates_are_typed_and_say_what_they_set():
     with pytest.raises(TypeError, match="no_such_column"):
-        store.update_node("node-1", no_such_column=1)
+        NodeUpdate(no_such_column=1)  # type: ignore[call-arg]
+    update = NodeUpdate(fault_type=None, reboots=2)
+    assert update.changes() == {"fault_type": None, "reboots": 2}, "None is written, UNSET is not"
+    assert update.state is UNSET and not NodeUpdate() and bool(update)
 
 
 def test_add_node_twice_conflicts(store):
@@ -118,19 +149,53 @@ def test_unknown_node_is_not_found(store):
     with pytest.raises(NotFoundError, match="node node-9 not found"):
         store.get_node("node-9")
     with pytest.raises(NotFoundError):
-        store.update_node("node-9", heartbeat_at=1.0)
+        store.update_node("node-9", NodeUpdate(fault_reason="x"))
+
+
+# -- leases -----------------------------------------------------------------------------
+
+
+def test_a_lease_renewal_is_the_heartbeat_and_leaves_the_node_version_alone(store):
+    store.add_node(a_node())
+    read = store.get_node("node-1")
+    store.renew_lease("node-1", at=123.5)
+    got = store.get_node("node-1")
+    assert got.heartbeat_at == 123.5 and got.version == read.version
+    # so a controller's conditional write is not made stale by a busy node's heartbeats
+    store.update_node("node-1", NodeUpdate(state=NodeState.SCHEDULABLE), expect_version=read.version)
+    store.renew_lease("node-1", at=124.0)
+    assert [n.heartbeat_at for n in store.list_nodes()] == [124.0]
+
+
+def test_a_lease_renewal_carries_progress_into_the_nodes_active_workers_only(store):
+    store.add_job(a_job())
+    store.add_job(a_job("other"))
+    running, ended, elsewhere = store.add_workers([a_worker(attempt=1), a_worker(attempt=0), a_worker("other")])
+    store.update_worker(running.id, WorkerUpdate(phase=WorkerPhase.RUNNING))
+    store.update_worker(ended.id, WorkerUpdate(phase=WorkerPhase.STOPPED))
+    ranks = (RankInfo(rank=0, local_rank=0, pid=7),)
+    store.renew_lease("node-1", at=50.0, progress=[
+        WorkerProgress(job="train", attempt=1, ranks=ranks, first_step=1, first_progress_at=40.0, last_step=9, last_progress_at=49.0),
+        WorkerProgress(job="train", attempt=0, ranks=ranks, last_step=99, last_progress_at=49.0),
+    ])
+    got = {w.id: w for w in store.list_workers()}
+    assert (got[running.id].last_step, got[running.id].first_progress_at, got[running.id].ranks) == (9, 40.0, ranks)
+    assert got[ended.id].last_step is None, "a worker that ended keeps its final report"
+    assert got[elsewhere.id] == elsewhere
+    store.renew_lease("node-1", at=51.0, progress=[WorkerProgress(job="train", attempt=1, ranks=ranks, restored_step=5)])
+    after = {w.id: w for w in store.list_workers()}[running.id]
+    assert (after.restored_step, after.last_step) == (5, 9), "what a report does not say is kept"
 
 
 # -- jobs -------------------------------------------------------------------------------
 
 
-def test_job_round_trip_decodes_enums_and_bools(store):
-    job = a_job(reason="waiting", cancel_requested=True, phase_changed_at=2.0)
+def test_job_round_trip_decodes_enums_bools_and_placement(store):
+    job = a_job(reason="waiting", cancel_requested=True, phase_changed_at=2.0, nodes=("node-1", "node-3"))
     store.add_job(job)
     got = store.get_job("train")
     assert got == job
-    assert type(got.phase) is JobPhase
-    assert got.cancel_requested is True
+    assert type(got.phase) is JobPhase and got.cancel_requested is True and got.nodes == ("node-1", "node-3")
     assert store.list_jobs() == [job]
 
 
@@ -155,31 +220,32 @@ def test_unknown_job_is_not_found(store):
 
 def test_update_job_follows_the_lifecycle(store):
     store.add_job(a_job())
-    running = store.update_job("train", phase=JobPhase.RUNNING, started_at=5.0, attempt=0)
-    assert running.phase is JobPhase.RUNNING and running.phase_changed_at > 0
-    store.update_job("train", expect_phase=JobPhase.RUNNING, phase=JobPhase.RESTARTING, attempt=1)
-    store.update_job("train", phase=JobPhase.RUNNING)
-    done = store.update_job("train", phase=JobPhase.SUCCEEDED, ended_at=9.0)
-    assert (done.phase, done.attempt, done.ended_at) == (JobPhase.SUCCEEDED, 1, 9.0)
-    assert store.update_job("train", cancel_requested=True).cancel_requested is True
+    running = store.update_job("train", JobUpdate(phase=JobPhase.RUNNING, started_at=5.0, attempt=0, nodes=("node-2",)))
+    assert running.phase is JobPhase.RUNNING and running.phase_changed_at > 0 and running.nodes == ("node-2",)
+    store.update_job("train", JobUpdate(phase=JobPhase.RESTARTING, attempt=1), expect_version=running.version)
+    store.update_job("train", JobUpdate(phase=JobPhase.RUNNING))
+    done = store.update_job("train", JobUpdate(phase=JobPhase.SUCCEEDED, ended_at=9.0))
+    assert (done.phase, done.attempt, done.ended_at, done.version) == (JobPhase.SUCCEEDED, 1, 9.0, 4)
+    assert store.update_job("train", JobUpdate(cancel_requested=True)).cancel_requested is True
 
 
 def test_update_job_rejects_illegal_transition_and_writes_nothing(store):
     store.add_job(a_job())
-    store.update_job("train", phase=JobPhase.RUNNING)
-    store.update_job("train", phase=JobPhase.SUCCEEDED)
+    store.update_job("train", JobUpdate(phase=JobPhase.RUNNING))
+    store.update_job("train", JobUpdate(phase=JobPhase.SUCCEEDED))
     before = store.get_job("train")
     with pytest.raises(IllegalTransition, match="Succeeded -> Running"):
-        store.update_job("train", phase=JobPhase.RUNNING, reason="should not be written")
+        store.update_job("train", JobUpdate(phase=JobPhase.RUNNING, reason="should not be written"))
     assert store.get_job("train") == before
 
 
-def test_update_job_expect_phase_guard(store):
+def test_a_cancel_between_read_and_decision_makes_the_decision_stale(store):
     store.add_job(a_job())
-    before = store.get_job("train")
-    with pytest.raises(StaleUpdate, match="Pending, expected Running"):
-        store.update_job("train", expect_phase=JobPhase.RUNNING, phase=JobPhase.RESTARTING, attempt=1)
-    assert store.get_job("train") == before
+    read = store.get_job("train")
+    store.update_job("train", JobUpdate(cancel_requested=True))
+    with pytest.raises(StaleUpdate):
+        store.update_job("train", JobUpdate(phase=JobPhase.RUNNING, attempt=0), expect_version=read.version)
+    assert store.get_job("train").phase is JobPhase.PENDING
 
 
 # -- workers ----------------------------------------------------------------------------
@@ -188,7 +254,7 @@ def test_update_job_expect_phase_guard(store):
 def test_worker_round_trip_with_ranks(store):
     store.add_job(a_job())
     ranks = (RankInfo(rank=0, local_rank=0, pid=101), RankInfo(rank=1, local_rank=1, pid=102))
-    added = store.add_worker(a_worker(ranks=ranks, log_dir="/tmp/logs"))
+    [added] = store.add_workers([a_worker(ranks=ranks, log_dir="/tmp/logs")])
     assert added.id > 0 and added.created_at > 0
     got = store.list_workers()[0]
     assert got == added
@@ -196,55 +262,61 @@ def test_worker_round_trip_with_ranks(store):
     assert type(got.phase) is WorkerPhase and type(got.desired) is Desired
 
 
+def test_an_attempts_workers_are_added_all_or_none(store):
+    store.add_job(a_job())
+    store.add_workers([a_worker(node="node-2")])
+    with pytest.raises(sqlite3.IntegrityError):
+        store.add_workers([a_worker(node="node-1"), a_worker(node="node-2")])  # node-2's row exists: the batch fails
+    assert [w.node for w in store.list_workers()] == ["node-2"], "node-1's row of the failed batch was not kept"
+
+
 def test_update_worker_ranks_and_progress(store):
     store.add_job(a_job())
-    w = store.add_worker(a_worker())
+    [w] = store.add_workers([a_worker()])
     assert w.ranks == ()
     ranks = (RankInfo(rank=2, local_rank=0, pid=7),)
-    got = store.update_worker(w.id, phase=WorkerPhase.RUNNING, pid=7, ranks=ranks, last_step=10, last_progress_at=3.5)
+    got = store.update_worker(w.id, WorkerUpdate(phase=WorkerPhase.RUNNING, pid=7, ranks=ranks, last_step=10, last_progress_at=3.5))
     assert got.ranks == ranks and got.phase is WorkerPhase.RUNNING
-    assert store.update_worker(w.id, desired=Desired.STOP).desired is Desired.STOP
+    assert store.update_worker(w.id, WorkerUpdate(desired=Desired.STOP)).desired is Desired.STOP
     assert store.list_workers()[0] == dataclasses.replace(got, desired=Desired.STOP)
 
 
 def test_list_workers_filters(store):
     store.add_job(a_job("a"))
     store.add_job(a_job("b"))
-    w1 = store.add_worker(a_worker("a", "node-1", 0))
-    w2 = store.add_worker(a_worker("a", "node-2", 0))
-    w3 = store.add_worker(a_worker("a", "node-1", 1))
-    w4 = store.add_worker(a_worker("b", "node-1", 0))
+    w1, w2, w3, w4 = store.add_workers([a_worker("a", "node-1", 0), a_worker("a", "node-2", 0), a_worker("a", "node-1", 1),
+                                        a_worker("b", "node-1", 0)])
     assert [w.id for w in store.list_workers()] == [w1.id, w2.id, w3.id, w4.id]
     assert [w.id for w in store.list_workers(job="a")] == [w1.id, w2.id, w3.id]
     assert [w.id for w in store.list_workers(node="node-1")] == [w1.id, w3.id, w4.id]
     assert [w.id for w in store.list_workers(job="a", attempt=0)] == [w1.id, w2.id]
     assert [w.id for w in store.list_workers(job="a", attempt=0, node="node-2")] == [w2.id]
     assert store.list_workers(job="c") == []
-    store.update_worker(w1.id, phase=WorkerPhase.RUNNING)
-    store.update_worker(w2.id, phase=WorkerPhase.STOPPED)
-    store.update_worker(w3.id, phase=WorkerPhase.RUNNING)
-    store.update_worker(w3.id, phase=WorkerPhase.SUCCEEDED)
+    store.update_worker(w1.id, WorkerUpdate(phase=WorkerPhase.RUNNING))
+    store.update_worker(w2.id, WorkerUpdate(phase=WorkerPhase.STOPPED))
+    store.update_worker(w3.id, WorkerUpdate(phase=WorkerPhase.RUNNING))
+    store.update_worker(w3.id, WorkerUpdate(phase=WorkerPhase.SUCCEEDED))
     assert [w.id for w in store.list_workers(active=True)] == [w1.id, w4.id]
     assert [w.id for w in store.list_workers(node="node-1", active=True)] == [w1.id, w4.id]
 
 
 def test_update_worker_enforces_transitions(store):
     store.add_job(a_job())
-    w = store.add_worker(a_worker())
-    store.update_worker(w.id, phase=WorkerPhase.RUNNING)
-    store.update_worker(w.id, phase=WorkerPhase.SUCCEEDED, exit_code=0)
+    [w] = store.add_workers([a_worker()])
+    store.update_worker(w.id, WorkerUpdate(phase=WorkerPhase.RUNNING))
+    store.update_worker(w.id, WorkerUpdate(phase=WorkerPhase.SUCCEEDED, exit_code=0))
     with pytest.raises(IllegalTransition, match="Succeeded -> Running"):
-        store.update_worker(w.id, phase=WorkerPhase.RUNNING, exit_code=5)
+        store.update_worker(w.id, WorkerUpdate(phase=WorkerPhase.RUNNING, exit_code=5))
     got = store.list_workers()[0]
     assert (got.phase, got.exit_code) == (WorkerPhase.SUCCEEDED, 0)
 
 
 def test_unknown_worker_is_not_found(store):
     with pytest.raises(NotFoundError):
-        store.update_worker(999, phase=WorkerPhase.RUNNING)
+        store.update_worker(999, WorkerUpdate(phase=WorkerPhase.RUNNING))
 
 
-# -- events and meta ----------------------------------------------------------------------
+# -- events ---------------------------------------------------------------------------
 
 
 def test_events_round_trip_and_filter(store):
@@ -256,105 +328,51 @@ def test_events_round_trip_and_filter(store):
     assert store.list_events() == [e1, e2, e3, e4]
     assert store.list_events(object_kind="job", object_name="train") == [e1, e3]
     assert store.list_events(object_kind="node") == [e2]
+    assert store.list_events(reason="JobCreated") == [e1, e4]
     got = store.list_events(object_name="node-1")[0]
     assert type(got.type) is EventType and got.type is EventType.WARNING
     assert isinstance(got, Event) and got.ts == e2.ts
 
 
-def test_cluster_and_meta(store):
-    with pytest.raises(StoreError, match="no cluster configuration"):
-        store.cluster_json()
-    store.save_cluster('{"ClusterName": "a"}')
-    store.save_cluster('{"ClusterName": "b"}')
-    assert store.cluster_json() == '{"ClusterName": "b"}'
-    assert store.get_meta("x") is None
-    store.set_meta("x", "1")
-    store.set_meta("x", "2")
-    assert store.get_meta("x") == "2"
+# -- the checkpoint catalog -------------------------------------------------------------
 
 
-def test_allocate_node_index_counts_from_one(store):
-    assert [store.allocate_node_index() for _ in range(3)] == [1, 2, 3]
+def test_insert_if_absent_lets_exactly_one_writer_open_a_step(store):
+    assert store.put_checkpoint_step(a_step(message="mine"), only_if_absent=True) is True
+    assert store.put_checkpoint_step(a_step(message="theirs"), only_if_absent=True) is False
+    assert [s.message for s in store.list_checkpoint_steps("train")] == ["mine"]
 
 
-# -- transactions ---------------------------------------------------------------------
+def test_compare_and_swap_writes_only_over_the_row_it_read(store):
+    store.put_checkpoint_step(a_step())
+    read = store.list_checkpoint_steps("train")[0]
+    claimed = dataclasses.replace(read, message="committing: node-1", updated_at=2.0)
+    assert store.replace_checkpoint_step(read, claimed) is True
+    failed = dataclasses.replace(read, status=StepStatus.FAILED, message="disk full")
+    assert store.replace_checkpoint_step(read, failed) is False, "the row changed since it was read"
+    assert store.list_checkpoint_steps("train") == [claimed]
+    assert store.replace_checkpoint_step(claimed, None) is True, "None deletes"
+    assert store.list_checkpoint_steps("train") == []
+    assert store.replace_checkpoint_step(claimed, read) is False, "nothing to swap"
 
 
-class Boom(Exception):
-    pass
+def test_shard_copies_are_forgotten_per_rank_tier_and_node(store):
+    def copy(rank: int, tier: CheckpointTier, node: str) -> ShardCopy:
+        return ShardCopy(job="train", step=10, rank=rank, tier=tier, node=node, attempt=0, world_size=2, size=1,
+                         checksum="c", info_json="{}", created_at=1.0)
+
+    for c in (copy(0, CheckpointTier.MEMORY, "node-1"), copy(1, CheckpointTier.MEMORY, "node-1"), copy(0, CheckpointTier.REPLICA, "node-2")):
+        store.put_shard_copy(c)
+    store.delete_shard_copies("train", 10, tier=CheckpointTier.MEMORY, node="node-1", rank=0)
+    assert [(c.rank, c.tier, c.node) for c in store.list_shard_copies("train")] == [
+        (0, CheckpointTier.REPLICA, "node-2"), (1, CheckpointTier.MEMORY, "node-1")]
 
 
-def test_transaction_rolls_back_every_write(store):
-    store.add_node(a_node())
-    with pytest.raises(Boom):
-        with store.transaction():
-            store.add_job(a_job())
-            store.add_event("job", "train", "JobCreated", "created")
-            store.update_node("node-1", state=NodeState.SCHEDULABLE)
-            raise Boom
-    with pytest.raises(NotFoundError):
-        store.get_job("train")
-    assert store.list_events() == []
-    assert store.get_node("node-1").state is NodeState.JOINING
-    # the store is usable afterwards
-    store.add_job(a_job())
-    assert store.get_job("train").phase is JobPhase.PENDING
-
-
-def test_illegal_transition_inside_transaction_rolls_back_earlier_writes(store):
-    store.add_job(a_job())
-    with pytest.raises(IllegalTransition):
-        with store.transaction():
-            store.add_event("job", "train", "JobSucceeded", "done")
-            store.update_job("train", phase=JobPhase.SUCCEEDED)  # Pending -> Succeeded is not allowed
-    assert store.list_events() == []
-
-
-def test_nested_transaction_joins_the_outer_one(db, store):
-    other = SqliteStore(db)  # another connection, as another process would have
-    try:
-        with pytest.raises(Boom):
-            with store.transaction():
-                with store.transaction():
-                    store.add_job(a_job())
-                # the inner block ended but did not commit: nobody else sees the job yet
-                with pytest.raises(NotFoundError):
-                    other.get_job("train")
-                store.add_event("job", "train", "JobCreated", "created")
-                raise Boom
-        with pytest.raises(NotFoundError):
-            store.get_job("train")
-        assert store.list_events() == []
-
-        with store.transaction():
-            with store.transaction():
-                store.add_job(a_job())
-            store.add_event("job", "train", "JobCreated", "created")
-        assert other.get_job("train").phase is JobPhase.PENDING
-        assert len(other.list_events()) == 1
-    finally:
-        other.close()
-
-
-def test_exception_in_inner_transaction_rolls_back_the_outer(store):
-    with pytest.raises(Boom):
-        with store.transaction():
-            store.add_job(a_job())
-            with store.transaction():
-                store.add_event("job", "train", "JobCreated", "created")
-                raise Boom
-    with pytest.raises(NotFoundError):
-        store.get_job("train")
-    assert store.list_events() == []
-
-
-def test_conflict_inside_a_transaction_keeps_the_transaction(store):
-    store.add_job(a_job())
-    with store.transaction():
-        with pytest.raises(ConflictError):
-            store.add_job(a_job())
-        store.add_event("job", "train", "Dup", "ignored duplicate")
-    assert [e.reason for e in store.list_events()] == ["Dup"]
+def test_shard_servers(store):
+    store.set_shard_server("node-1", "127.0.0.1:4000")
+    store.set_shard_server("node-1", "127.0.0.1:4001")
+    store.set_shard_server("node-2", "127.0.0.1:5000")
+    assert store.shard_servers() == {"node-1": "127.0.0.1:4001", "node-2": "127.0.0.1:5000"}
 
 
 # -- schema and opening ---------------------------------------------------------------
@@ -395,29 +413,77 @@ def test_missing_db_without_create(tmp_path):
     assert not path.exists() and not path.parent.exists()
 
 
+V2 = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE nodes (
+    name TEXT PRIMARY KEY, "group" TEXT NOT NULL, instance_type TEXT NOT NULL,
+    state TEXT NOT NULL, deep_health TEXT NOT NULL, address TEXT NOT NULL,
+    fault_type TEXT, fault_reason TEXT, agent_pid INTEGER, heartbeat_at REAL,
+    registered_at REAL, state_changed_at REAL NOT NULL, reboots INTEGER NOT NULL,
+    replaced_by TEXT, recovery_requested INTEGER NOT NULL
+);
+CREATE TABLE jobs (
+    name TEXT PRIMARY KEY, spec_json TEXT NOT NULL, phase TEXT NOT NULL,
+    attempt INTEGER NOT NULL, reason TEXT, created_at REAL NOT NULL,
+    started_at REAL, ended_at REAL, phase_changed_at REAL NOT NULL, cancel_requested INTEGER NOT NULL
+);
+INSERT INTO meta VALUES ('cluster', '{"ClusterName": "old"}'), ('status', 'up'), ('next_node_index', '3'),
+                        ('ckpt-endpoint/node-1', '127.0.0.1:4000');
+INSERT INTO nodes VALUES ('node-1', 'workers', 'cpu-dev', 'Schedulable', 'Passed', '127.0.0.1', NULL, NULL, 42, 77.5,
+                          1.0, 1.0, 0, NULL, 0);
+INSERT INTO jobs VALUES ('train', '{}', 'Running', 2, NULL, 1.0, 2.0, NULL, 2.0, 0);
+PRAGMA user_version = 2;
+"""
+
+
+def test_a_version_2_file_moves_forward_keeping_every_row(db):
+    db.parent.mkdir(parents=True)
+    conn = sqlite3.connect(db)
+    conn.executescript(V2)
+    conn.close()
+    store = SqliteStore(db)
+    cluster = store.cluster()
+    assert (cluster.name, cluster.status, cluster.config_json) == ("old", ClusterStatus.UP, '{"ClusterName": "old"}')
+    node = store.get_node("node-1")
+    assert (node.state, node.heartbeat_at, node.agent_pid, node.version) == (NodeState.SCHEDULABLE, 77.5, 42, 0)
+    job = store.get_job("train")
+    assert (job.phase, job.attempt, job.nodes, job.version) == (JobPhase.RUNNING, 2, (), 0)
+    assert store.shard_servers() == {"node-1": "127.0.0.1:4000"}
+    assert store.update_node("node-1", NodeUpdate(fault_reason="x"), expect_version=0).version == 1
+
+
 # -- real concurrency -----------------------------------------------------------------
 
 WRITER = textwrap.dedent(
     """
-    import json, sys
+    import sys
     from pathlib import Path
-    from unbroken.state.sqlite import SqliteStore
+    from unbroken.state.sqlite import SqliteStore, StaleUpdate
+    from unbroken.state.updates import NodeUpdate
 
     store = SqliteStore(Path(sys.argv[1]))
     me = sys.argv[2]
     print("ready", flush=True)
     sys.stdin.readline()  # the parent releases every writer at once
-    indexes = []
-    for i in range(200):
-        indexes.append(store.allocate_node_index())
+    stale = 0
+    for i in range(100):
+        while True:  # read, decide, write conditionally; a stale read is read again
+            node = store.get_node("node-1")
+            try:
+                store.update_node("node-1", NodeUpdate(reboots=node.reboots + 1), expect_version=node.version)
+                break
+            except StaleUpdate:
+                stale += 1
         if i % 2:
             store.add_event("node", me, "Tick", str(i))
-    print(json.dumps(indexes), flush=True)
+            store.renew_lease(me, at=float(i))
+    print(stale, flush=True)
     """
 )
 
 
-def test_concurrent_processes_allocate_unique_indexes_and_keep_every_event(db, store):
+def test_concurrent_conditional_writers_lose_no_update_and_keep_every_event(db, store):
+    store.add_node(a_node())
     procs = [
         subprocess.Popen([sys.executable, "-c", WRITER, str(db), f"writer-{n}"], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -430,24 +496,20 @@ def test_concurrent_processes_allocate_unique_indexes_and_keep_every_event(db, s
         for p in procs:
             p.stdin.write("go\n")
             p.stdin.flush()
-        results = []
+        stale = 0
         for p in procs:
-            out, err = p.communicate(timeout=60)
+            out, err = p.communicate(timeout=120)
             assert p.returncode == 0, err
-            results.append(json.loads(out.strip().splitlines()[-1]))
+            stale += int(out.strip().splitlines()[-1])
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    everything = [i for r in results for i in r]
-    assert len(everything) == 800
-    assert sorted(everything) == list(range(1, 801))
-    for r in results:
-        assert r == sorted(r)  # each writer sees its own indexes increase
+    node = store.get_node("node-1")
+    assert node.reboots == 400, "every increment landed exactly once"
+    assert node.version == 400
+    assert stale > 0, "the writers really raced (else this test proves nothing)"
     events = store.list_events()
-    assert len(events) == 400
-    assert {e.object_name for e in events} == {f"writer-{n}" for n in range(4)}
-    assert all(sum(e.object_name == f"writer-{n}" for e in events) == 100 for n in range(4))
-    assert len({e.id for e in events}) == 400
-    assert store.allocate_node_index() == 801
+    assert len(events) == 200 and len({e.id for e in events}) == 200
+    assert all(sum(e.object_name == f"writer-{n}" for e in events) == 50 for n in range(4))

@@ -44,6 +44,7 @@ from unbroken.errors import CheckpointError
 from unbroken.state.phases import DeepHealthStatus, JobPhase, NodeState
 from unbroken.state.records import CheckpointStep, CheckpointTier, EventType, Job, Node, StepStatus
 from unbroken.state.sqlite import SqliteStore
+from unbroken.state.updates import JobUpdate, NodeUpdate
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 TOKEN = b"x" * 32
@@ -157,7 +158,8 @@ def make_rig(tmp_path: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> 
         rig = Rig(tmp_path, shm_dir, store, spec, services)
         rigs.append(rig)
         for name in nodes:  # every agent has its own connection to the store, as separate processes do
-            services[name] = CheckpointService(SqliteStore(tmp_path / "state.db"), name, shm_dir / name, token=TOKEN)
+            own = SqliteStore(tmp_path / "state.db")
+            services[name] = CheckpointService(own, own, name, shm_dir / name, token=TOKEN)
             services[name].start()
         return rig
 
@@ -234,7 +236,7 @@ def test_memory_round_trip_restores_the_newest_step_bit_exact_and_its_rng(make_r
     assert_same(restored.state, sample_state(30))
 
     # A rank of the next attempt (a new process) finds the newest step the same way.
-    rig.store.update_job("j", attempt=1)
+    rig.store.update_job("j", JobUpdate(attempt=1))
     restored = rig.checkpointer(attempt=1).restore()
     assert restored is not None and restored.step == 60 and restored.source == "memory on node-1"
     assert_same(restored.state, sample_state(60))
@@ -482,7 +484,7 @@ def test_rank_killed_mid_save_leaves_the_previous_step_restorable(make_rig, tmp_
     assert rig.copies(MEMORY, 2) == []
     assert [s.info.step for s in shm.scan(rig.root("node-1"), "j")] == [1]
 
-    rig.store.update_job("j", attempt=1)
+    rig.store.update_job("j", JobUpdate(attempt=1))
     ck = rig.checkpointer(attempt=1)
     restored = ck.restore()
     assert restored is not None and restored.step == 1 and restored.source == "memory on node-1"
@@ -511,7 +513,7 @@ def test_half_written_slot_of_a_finished_attempt_is_reclaimed(make_rig) -> None:
     dead.close()
     rig.checkpointers.remove(dead)
 
-    rig.store.update_job("j", attempt=1)
+    rig.store.update_job("j", JobUpdate(attempt=1))
     ck = rig.checkpointer(attempt=1)
     for step in (2, 3, 4):
         rig.save(ck, step, small_state(step))
@@ -618,8 +620,9 @@ def test_a_drain_in_flight_keeps_its_step_and_slot_while_training_saves_on(make_
     save_both(2)
     node1.reconcile()  # records rank 0's shard; the step needs rank 1's too
     assert 2 not in rig.steps(MEMORY)
-    node2.reconcile()  # records rank 1's, commits step 2, opens the drain, uploads rank 1's shard
+    node2.reconcile()  # records rank 1's, commits step 2, opens the drain (and prepares the tier for it)
     assert rig.row(PERSISTENT, 2).status is StepStatus.DRAINING
+    node2.reconcile()  # uploads rank 1's shard
     rig.wait_idle()
     assert [c.rank for c in rig.store.list_shard_copies("j", step=2, tier=PERSISTENT)] == [1]
     draining_slot = rig.own(2, node="node-1", rank=0)
@@ -754,7 +757,7 @@ def test_a_shard_of_a_failed_attempt_for_an_uncommitted_step_is_never_recorded(m
     old = rig.checkpointer(attempt=0)
     rig.save(old, 4, small_state(4), replicas=1)
     # Attempt 0 failed; the controller moved the job to attempt 1 while a slow rank was still saving.
-    rig.store.update_job("j", attempt=1)
+    rig.store.update_job("j", JobUpdate(attempt=1))
     old.save(5, small_state(5))
     old.wait()
     assert any(s.info.step == 5 for s in shm.scan(rig.root("node-1"), "j")), "the late shard is in shared memory"
@@ -780,7 +783,7 @@ def resave_step_2_in_attempt_1(rig: Rig) -> TieredCheckpointer:
     old = rig.checkpointer(attempt=0)
     for step in (1, 2):
         rig.save(old, step, small_state(step), replicas=1, persistent=rig.spec.checkpoint.persistent is not None)
-    rig.store.update_job("j", attempt=1)
+    rig.store.update_job("j", JobUpdate(attempt=1))
     new = rig.checkpointer(attempt=1)
     new.save(2, small_state(2, n=10))
     new.wait()
@@ -865,8 +868,20 @@ def test_the_newest_fully_replicated_step_outlives_retention_while_replication_l
     assert {5, 6} <= set(rig.steps(MEMORY))
     assert rig.own(1).info.step == 1  # its own slot was not overwritten: the agent pins it
     assert rig.copies(REPLICA, 1) == [(1, 0, "node-2")]
-    # node-1 lost: a rank elsewhere resumes from step 1's replica, not from scratch
+    # node-1 lost: its agent and its shared memory are gone, the node is retired. The rank
+    # starts again on node-2, which holds step 1's replica: it asks node-2's agent for the
+    # (real) restore catalog and resumes from that replica, not from scratch.
+    rig.services.pop("node-1").close()
     shutil.rmtree(rig.root("node-1"))
-    restored = rig.checkpointer(node="node-3", attempt=1, agent=False, shm_root=rig.root("node-2")).load_shard(
-        1, 0, {"memory": {1: {"attempt": 0, "copies": {0: [("node-3", "replica")]}}}, "persistent": [], "endpoints": {}})
-    assert restored is not None and restored.payload["step"] == 1
+    own = SqliteStore(rig.tmp / "state.db")
+    rig.services["node-2"] = CheckpointService(own, own, "node-2", rig.root("node-2"), token=TOKEN)  # its agent is back
+    rig.services["node-2"].start()
+    rig.store.update_node("node-1", NodeUpdate(state=NodeState.PENDING_REPLACEMENT))
+    rig.store.update_node("node-1", NodeUpdate(state=NodeState.RETIRED))
+    rig.store.update_job("j", JobUpdate(attempt=1))
+    rig.settle(lambda: not rig.copies(MEMORY), "node-1's copies forgotten")
+    resumed = rig.checkpointer(node="node-2", attempt=1)
+    catalog = resumed.catalog()
+    assert [s.step for s in catalog.memory][-1] == 1 and catalog.memory_step(1).copies[0][0].node == "node-2"
+    restored = resumed.restore()
+    assert restored is not None and restored.step == 1 and restored.source == "replica on node-2"
