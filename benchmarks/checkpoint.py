@@ -84,12 +84,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from unbroken.checkpoint import service as checkpoint_service
-from unbroken.checkpoint.service import CheckpointService, endpoint_key
+from unbroken.checkpoint.service import CheckpointService
 from unbroken.checkpoint.tiered import TieredCheckpointer
 from unbroken.config.job import JobSpec
 from unbroken.state.phases import DeepHealthStatus, JobPhase, NodeState
 from unbroken.state.records import CheckpointTier, Job, Node, StepStatus
 from unbroken.state.sqlite import SqliteStore
+from unbroken.waiting import wait_until
 
 GIB = 2**30
 TOKEN = b"benchmark-token-" * 2
@@ -198,13 +199,7 @@ def rounded(values: list[float]) -> list[float]:
 
 
 def poll(predicate: Callable[[], Any], timeout: float = GIVE_UP_AFTER) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(POLL_SECONDS)
-    raise TimeoutError(f"gave up after {timeout:g} s")
+    return wait_until(predicate, timeout, "the benchmark's condition", interval=POLL_SECONDS)
 
 
 def drop_page_cache(path: Path) -> None:
@@ -307,7 +302,8 @@ def run_dcp(state: dict[str, Any], disk: Path, repeats: int, cold_restore: bool,
 def _agent(db: str, node: str, root: str, stop: Any) -> None:
     """One node agent's checkpoint half, in its own process like ``unbroken agent``'s."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the benchmark stops us, after Ctrl-C too
-    service = CheckpointService(SqliteStore(Path(db)), node, Path(root), TOKEN)
+    store = SqliteStore(Path(db))
+    service = CheckpointService(store, store, node, Path(root), TOKEN)
     service.start()
     try:
         while not stop.wait(checkpoint_service.PASS_SECONDS):
@@ -340,7 +336,7 @@ class Cluster:
         ]
         for agent in self.agents:
             agent.start()
-        self.endpoints = {name: poll(lambda n=name: self.store.get_meta(endpoint_key(n)), 120) for name in nodes}
+        self.endpoints = {name: poll(lambda n=name: self.store.shard_servers().get(n), 120) for name in nodes}
 
     def checkpointer(self, node: str, *, endpoint: str | None, attempt: int = 0) -> TieredCheckpointer:
         tiers = self.spec.checkpoint.tiers

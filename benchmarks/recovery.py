@@ -40,10 +40,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from unbroken import chaos, jobs, procs, report
-from unbroken.backends import local_cluster
+from unbroken.runtime import local_cluster
 from unbroken.config.cluster import ClusterConfig
 from unbroken.config.job import JobSpec
 from unbroken.layout import ClusterLayout
+from unbroken.waiting import WaitTimeout, wait_until
 
 STEPS = 100_000  # never reached: each scenario ends at the first step after resume
 CHECKPOINT_EVERY = 20
@@ -87,13 +88,11 @@ def slowest_restore(log_dirs: list[Path]) -> float | None:
 
 
 def poll(predicate, timeout: float, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    return None
+    """The predicate's value once it holds, None if it never did (the row says what happened)."""
+    try:
+        return wait_until(predicate, timeout, "the scenario's next stage", interval=interval)
+    except WaitTimeout:
+        return None
 
 
 # -- unbroken -------------------------------------------------------------------------
@@ -102,9 +101,10 @@ def poll(predicate, timeout: float, interval: float = 0.05):
 def run_unbroken(fault: str, root: Path, checkpoint: str) -> Result:
     system = f"unbroken ({checkpoint})"
     layout = ClusterLayout.at(root / f"unbroken-{fault}-{checkpoint}")
-    store, _ = local_cluster.up(layout, ClusterConfig.with_nodes(3, name="bench"))
+    runtime, _ = local_cluster.up(layout, ClusterConfig.with_nodes(3, name="bench"))
+    store, backend = runtime.cluster, runtime.backend
     try:
-        local_cluster.wait_ready(store, 120)
+        local_cluster.wait_ready(runtime, 120)
         spec = JobSpec.model_validate({
             "name": "bench", "nodes": 2, "procs_per_node": 2, "command": workload_args(),
             "resilience": {"auto_resume": True, "max_retry": 3, "hang_timeout": HANG_TIMEOUT},
@@ -113,33 +113,33 @@ def run_unbroken(fault: str, root: Path, checkpoint: str) -> Result:
         jobs.submit(store, spec, note="benchmarks/recovery.py")
 
         def step() -> int:
-            return jobs.current_step(store.list_workers(job="bench", attempt=0))
+            return jobs.current_step(backend.observe_attempt("bench", 0))
 
         if not poll(lambda: step() >= FAULT_AT_STEP, 180):
             return Result(system, fault, None, None, None, "job never reached the fault step")
         if fault == "kill-node":
-            victim = next(w.node for w in store.list_workers(job="bench", attempt=0) if w.node_rank == 1)
-            chaos.kill_node(store, layout, victim)
+            victim = next(w.node for w in backend.observe_attempt("bench", 0) if w.node_rank == 1)
+            chaos.kill_node(runtime, victim)
         else:
-            target = chaos.pick_rank(store, "bench", rank=3)
+            target = chaos.pick_rank(runtime, "bench", rank=3)
             sig = signal.SIGKILL if fault == "kill-worker" else signal.SIGSTOP
-            chaos.signal_rank(store, target, sig, "ChaosKillWorker" if fault == "kill-worker" else "ChaosHangWorker")
+            chaos.signal_rank(runtime, target, sig, "ChaosKillWorker" if fault == "kill-worker" else "ChaosHangWorker")
 
         def resumed():
             job = store.get_job("bench")
-            workers = store.list_workers(job="bench", attempt=1)
+            workers = backend.observe_attempt("bench", 1)
             return job.attempt >= 1 and any(w.first_progress_at for w in workers)
 
         if not poll(resumed, GIVE_UP_AFTER):
             return Result(system, fault, None, None, None, f"no resume within {GIVE_UP_AFTER:g} s")
         poll(lambda: any(e.reason == "JobResumed" for e in store.list_events(object_kind="Job", object_name="bench")), 5)
         job = store.get_job("bench")
-        summary = report.summarize(job, store.list_workers(job="bench"), store.list_events(object_kind="Job", object_name="bench"))
+        summary = report.summarize(job, backend.worker_history("bench"), store.list_events(object_kind="Job", object_name="bench"))
         note = f"resumed on {','.join(summary.attempts[1].nodes)}"
         if not summary.recoveries:
             return Result(system, fault, None, None, summary.steps_lost, note + "; timeline incomplete")
         r = summary.recoveries[0]
-        restore = slowest_restore([Path(w.log_dir) for w in store.list_workers(job="bench", attempt=1) if w.log_dir])
+        restore = slowest_restore([Path(w.log_dir) for w in backend.observe_attempt("bench", 1) if w.log_dir])
         return Result(system, fault, round(r.detected_at - r.fault_at, 2), round(r.total_s, 2), summary.steps_lost, note,
                       round(r.scheduled_at - r.detected_at, 2), round(r.first_step_at - r.scheduled_at, 2), restore)
     finally:

@@ -8,7 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers import Cluster, run_cli, wait_for  # noqa: E402
+from helpers import Cluster, run_cli  # noqa: E402
 
 from unbroken import procs  # noqa: E402
 
@@ -35,5 +35,3 @@ def make_cluster(tmp_path: Path) -> Iterator:
 def cluster3(make_cluster) -> Cluster:
     return make_cluster("--nodes", "3")
 
-
-__all__ = ["wait_for"]

@@ -6,8 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -16,7 +14,10 @@ import yaml
 
 from unbroken.jobs import current_step
 from unbroken.layout import ClusterLayout
+from unbroken.runtime import Runtime, open_local
+from unbroken.state.records import Worker
 from unbroken.state.sqlite import SqliteStore
+from unbroken.waiting import wait_until
 
 T = TypeVar("T")
 
@@ -43,25 +44,24 @@ def run_cli(*args: str, cluster_dir: Path | None = None, check: bool = True, tim
     return result
 
 
-def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.1) -> T:
-    """Poll ``predicate`` until it returns something truthy; fail with ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for: {what} (last: {last!r})")
-
-
 @dataclass
 class Cluster:
     dir: Path
 
     @property
+    def runtime(self) -> Runtime:
+        return open_local(self.layout)
+
+    @property
     def store(self) -> SqliteStore:
-        return SqliteStore(ClusterLayout.at(self.dir).state_db)
+        """The local cluster's one SQLite file: its cluster store, catalog and worker table."""
+        store = self.runtime.cluster
+        assert isinstance(store, SqliteStore)
+        return store
+
+    def workers(self, job: str, attempt: int | None = None) -> list[Worker]:
+        backend = self.runtime.backend
+        return backend.worker_history(job) if attempt is None else backend.observe_attempt(job, attempt)
 
     @property
     def layout(self) -> ClusterLayout:
@@ -78,10 +78,10 @@ class Cluster:
 
     def step(self, name: str) -> int:
         job = self.store.get_job(name)
-        return current_step(self.store.list_workers(job=name, attempt=job.attempt))
+        return current_step(self.workers(name, job.attempt))
 
     def wait_job_phase(self, name: str, phases: set[str], timeout: float):
-        return wait_for(lambda: (j := self.job(name)).phase.value in phases and j, timeout, f"job {name} in {phases}")
+        return wait_until(lambda: (j := self.job(name)).phase.value in phases and j, timeout, f"job {name} in {phases}")
 
     def wait_step(self, name: str, step: int, timeout: float, attempt: int = 0) -> int:
         def reached() -> int:
@@ -91,7 +91,7 @@ class Cluster:
             if job.attempt != attempt:
                 return 0
             return self.step(name) >= step and self.step(name)
-        return wait_for(reached, timeout, f"job {name} attempt {attempt} at step >= {step}")
+        return wait_until(reached, timeout, f"job {name} attempt {attempt} at step >= {step}")
 
     def wait_for_replicas(self, job: str, node: str, timeout: float = 60) -> None:
         """Until every shard ``node`` holds of the newest committed memory step has a replica elsewhere."""
@@ -102,7 +102,7 @@ class Cluster:
             mine = {(c.step, c.rank) for c in copies if c.tier is CheckpointTier.MEMORY and c.node == node}
             held = {(c.step, c.rank) for c in copies if c.tier is CheckpointTier.REPLICA and c.node != node}
             return bool(mine) and bool(mine & held) and max(mine) in held
-        wait_for(replicated, timeout, f"replicas of {node}'s shards of {job}")
+        wait_until(replicated, timeout, f"replicas of {node}'s shards of {job}")
 
     def submit(self, tmp: Path, name: str, *, steps: int, nodes: int = 2, procs: int = 2, checkpoint_every: int = 10,
                step_time: float = 0.02, extra_args: list[str] | None = None, checkpoint: dict[str, Any] | None = None,

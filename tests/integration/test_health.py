@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from helpers import wait_for
+from unbroken.waiting import wait_until
 
 from unbroken import procs
 from unbroken.state.phases import DeepHealthStatus, NodeState
@@ -29,18 +29,18 @@ def test_xid_79_replaces_the_node_and_the_job_resumes_xid_13_is_only_an_event_np
     cluster = make_cluster("-f", str(config))
     cluster.submit(tmp_path, "train", nodes=2, procs=1, steps=100_000, step_time=0.05)
     cluster.wait_step("train", 3, 120)
-    first, second = sorted(w.node for w in cluster.store.list_workers(job="train", attempt=0))
+    first, second = sorted(w.node for w in cluster.workers("train", 0))
 
     # Xid 13 (application-level): an event, the node stays in service, the job is untouched
     cluster.cli("chaos", "xid", first, "13")
-    warning = wait_for(lambda: _events(cluster, first, "HealthCheckWarning"), 5, f"Xid 13 event on {first}")[0]
+    warning = wait_until(lambda: _events(cluster, first, "HealthCheckWarning"), 5, f"Xid 13 event on {first}")[0]
     assert "Xid 13 (Graphics engine exception)" in warning.message
     assert cluster.store.get_node(first).state is NodeState.SCHEDULABLE and cluster.job("train").attempt == 0
 
     # Xid 79 (fallen off the bus): UnschedulablePendingReplacement within 5 s, job resumes on the spare
     injected = time.time()
     cluster.cli("chaos", "xid", second, "79")
-    faulted = wait_for(lambda: (n := cluster.store.get_node(second)).fault_type == "FaultyInstance" and n, 5,
+    faulted = wait_until(lambda: (n := cluster.store.get_node(second)).fault_type == "FaultyInstance" and n, 5,
                        f"{second} faulted by Xid 79")
     detected = time.time() - injected
     assert "Xid 79 (GPU has fallen off the bus) on PCI:0000:b9:00" in faulted.fault_reason
@@ -53,7 +53,7 @@ def test_xid_79_replaces_the_node_and_the_job_resumes_xid_13_is_only_an_event_np
 
     cluster.wait_step("train", 1, 120, attempt=1)
     resumed_after = time.time() - injected
-    resumed_on = {w.node for w in cluster.store.list_workers(job="train", attempt=1)}
+    resumed_on = {w.node for w in cluster.workers("train", 1)}
     assert second not in resumed_on and first in resumed_on
     job_events = cluster.json("job", "describe", "train")["events"]
     assert any(e["reason"] == "NodeFault" and "Xid 79" in e["message"] for e in job_events)
@@ -61,14 +61,14 @@ def test_xid_79_replaces_the_node_and_the_job_resumes_xid_13_is_only_an_event_np
           f"job resumed (first step of attempt 1): {resumed_after:.1f} s")
 
     # an NPD rule file from the cluster file fires: a permanent KernelDeadlock rule asks for a reboot
-    replacement = wait_for(lambda: cluster.store.get_node(second).replaced_by, 30, f"{second} replaced")
-    wait_for(lambda: cluster.store.get_node(replacement).state is NodeState.SCHEDULABLE, 60, f"{replacement} joins")
+    replacement = wait_until(lambda: cluster.store.get_node(second).replaced_by, 30, f"{second} replaced")
+    wait_until(lambda: cluster.store.get_node(replacement).state is NodeState.SCHEDULABLE, 60, f"{replacement} joins")
     line = "INFO: task docker:2301 blocked for more than 120 seconds."
     with open(cluster.layout.kernel_log(replacement), "a") as f:
         f.write(line + "\n")
-    reboot = wait_for(lambda: _events(cluster, replacement, "RebootRequired"), 5, "KernelDeadlock reboot")[0]
+    reboot = wait_until(lambda: _events(cluster, replacement, "RebootRequired"), 5, "KernelDeadlock reboot")[0]
     assert "KernelDeadlock: DockerHung: task docker:2301 blocked" in reboot.message
-    wait_for(lambda: (n := cluster.store.get_node(replacement)).reboots == 1 and n.state is NodeState.SCHEDULABLE, 60,
+    wait_until(lambda: (n := cluster.store.get_node(replacement)).reboots == 1 and n.state is NodeState.SCHEDULABLE, 60,
              f"{replacement} rebooted and back")
     cluster.cli("job", "cancel", "train")
 
@@ -86,13 +86,13 @@ def test_a_hung_check_is_fail_timeout_within_its_timeout_and_the_agent_keeps_wor
                    "CustomChecks": [{"Id": "site.hang", "Suites": ["Continuous"], "Target": f"{check}:hang", "TimeoutSeconds": 2}]},
     }))
     cluster = make_cluster("-f", str(config))
-    failed = wait_for(lambda: [e for e in _events(cluster, "node-1", "HealthCheckFailed") if "site.hang" in e.message],
+    failed = wait_until(lambda: [e for e in _events(cluster, "node-1", "HealthCheckFailed") if "site.hang" in e.message],
                       20, "site.hang failed")[0]
     assert "site.hang: Fail: FaultyInstance detected. Replace the instance. did not finish within its timeout of 2 s" in failed.message
-    node = wait_for(lambda: (n := cluster.store.get_node("node-1")).state is NodeState.PENDING_REPLACEMENT and n, 5, "node out")
+    node = wait_until(lambda: (n := cluster.store.get_node("node-1")).state is NodeState.PENDING_REPLACEMENT and n, 5, "node out")
     assert node.fault_type == "FaultyInstance" and "site.hang" in node.fault_reason
     # the agent is alive and heartbeating well after the hung check was killed
-    wait_for(lambda: (cluster.store.get_node("node-1").heartbeat_at or 0) > failed.ts + 2, 10, "heartbeats go on")
+    wait_until(lambda: (cluster.store.get_node("node-1").heartbeat_at or 0) > failed.ts + 2, 10, "heartbeats go on")
     assert procs.alive(node.agent_pid)
     lines = [json.loads(line) for line in cluster.layout.agent_log("node-1").read_text().splitlines() if line.startswith("{")]
     hung = next(entry for entry in lines if entry.get("check") == "site.hang" and entry.get("reason") == "Timeout")

@@ -10,7 +10,9 @@ import sys
 
 import yaml
 
-from helpers import run_cli, wait_for
+from helpers import run_cli
+
+from unbroken.waiting import wait_until
 
 from unbroken import procs
 from unbroken.state.phases import DeepHealthStatus, NodeState
@@ -20,7 +22,7 @@ def test_manual_reboot_and_replace(make_cluster):
     cluster = make_cluster("--nodes", "2")
     before = cluster.store.get_node("node-1").agent_pid
     cluster.cli("node", "reboot", "node-1")
-    rebooted = wait_for(lambda: (n := cluster.store.get_node("node-1")).state is NodeState.SCHEDULABLE and n.reboots == 1 and n,
+    rebooted = wait_until(lambda: (n := cluster.store.get_node("node-1")).state is NodeState.SCHEDULABLE and n.reboots == 1 and n,
                         60, "node-1 back after reboot")
     assert rebooted.agent_pid != before and not procs.alive(before)
     assert rebooted.deep_health is DeepHealthStatus.PASSED
@@ -29,8 +31,8 @@ def test_manual_reboot_and_replace(make_cluster):
 
     old_pid = cluster.store.get_node("node-2").agent_pid
     cluster.cli("node", "replace", "node-2")
-    replacement = wait_for(lambda: cluster.store.get_node("node-2").replaced_by, 30, "node-2 replaced")
-    wait_for(lambda: cluster.store.get_node(replacement).state is NodeState.SCHEDULABLE, 60, f"{replacement} joins")
+    replacement = wait_until(lambda: cluster.store.get_node("node-2").replaced_by, 30, "node-2 replaced")
+    wait_until(lambda: cluster.store.get_node(replacement).state is NodeState.SCHEDULABLE, 60, f"{replacement} joins")
     assert cluster.store.get_node("node-2").state is NodeState.RETIRED and not procs.alive(old_pid)
     listed = cluster.json("node", "list")
     assert [n["name"] for n in listed] == ["node-1", replacement]
@@ -42,23 +44,23 @@ def test_without_automatic_recovery_a_lost_node_waits_for_the_operator(make_clus
     config.write_text(yaml.safe_dump({
         "ClusterName": "manual", "NodeRecovery": "None",
         "InstanceGroups": [{"InstanceGroupName": "gpu", "InstanceCount": 2}],
-        "Local": {"HeartbeatIntervalSeconds": 0.25, "NodeLostAfterSeconds": 1.5},
+        "Local": {"HeartbeatIntervalSeconds": 1, "NodeLostAfterSeconds": 3},
     }))
     cluster = make_cluster("-f", str(config))
     os.kill(cluster.store.get_node("node-2").agent_pid, signal.SIGKILL)
-    lost = wait_for(lambda: (n := cluster.store.get_node("node-2")).state is NodeState.PENDING_REPLACEMENT and n,
+    lost = wait_until(lambda: (n := cluster.store.get_node("node-2")).state is NodeState.PENDING_REPLACEMENT and n,
                     20, "node-2 pending replacement")
     assert lost.fault_type == "NodeLost"
     described = cluster.json("node", "describe", "node-2")
     assert described["labels"]["unbroken.dev/node-health-status"] == "UnschedulablePendingReplacement"
     assert described["labels"]["unbroken.dev/fault-type"] == "NodeLost"
     # NodeRecovery None: several controller passes later there is still no replacement...
-    wait_for(lambda: any(e.reason == "NodeLost" for e in cluster.store.list_events(object_kind="Node", object_name="node-2")),
+    wait_until(lambda: any(e.reason == "NodeLost" for e in cluster.store.list_events(object_kind="Node", object_name="node-2")),
              5, "NodeLost event")
     assert len(cluster.store.list_nodes()) == 2
     # ...until the operator asks for one.
     cluster.cli("node", "replace", "node-2")
-    replacement = wait_for(lambda: cluster.store.get_node("node-2").replaced_by, 30, "node-2 replaced by hand")
+    replacement = wait_until(lambda: cluster.store.get_node("node-2").replaced_by, 30, "node-2 replaced by hand")
     assert cluster.store.get_node(replacement).group == "gpu"
 
 
@@ -66,7 +68,7 @@ def test_cordon_keeps_running_work_but_takes_no_new_work(make_cluster, tmp_path)
     cluster = make_cluster("--nodes", "2")
     cluster.cli("node", "cordon", "node-2")
     cluster.submit(tmp_path, "solo", nodes=2, steps=20)
-    wait_for(lambda: "needs 2" in (cluster.job("solo").reason or ""), 10, "job waits for 2 schedulable nodes")
+    wait_until(lambda: "needs 2" in (cluster.job("solo").reason or ""), 10, "job waits for 2 schedulable nodes")
     assert cluster.job("solo").phase.value == "Pending"
     cluster.cli("node", "uncordon", "node-2")
     job = cluster.wait_job_phase("solo", {"Succeeded", "Failed"}, 180)
@@ -88,7 +90,7 @@ def test_read_views_logs_and_cancel(make_cluster, tmp_path):
 
     node_logs = cluster.cli("job", "logs", "views", "--node", "node-2").stdout
     assert "[node-2 torchrun]" in node_logs or "[node-2 rank" in node_logs
-    wait_for(lambda: "first step" in cluster.cli("job", "logs", "views", "--rank", "3").stdout, 30, "rank 3 log")
+    wait_until(lambda: "first step" in cluster.cli("job", "logs", "views", "--rank", "3").stdout, 30, "rank 3 log")
     bad = cluster.cli("job", "logs", "views", "--rank", "9", check=False)
     assert bad.returncode == 2 and "no rank 9" in bad.stderr
 
@@ -100,7 +102,7 @@ def test_read_views_logs_and_cancel(make_cluster, tmp_path):
     assert follower.returncode == 0 and re.search(r"^\[node-[12] rank 0\] ", out, re.MULTILINE), out[-2000:]
     job = cluster.wait_job_phase("views", {"Cancelled"}, 30)
     assert job.reason == "cancelled by user"
-    wait_for(lambda: not [p for p in procs.cluster_processes(cluster.dir) if p.environ().get("UNBROKEN_JOB") == "views"],
+    wait_until(lambda: not [p for p in procs.cluster_processes(cluster.dir) if p.environ().get("UNBROKEN_JOB") == "views"],
              20, "cancelled job's processes gone")
     again = cluster.cli("job", "cancel", "views", check=False)
     assert again.returncode == 2 and "already ended" in again.stderr

@@ -11,7 +11,9 @@ import signal
 
 import pytest
 
-from helpers import STEPS, assert_same_parameters, wait_for
+from helpers import STEPS, assert_same_parameters
+
+from unbroken.waiting import wait_until
 
 from unbroken import procs
 from unbroken.state.phases import NodeState
@@ -50,19 +52,19 @@ def test_kill_9_worker_resumes_bit_identical(cluster3, tmp_path, reference):
 def test_killed_agent_node_is_replaced_and_job_resumes(cluster3, tmp_path):
     cluster3.submit(tmp_path, "agentkill", steps=STEPS, step_time=0.1)
     cluster3.wait_step("agentkill", 15, 120)
-    victim = next(w.node for w in cluster3.store.list_workers(job="agentkill") if w.node_rank == 1)
+    victim = next(w.node for w in cluster3.workers("agentkill") if w.node_rank == 1)
     agent_pid = cluster3.store.get_node(victim).agent_pid
     os.kill(agent_pid, signal.SIGKILL)  # only the agent; its workers must not outlive it
-    wait_for(lambda: cluster3.store.get_node(victim).state in (NodeState.PENDING_REPLACEMENT, NodeState.RETIRED),
+    wait_until(lambda: cluster3.store.get_node(victim).state in (NodeState.PENDING_REPLACEMENT, NodeState.RETIRED),
              30, f"{victim} marked for replacement")
     node = cluster3.store.get_node(victim)
     assert node.fault_type == "NodeLost" and "heartbeat" in (node.fault_reason or "")
-    replacement = wait_for(lambda: cluster3.store.get_node(victim).replaced_by, 30, f"{victim} replaced")
-    wait_for(lambda: cluster3.store.get_node(replacement).state is NodeState.SCHEDULABLE, 60, f"{replacement} joins")
+    replacement = wait_until(lambda: cluster3.store.get_node(victim).replaced_by, 30, f"{victim} replaced")
+    wait_until(lambda: cluster3.store.get_node(replacement).state is NodeState.SCHEDULABLE, 60, f"{replacement} joins")
     job = cluster3.wait_job_phase("agentkill", {"Succeeded", "Failed"}, 180)
     assert job.phase.value == "Succeeded", job.reason
     assert job.attempt >= 1
-    last_nodes = {w.node for w in cluster3.store.list_workers(job="agentkill", attempt=job.attempt)}
+    last_nodes = {w.node for w in cluster3.workers("agentkill", job.attempt)}
     assert victim not in last_nodes
     assert cluster3.store.get_node(victim).state is NodeState.RETIRED
     assert not [p for p in procs.cluster_processes(cluster3.dir) if p.environ().get("UNBROKEN_NODE") == victim]
@@ -93,7 +95,7 @@ def test_crashing_worker_fails_after_max_retry_with_reason_and_no_process_left(c
     def job_processes():
         return [p for p in procs.cluster_processes(cluster3.dir) if p.environ().get("UNBROKEN_JOB") == "crash"]
 
-    wait_for(lambda: not job_processes(), 15, "no process of the failed job")
+    wait_until(lambda: not job_processes(), 15, "no process of the failed job")
     described = cluster3.cli("job", "describe", "crash").stdout
     assert "exited with code 3" in described
 
@@ -103,7 +105,7 @@ def test_controller_killed_and_restarted_mid_job_loses_nothing(cluster3, tmp_pat
     cluster3.wait_step("ctl", 10, 120)
     cluster3.cli("chaos", "kill-controller")
     before = cluster3.step("ctl")
-    wait_for(lambda: cluster3.step("ctl") > before + 5, 60, "training goes on without a controller")
+    wait_until(lambda: cluster3.step("ctl") > before + 5, 60, "training goes on without a controller")
     restarted = cluster3.cli("cluster", "up", "--nodes", "3")
     assert "controller restarted" in restarted.stdout
     job = cluster3.wait_job_phase("ctl", {"Succeeded", "Failed"}, 180)

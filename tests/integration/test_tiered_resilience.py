@@ -29,7 +29,7 @@ def tiers(tmp: Path, name: str, **persistent: Any) -> dict[str, Any]:
 def restore_sources(cluster: Cluster, job: str, attempt: int) -> list[str]:
     """What each rank of ``attempt`` printed about where it restored from."""
     lines = []
-    for worker in cluster.store.list_workers(job=job, attempt=attempt):
+    for worker in cluster.workers(job, attempt):
         for log in Path(worker.log_dir or "").rglob("stdout.log"):
             lines += [line for line in log.read_text().splitlines() if line.startswith("unbroken: restored step")]
     return lines
@@ -58,7 +58,7 @@ def test_kill_9_worker_resumes_from_shared_memory_bit_identical(cluster3, tmp_pa
 def test_lost_node_ranks_restore_from_replicas_on_peers(cluster3, tmp_path, reference):
     output = cluster3.submit(tmp_path, "tnode", steps=STEPS, step_time=0.1, checkpoint=tiers(tmp_path, "tnode", every_steps=1000))
     cluster3.wait_step("tnode", 25, 120)
-    victim = next(w.node for w in cluster3.store.list_workers(job="tnode") if w.node_rank == 0)
+    victim = next(w.node for w in cluster3.workers("tnode") if w.node_rank == 0)
     # the victim's shards must be replicated before it dies, or there is nothing to test
     cluster3.wait_for_replicas("tnode", victim)
     cluster3.cli("chaos", "kill-node", victim)

@@ -39,6 +39,7 @@ from unbroken.checkpoint.tiered import TieredCheckpointer
 from unbroken.config.job import JobSpec
 from unbroken.state.phases import JobPhase
 from unbroken.state.records import Job
+from unbroken.waiting import wait_until
 from unbroken.state.sqlite import SqliteStore
 
 TOKEN = b"x" * 32
@@ -51,14 +52,7 @@ COMMIT_TIMEOUT = 30.0
 
 
 def _poll(predicate: Callable[[], Any], what: str, timeout: float = COMMIT_TIMEOUT) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.02)
+    return wait_until(predicate, timeout, what, interval=0.02)
 
 
 def _committed_in_memory(ck: TieredCheckpointer, step: int) -> None:

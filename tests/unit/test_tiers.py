@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import wait_for
+from unbroken.waiting import wait_until
 from s3 import empty_and_delete_bucket
 from test_file_checkpoint import assert_same, sample_state
 
@@ -93,7 +93,7 @@ class Rig:
         def one_pass() -> Any:
             self.reconcile()
             return predicate()
-        return wait_for(one_pass, timeout, what, interval=0.02)
+        return wait_until(one_pass, timeout, what, interval=0.02)
 
     def rows(self, tier: CheckpointTier) -> list[CheckpointStep]:
         return self.store.list_checkpoint_steps(self.job, tier=tier)
@@ -131,7 +131,7 @@ class Rig:
         """Until no service has a replication or drain thread running."""
         def idle() -> bool:
             return not any(s._replicator.busy() or s._drainer.busy() for s in self.services.values())
-        wait_for(idle, timeout, "checkpoint services idle", interval=0.02)
+        wait_until(idle, timeout, "checkpoint services idle", interval=0.02)
 
 
 def job_spec(memory: dict[str, Any], persistent: dict[str, Any] | None = None) -> JobSpec:
@@ -469,7 +469,7 @@ def test_rank_killed_mid_save_leaves_the_previous_step_restorable(make_rig, tmp_
                 raise AssertionError("the rank finished before it could be killed: " + proc.stdout.read())
             return None
 
-        victim = wait_for(writing, 60, "the rank writing its 300 MB slot", interval=0.001)
+        victim = wait_until(writing, 60, "the rank writing its 300 MB slot", interval=0.001)
         proc.kill()
         proc.wait(timeout=10)
     finally:
@@ -837,7 +837,7 @@ def test_concurrent_agents_commit_each_persistent_step_once_and_never_mark_it_fa
         for step in range(1, STEPS + 1):
             ck.save(step, small_state(step))
             ck.wait()
-            wait_for(lambda s=step: (r := rig.row(PERSISTENT, s)) is not None and r.status is not StepStatus.DRAINING,
+            wait_until(lambda s=step: (r := rig.row(PERSISTENT, s)) is not None and r.status is not StepStatus.DRAINING,
                      15, f"step {step}'s drain finished")
     finally:
         stop.set()

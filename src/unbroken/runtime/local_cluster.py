@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import time
 from collections.abc import Callable
 
 from unbroken.backends import netns_launch
@@ -15,6 +14,7 @@ from unbroken.layout import ClusterLayout
 from unbroken.runtime import Runtime, create_local, open_local
 from unbroken.state.phases import NodeState
 from unbroken.state.records import ClusterStatus
+from unbroken.waiting import WaitTimeout, wait_until
 
 
 def up(layout: ClusterLayout, config: ClusterConfig) -> tuple[Runtime, bool]:
@@ -53,19 +53,21 @@ def up(layout: ClusterLayout, config: ClusterConfig) -> tuple[Runtime, bool]:
 
 def wait_ready(runtime: Runtime, timeout: float, on_tick: Callable[[dict[str, int]], None] | None = None) -> None:
     """Poll until no node is Joining; raise if that takes longer than ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
+    counts: dict[str, int] = {}
+
+    def ready() -> bool:
         nodes = [n for n in runtime.cluster.list_nodes() if n.state is not NodeState.RETIRED]
-        counts: dict[str, int] = {}
+        counts.clear()
         for node in nodes:
             counts[node.state.value] = counts.get(node.state.value, 0) + 1
         if on_tick:
-            on_tick(counts)
-        if nodes and not any(n.state in (NodeState.JOINING, NodeState.REBOOTING) for n in nodes):
-            return
-        if time.monotonic() > deadline:
-            raise BackendError(f"nodes still joining after {timeout:g} s: {counts}; see the agent logs under nodes/*/agent.log")
-        time.sleep(0.1)
+            on_tick(dict(counts))
+        return bool(nodes) and not any(n.state in (NodeState.JOINING, NodeState.REBOOTING) for n in nodes)
+
+    try:
+        wait_until(ready, timeout, "nodes to finish joining")
+    except WaitTimeout:
+        raise BackendError(f"nodes still joining after {timeout:g} s: {counts}; see the agent logs under nodes/*/agent.log") from None
 
 
 def down(layout: ClusterLayout) -> list[int]:
