@@ -1,36 +1,30 @@
 """Structured logs: one JSON object per line, ``{"level","ts","component",...,"msg"}``.
 
 Agents and the controller write to files under the cluster directory; anything
-that parses JSON lines (jq, Loki, CloudWatch) reads them without a pattern.
+that parses JSON lines (jq, Loki, CloudWatch, Fluent Bit) reads them without a
+pattern. The encoding (extra fields, exceptions, values JSON does not know) is
+python-json-logger's; this module only names the fields.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
-from datetime import datetime, timezone
 from typing import Any
 
-_RESERVED = set(vars(logging.makeLogRecord({})))
+from pythonjsonlogger.json import JsonFormatter as _LibraryFormatter
 
 
-class JsonFormatter(logging.Formatter):
+class JsonFormatter(_LibraryFormatter):
+    """``level`` in lower case (``"error"``), ``ts`` in UTC, the message as ``msg``, a traceback as ``exc``."""
+
     def __init__(self, **static: Any) -> None:
-        super().__init__()
-        self._static = static
+        super().__init__("{levelname}{message}", style="{", static_fields=static, timestamp="ts",
+                         rename_fields={"levelname": "level", "message": "msg", "exc_info": "exc"})
 
-    def format(self, record: logging.LogRecord) -> str:
-        entry: dict[str, Any] = {
-            "level": record.levelname.lower(),
-            "ts": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
-            **self._static,
-        }
-        entry.update({k: v for k, v in vars(record).items() if k not in _RESERVED and not k.startswith("_")})
-        entry["msg"] = record.getMessage()
-        if record.exc_info:
-            entry["exc"] = self.formatException(record.exc_info)
-        return json.dumps(entry, default=str)
+    def add_fields(self, log_data: dict[str, Any], record: logging.LogRecord, message_dict: dict[str, Any]) -> None:
+        super().add_fields(log_data, record, message_dict)
+        log_data["level"] = record.levelname.lower()
 
 
 def setup(**static: Any) -> None:

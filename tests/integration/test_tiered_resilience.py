@@ -7,6 +7,7 @@ must equal the uninterrupted reference run bit for bit.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -51,8 +52,15 @@ def test_kill_9_worker_resumes_from_shared_memory_bit_identical(cluster3, tmp_pa
     # the persistent tier got its steps too, and they verify
     steps = cluster3.store.list_checkpoint_steps("tk9", tier=CheckpointTier.PERSISTENT)
     assert any(s.status is StepStatus.COMMITTED for s in steps), steps
-    verify = cluster3.cli("ckpt", "verify", "tk9", "-o", "json")
-    assert '"ok": true' in verify.stdout
+    verify = cluster3.cli("ckpt", "verify", "tk9", "-o", "json", check=False)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    report = json.loads(verify.stdout)
+    assert report["ok"] is True
+    checks = report["checks"]
+    assert checks and all(c["ok"] is True for c in checks), [c for c in checks if c["ok"] is not True]
+    persistent = {(c["step"], c["rank"]) for c in checks if c["tier"] == "persistent"}
+    committed = {s.step for s in steps if s.status is StepStatus.COMMITTED}
+    assert persistent == {(step, rank) for step in committed for rank in range(4)}, "every rank of every committed step was read back"
 
 
 def test_lost_node_ranks_restore_from_replicas_on_peers(cluster3, tmp_path, reference):

@@ -373,3 +373,33 @@ def test_agent_gone_only_when_nobody_can_stop_the_workers():
     # a faulty node whose agent still heartbeats stops its own workers
     assert not agent_gone(NOW, node("node-1", NodeState.PENDING_REPLACEMENT, heartbeat_at=NOW - 0.2), SILENT_AFTER)
     assert agent_gone(NOW, node("node-1", NodeState.PENDING_REPLACEMENT, heartbeat_at=NOW - 5.0), SILENT_AFTER)
+
+
+# -- naming the root cause among several failures ---------------------------------------
+
+PEER_LOST = ("rank 0 (local rank 0) exited with code 1: RuntimeError: [gloo/transport/tcp/pair.cc:534] "
+             "Connection closed by peer [127.0.0.1]:40123")
+KILLED = "rank 3 (local rank 1) exited with signal 9 (SIGKILL)"
+
+
+def test_the_rank_that_died_is_named_not_the_peers_that_lost_it():
+    d = running(worker(1, "node-1", WorkerPhase.FAILED, exit_code=1, message=PEER_LOST, ended_at=NOW - 0.3),
+                worker(2, "node-2", WorkerPhase.FAILED, exit_code=-9, message=KILLED, ended_at=NOW - 0.1))
+    assert d.action is Action.RESTART and d.reason.startswith(f"worker on node-2: {KILLED}")
+
+
+def test_a_lost_peer_waits_a_moment_for_the_failure_that_caused_it():
+    symptom = worker(1, "node-1", WorkerPhase.FAILED, exit_code=1, message=PEER_LOST, ended_at=NOW - 0.2)
+    d = running(symptom, worker(2, "node-2"))
+    assert d.action is Action.WAIT and "lost a peer" in d.reason
+    # once the grace has passed, the symptom is reported as it is: nothing else ever failed
+    late = dataclasses.replace(symptom, ended_at=NOW - 1.5)
+    d = running(late, worker(2, "node-2"))
+    assert d.action is Action.RESTART and "Connection closed by peer" in d.reason
+
+
+def test_an_error_of_its_own_is_not_waited_on():
+    own = worker(1, "node-1", WorkerPhase.FAILED, exit_code=1, message="rank 0 exited with code 1: ValueError: bad batch",
+                 ended_at=NOW - 0.1)
+    d = running(own, worker(2, "node-2"))
+    assert d.action is Action.RESTART and "ValueError: bad batch" in d.reason
