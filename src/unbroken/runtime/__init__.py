@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from unbroken.backends.base import Backend
 from unbroken.backends.local import LocalBackend
+from unbroken.checkpoint.peer import create_token
 from unbroken.config.cluster import ClusterConfig
 from unbroken.errors import UsageError
 from unbroken.layout import ClusterLayout
@@ -60,7 +61,10 @@ def open_local(layout: ClusterLayout, *, clock: Clock = time.time) -> Runtime:
 
 
 def create_local(layout: ClusterLayout, config: ClusterConfig, *, clock: Clock = time.time) -> Runtime:
-    """A new local cluster's state in ``layout``: the store, holding ``config``, status Up."""
+    """A new local cluster's state in ``layout``: its token (the nodes' shared secret) and the
+    store, holding ``config``, status Up. No process is started."""
+    layout.root.mkdir(parents=True, exist_ok=True)
+    create_token(layout.cluster_token)
     store = SqliteStore(layout.state_db, create=True)
     store.create_cluster(config.ClusterName, config.model_dump_json())
     return _local(layout, store, clock)

@@ -7,7 +7,6 @@ from collections.abc import Callable
 
 from unbroken.backends import netns_launch
 from unbroken.checkpoint import shm
-from unbroken.checkpoint.peer import create_token
 from unbroken.config.cluster import ClusterConfig
 from unbroken.errors import BackendError, ConflictError, StoreError
 from unbroken.layout import ClusterLayout
@@ -40,8 +39,6 @@ def up(layout: ClusterLayout, config: ClusterConfig) -> tuple[Runtime, bool]:
                 return runtime, True
             down(layout)
         _wipe(layout)
-    layout.root.mkdir(parents=True, exist_ok=True)
-    create_token(layout.cluster_token)
     runtime = create_local(layout, config)
     backend = runtime.local_backend("cluster up")
     backend.start_controller()
