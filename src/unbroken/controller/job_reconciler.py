@@ -58,8 +58,10 @@ class JobReconciler:
         decision = job_decisions.decide(now, job, spec, workers, nodes, free, silent_after=self.silent_after)
         if decision.action is not Action.WAIT:
             log.info("job %s: %s: %s", job.name, decision.action.value, decision.reason, extra={"job": job.name})
-        self._apply(now, job, decision, nodes)
+        # A resume the attempt reported goes before what this pass decides: when an attempt's
+        # first step and its failure arrive together, the events still read in the order they happened.
         self._note_resume(job, workers)
+        self._apply(now, job, decision, nodes)
         return decision
 
     def release_workers_on_lost_nodes(self, now: float, nodes: dict[str, Node]) -> list[Worker]:

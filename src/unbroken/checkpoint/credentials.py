@@ -1,0 +1,125 @@
+"""The cluster's TLS credentials: what nodes (and ranks) prove to each other when they exchange shards.
+
+``cluster up`` makes a private certificate authority for the cluster and one
+certificate it signed, which every node agent and rank of the cluster holds:
+
+    <dir>/cluster-ca.crt    the CA every peer is checked against (and nothing else is trusted)
+    <dir>/cluster.crt       the cluster's certificate, signed by that CA
+    <dir>/cluster.key       its private key (0600, like the CA's, which is not kept)
+
+Mutual TLS then does what a shared secret did before, and more: a peer without
+the cluster's certificate cannot connect or be connected to, and the shards on
+the wire are encrypted. Peers are checked by the CA, not by host name: node
+addresses change (pods, network namespaces), the cluster does not. The CA's
+key is thrown away once it signed, so nobody can mint a second certificate.
+On Kubernetes the three files are a Secret mounted into the agents and the pods.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+
+from unbroken.errors import CheckpointError
+
+CA_FILE = "cluster-ca.crt"
+CERT_FILE = "cluster.crt"
+KEY_FILE = "cluster.key"
+VALID_DAYS = 3650
+"""A cluster lives as long as its directory: the certificates do not expire under a long run."""
+
+
+@dataclass(frozen=True)
+class Credentials:
+    ca: Path
+    cert: Path
+    key: Path
+
+    def server_context(self) -> ssl.SSLContext:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self._common(context)
+        context.verify_mode = ssl.CERT_REQUIRED  # the client must hold the cluster's certificate too
+        return context
+
+    def client_context(self) -> ssl.SSLContext:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        self._common(context)
+        context.check_hostname = False  # peers are the cluster's by their certificate, not by an address
+        context.verify_mode = ssl.CERT_REQUIRED
+        return context
+
+    def _common(self, context: ssl.SSLContext) -> None:
+        context.minimum_version = ssl.TLSVersion.TLSv1_3
+        try:
+            context.load_verify_locations(cafile=str(self.ca))
+            context.load_cert_chain(str(self.cert), str(self.key))
+        except (OSError, ssl.SSLError) as exc:
+            raise CheckpointError(f"cannot load the cluster's TLS credentials from {self.cert.parent}: {exc}") from None
+
+
+def at(directory: Path) -> Credentials:
+    return Credentials(directory / CA_FILE, directory / CERT_FILE, directory / KEY_FILE)
+
+
+def load(directory: Path) -> Credentials:
+    """The credentials in ``directory``; a clear error if they are missing."""
+    credentials = at(directory)
+    missing = [p.name for p in (credentials.ca, credentials.cert, credentials.key) if not p.is_file()]
+    if missing:
+        raise CheckpointError(f"{directory}: the cluster's TLS credentials are missing ({', '.join(missing)}); "
+                              "they are made by 'unbroken cluster up'")
+    return credentials
+
+
+def create(directory: Path, cluster: str) -> Credentials:
+    """A new CA and the cluster's certificate in ``directory`` (kept if they exist already)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    credentials = at(directory)
+    if credentials.cert.exists() and credentials.key.exists() and credentials.ca.exists():
+        return credentials
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"unbroken {cluster} CA")])
+    ca = (
+        x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
+                                     data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
+                                     encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    leaf = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"unbroken {cluster}")]))
+        .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(f"{cluster}.unbroken.invalid")]), critical=False)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    directory.mkdir(parents=True, exist_ok=True)
+    _write(credentials.key, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                              serialization.NoEncryption()), mode=0o600)
+    _write(credentials.cert, leaf.public_bytes(serialization.Encoding.PEM), mode=0o644)
+    _write(credentials.ca, ca.public_bytes(serialization.Encoding.PEM), mode=0o644)
+    return credentials
+
+
+def _write(path: Path, data: bytes, *, mode: int) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
