@@ -83,6 +83,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed.checkpoint as dcp
 
+from unbroken.checkpoint import credentials
 from unbroken.checkpoint import service as checkpoint_service
 from unbroken.checkpoint.service import CheckpointService
 from unbroken.checkpoint.tiered import TieredCheckpointer
@@ -93,7 +94,6 @@ from unbroken.state.sqlite import SqliteStore
 from unbroken.waiting import wait_until
 
 GIB = 2**30
-TOKEN = b"benchmark-token-" * 2
 LAYERS = 8
 POLL_SECONDS = 0.002
 GIVE_UP_AFTER = 300.0
@@ -303,7 +303,7 @@ def _agent(db: str, node: str, root: str, stop: Any) -> None:
     """One node agent's checkpoint half, in its own process like ``unbroken agent``'s."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the benchmark stops us, after Ctrl-C too
     store = SqliteStore(Path(db))
-    service = CheckpointService(store, store, node, Path(root), TOKEN)
+    service = CheckpointService(store, store, node, Path(root), credentials.load(Path(db).parent))
     service.start()
     try:
         while not stop.wait(checkpoint_service.PASS_SECONDS):
@@ -323,6 +323,7 @@ class Cluster:
         self.shm = shm
         self.spec = spec
         self.store = SqliteStore(work / "state.db", create=True)
+        self.credentials = credentials.create(work, "bench")
         now = time.time()
         for name in nodes:
             self.store.add_node(Node(name=name, group="bench", instance_type="local", state=NodeState.SCHEDULABLE,
@@ -342,7 +343,7 @@ class Cluster:
         tiers = self.spec.checkpoint.tiers
         assert tiers is not None
         return TieredCheckpointer(job=self.spec.name, attempt=attempt, rank=0, world_size=1, node=node, shm_root=self.shm / node,
-                                  policy=tiers, endpoint=endpoint, token=TOKEN)
+                                  policy=tiers, endpoint=endpoint, credentials=self.credentials)
 
     def committed(self, tier: CheckpointTier, step: int) -> bool:
         return any(s.step == step and s.status is StepStatus.COMMITTED for s in self.store.list_checkpoint_steps(self.spec.name, tier=tier))

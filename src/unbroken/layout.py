@@ -1,7 +1,7 @@
 """Where a local cluster keeps its files, in one place.
 
     <dir>/state.db                         the store (SQLite, WAL)
-    <dir>/cluster.token                    shared secret of the nodes' shard servers (0600)
+    <dir>/cluster-ca.crt, cluster.{crt,key} the cluster's TLS credentials (checkpoint/credentials.py)
     <dir>/controller.{pid,log,lock}
     <dir>/nodes/<node>/agent.{pid,log}     one folder per node (its "disk")
     <dir>/nodes/<node>/kmsg.log            the node's kernel log (health monitor source; chaos xid)
@@ -33,10 +33,6 @@ class ClusterLayout:
     @property
     def state_db(self) -> Path:
         return self.root / "state.db"
-
-    @property
-    def cluster_token(self) -> Path:
-        return self.root / "cluster.token"
 
     @property
     def controller_pid(self) -> Path:

@@ -12,7 +12,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from unbroken.checkpoint import credentials
+from unbroken.checkpoint.credentials import Credentials
 from s3 import CREDENTIALS, MotoServer, moto_server
+
+
+@pytest.fixture(scope="session")
+def cluster_credentials(tmp_path_factory: pytest.TempPathFactory) -> Credentials:
+    """One cluster's TLS credentials (a CA and the certificate every node holds), as ``cluster up`` makes them."""
+    return credentials.create(tmp_path_factory.mktemp("credentials"), "test")
+
+
+@pytest.fixture(scope="session")
+def other_credentials(tmp_path_factory: pytest.TempPathFactory) -> Credentials:
+    """Another cluster's: what a stranger, or a node of a cluster next door, holds."""
+    return credentials.create(tmp_path_factory.mktemp("other-credentials"), "other")
 
 
 @pytest.fixture

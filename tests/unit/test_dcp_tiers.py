@@ -30,7 +30,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from unbroken.checkpoint import shm
+from unbroken.checkpoint import credentials, shm
+from unbroken.checkpoint.credentials import Credentials
 from unbroken.checkpoint.dcp import TieredStager, TieredStorageReader, TieredStorageWriter
 from unbroken.checkpoint.persistent import PersistentStore
 from unbroken.config.checkpoint import TierPolicy
@@ -42,7 +43,6 @@ from unbroken.state.records import Job
 from unbroken.waiting import wait_until
 from unbroken.state.sqlite import SqliteStore
 
-TOKEN = b"x" * 32
 JOB = "j"
 RANK_TIMEOUT = 120.0
 COMMIT_TIMEOUT = 30.0
@@ -120,7 +120,8 @@ def _checkpointer(cfg: dict[str, Any]) -> TieredCheckpointer:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     return TieredCheckpointer(
         job=JOB, attempt=0, rank=rank, world_size=world, node="node-1", shm_root=Path(cfg["shm_root"]),
-        policy=TierPolicy.model_validate_json(cfg["policy"]), endpoint=cfg["endpoint"], token=TOKEN,
+        policy=TierPolicy.model_validate_json(cfg["policy"]), endpoint=cfg["endpoint"],
+        credentials=credentials.load(Path(cfg["credentials"])),
     )
 
 
@@ -295,6 +296,7 @@ class Tiers:
     spec: JobSpec
     service: CheckpointService
     store: SqliteStore
+    credentials: Credentials
 
     @property
     def policy(self) -> TierPolicy:
@@ -309,11 +311,12 @@ class Tiers:
 
     def checkpointer(self, rank: int = 0, world_size: int = 1) -> TieredCheckpointer:
         return TieredCheckpointer(job=JOB, attempt=0, rank=rank, world_size=world_size, node="node-1", shm_root=self.shm_root,
-                                  policy=self.policy, endpoint=self.endpoint, token=TOKEN)
+                                  policy=self.policy, endpoint=self.endpoint, credentials=self.credentials)
 
     def ranks(self, scenario: str, world: int, **extra: Any) -> list[dict[str, Any]]:
         """Run ``world`` ranks of ``scenario``; each rank's result."""
-        cfg = {"shm_root": str(self.shm_root), "policy": self.policy.model_dump_json(), "endpoint": self.endpoint, **extra}
+        cfg = {"shm_root": str(self.shm_root), "policy": self.policy.model_dump_json(), "endpoint": self.endpoint,
+               "credentials": str(self.credentials.cert.parent), **extra}
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -339,7 +342,7 @@ class Tiers:
 
 
 @pytest.fixture
-def make_tiers(tmp_path: Path) -> Iterator[Callable[..., Tiers]]:
+def make_tiers(tmp_path: Path, cluster_credentials: Credentials) -> Iterator[Callable[..., Tiers]]:
     made: list[tuple[Tiers, threading.Event, threading.Thread]] = []
 
     def make(checkpoint: dict[str, Any] | None = None) -> Tiers:
@@ -348,7 +351,7 @@ def make_tiers(tmp_path: Path) -> Iterator[Callable[..., Tiers]]:
         store = SqliteStore(tmp_path / "state.db", create=True)
         store.add_job(Job(name=JOB, spec_json=spec.model_dump_json(), phase=JobPhase.RUNNING))
         shm_root = Path(tempfile.mkdtemp(prefix="unbroken-dcp-test-", dir="/dev/shm"))
-        service = CheckpointService(store, store, "node-1", shm_root, token=TOKEN)
+        service = CheckpointService(store, store, "node-1", shm_root, cluster_credentials)
         service.start()
         stop = threading.Event()
 
@@ -358,7 +361,7 @@ def make_tiers(tmp_path: Path) -> Iterator[Callable[..., Tiers]]:
 
         thread = threading.Thread(target=loop, name="ckpt-service", daemon=True)
         thread.start()
-        tiers = Tiers(tmp_path, shm_root, spec, service, store)
+        tiers = Tiers(tmp_path, shm_root, spec, service, store, cluster_credentials)
         made.append((tiers, stop, thread))
         return tiers
 

@@ -8,13 +8,11 @@ Each test plays both sides: ranks (``TieredCheckpointer``) and node agents
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import random
 import shutil
 import socket
-import struct
 import subprocess
 import sys
 import textwrap
@@ -35,7 +33,8 @@ from test_file_checkpoint import assert_same, sample_state
 from unbroken.checkpoint import service as service_module
 from unbroken.checkpoint import shard, shm
 from unbroken.checkpoint.manifest import ShardInfo
-from unbroken.checkpoint.peer import NONCE, AuthError, PeerClient
+from unbroken.checkpoint.credentials import Credentials
+from unbroken.checkpoint.peer import AuthError, PeerClient, ShardServer
 from unbroken.checkpoint.persistent import PersistentStore
 from unbroken.checkpoint.service import CheckpointService
 from unbroken.checkpoint.tiered import TieredCheckpointer
@@ -47,7 +46,6 @@ from unbroken.state.sqlite import SqliteStore
 from unbroken.state.updates import JobUpdate, NodeUpdate
 
 SRC = Path(__file__).resolve().parents[2] / "src"
-TOKEN = b"x" * 32
 MEMORY, REPLICA, PERSISTENT = CheckpointTier.MEMORY, CheckpointTier.REPLICA, CheckpointTier.PERSISTENT
 
 
@@ -61,6 +59,7 @@ class Rig:
     store: SqliteStore
     spec: JobSpec
     services: dict[str, CheckpointService]
+    credentials: Credentials
     checkpointers: list[TieredCheckpointer] = field(default_factory=list)
     job: str = "j"
     serial: bool = True
@@ -76,7 +75,7 @@ class Rig:
         ck = TieredCheckpointer(
             job=self.job, attempt=attempt, rank=rank, world_size=world_size, node=node,
             shm_root=shm_root or self.root(node), policy=self.spec.checkpoint.tiers,
-            endpoint=service.server.address if agent and service and service.server else None, token=TOKEN,
+            endpoint=service.server.address if agent and service and service.server else None, credentials=self.credentials,
             save_wait_seconds=5.0,
         )
         self.checkpointers.append(ck)
@@ -142,7 +141,8 @@ def job_spec(memory: dict[str, Any], persistent: dict[str, Any] | None = None) -
 
 
 @pytest.fixture
-def make_rig(tmp_path: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Rig]]:
+def make_rig(tmp_path: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch,
+             cluster_credentials: Credentials) -> Iterator[Callable[..., Rig]]:
     """Rigs torn down before ``monkeypatch`` is undone: agents' threads still see the test's AWS settings."""
     rigs: list[Rig] = []
 
@@ -155,11 +155,11 @@ def make_rig(tmp_path: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> 
         for name in nodes:
             store.add_node(Node(name=name, group="g", instance_type="cpu-dev", state=NodeState.SCHEDULABLE,
                                 deep_health=DeepHealthStatus.PASSED, heartbeat_at=time.time()))
-        rig = Rig(tmp_path, shm_dir, store, spec, services)
+        rig = Rig(tmp_path, shm_dir, store, spec, services, cluster_credentials)
         rigs.append(rig)
         for name in nodes:  # every agent has its own connection to the store, as separate processes do
             own = SqliteStore(tmp_path / "state.db")
-            services[name] = CheckpointService(own, own, name, shm_dir / name, token=TOKEN)
+            services[name] = CheckpointService(own, own, name, shm_dir / name, cluster_credentials)
             services[name].start()
         return rig
 
@@ -417,12 +417,13 @@ KILLED_RANK = textwrap.dedent(
 
     import torch
 
+    from unbroken.checkpoint import credentials
     from unbroken.config.checkpoint import TierPolicy
     from unbroken.checkpoint.tiered import TieredCheckpointer
 
     root, endpoint, policy = Path(sys.argv[1]), sys.argv[2], TierPolicy.model_validate_json(sys.argv[3])
     ck = TieredCheckpointer(job="j", attempt=0, rank=0, world_size=1, node="node-1", shm_root=root,
-                            policy=policy, endpoint=endpoint, token=b"x" * 32)
+                            policy=policy, endpoint=endpoint, credentials=credentials.load(Path(sys.argv[4])))
     ck.save(1, {"step": 1, "w": torch.full((1000,), 1.0)})
     ck.wait()
     big = {"step": 2, "w": torch.full((75_000_000,), 2.0)}  # 300 MB
@@ -445,7 +446,7 @@ def test_rank_killed_mid_save_leaves_the_previous_step_restorable(make_rig, tmp_
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [sys.executable, str(script), str(rig.root("node-1")), rig.services["node-1"].server.address,
-         rig.spec.checkpoint.tiers.model_dump_json()],
+         rig.spec.checkpoint.tiers.model_dump_json(), str(rig.credentials.cert.parent)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
     try:
@@ -669,48 +670,51 @@ def shard_file(tmp: Path, state: dict[str, Any], *, step: int = 5, rank: int = 0
     return path, info
 
 
-def test_a_client_without_the_token_is_refused(make_rig) -> None:
+def test_a_client_of_another_cluster_is_refused(make_rig, other_credentials: Credentials) -> None:
     rig = make_rig()
     address = rig.services["node-2"].server.address
-    with pytest.raises(AuthError, match="rejected our cluster token"):
-        PeerClient(address, b"y" * 32)
-    with PeerClient(address, TOKEN) as client:  # the server is still serving the right token
+    with pytest.raises(AuthError, match="is not of this cluster"):
+        PeerClient(address, other_credentials)  # it does not trust our server either
+    # one that trusts our CA but holds another cluster's certificate: the server is the one refusing
+    stranger = Credentials(ca=rig.credentials.ca, cert=other_credentials.cert, key=other_credentials.key)
+    with pytest.raises(AuthError, match="refused us: not of this cluster"):
+        with PeerClient(address, stranger) as client:
+            client.shards("j")
+    with PeerClient(address, rig.credentials) as client:  # the server still serves the cluster's own
         assert client.shards("j") == []
 
 
-def test_a_server_without_the_token_is_refused_by_the_client(shm_dir: Path) -> None:
-    from unbroken.checkpoint.peer import ShardServer
-
-    impostor = ShardServer(shm_dir / "impostor", b"z" * 32).start()
+def test_a_server_of_another_cluster_is_refused_by_the_client(shm_dir: Path, cluster_credentials: Credentials,
+                                                              other_credentials: Credentials) -> None:
+    impostor = ShardServer(shm_dir / "impostor", other_credentials).start()
     try:
-        with pytest.raises(AuthError):
-            PeerClient(impostor.address, TOKEN)
+        with pytest.raises(AuthError, match="is not of this cluster"):
+            PeerClient(impostor.address, cluster_credentials)
     finally:
         impostor.close()
 
 
-def test_a_put_after_a_bad_handshake_is_dropped_and_writes_nothing(make_rig, tmp_path: Path) -> None:
+def test_a_plaintext_put_is_dropped_and_writes_nothing(make_rig, tmp_path: Path) -> None:
+    """No TLS, no certificate: whatever the bytes say, they are never read as a request."""
     rig = make_rig()
     path, info = shard_file(tmp_path, small_state(5))
     host, _, port = rig.services["node-2"].server.address.rpartition(":")
+    body = path.read_bytes()
+    request = (f"PUT /v1/jobs/j/replicas/5/0 HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
+               f"Unbroken-Shard: {info.model_dump_json()}\r\n\r\n").encode() + body
     with socket.create_connection((host, int(port)), timeout=5) as sock:
-        nonce = b""
-        while len(nonce) < NONCE:
-            nonce += sock.recv(NONCE - len(nonce))
-        header = json.dumps({"op": "put", "info": info.model_dump(mode="json")}).encode()
         try:
-            sock.sendall(b"\0" * 32 + os.urandom(NONCE) + struct.pack(">I", len(header)) + header + path.read_bytes())
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # closed on us mid-send: refused
-        try:
+            sock.sendall(request)
             answer = sock.recv(1024)
-        except ConnectionResetError:
-            answer = b""
-    assert answer == b"", f"the server answered an unauthenticated client: {answer!r}"
+        except (BrokenPipeError, ConnectionResetError):
+            answer = b""  # closed on us: refused
+    assert b"HTTP/1.1 200" not in answer, f"the server answered a client without TLS: {answer!r}"
     held = shm.held_dir(rig.root("node-2"), "j")
     assert not held.exists() or list(held.iterdir()) == []
     rig.reconcile()
     assert rig.copies(REPLICA) == []
+    with PeerClient(rig.services["node-2"].server.address, rig.credentials) as client:
+        assert client.shards("j") == [], "and the server goes on serving"
 
 
 def test_put_and_get_round_trip_and_a_put_with_a_wrong_checksum_is_refused(make_rig, tmp_path: Path) -> None:
@@ -718,7 +722,7 @@ def test_put_and_get_round_trip_and_a_put_with_a_wrong_checksum_is_refused(make_
     address = rig.services["node-2"].server.address
     state = sample_state(5)
     path, info = shard_file(tmp_path, state)
-    with PeerClient(address, TOKEN) as client:
+    with PeerClient(address, rig.credentials) as client:
         client.put(path, info)
         held = shm.held_path(rig.root("node-2"), "j", 5, 0)
         assert held.read_bytes()[: info.size] == path.read_bytes()
@@ -874,7 +878,7 @@ def test_the_newest_fully_replicated_step_outlives_retention_while_replication_l
     rig.services.pop("node-1").close()
     shutil.rmtree(rig.root("node-1"))
     own = SqliteStore(rig.tmp / "state.db")
-    rig.services["node-2"] = CheckpointService(own, own, "node-2", rig.root("node-2"), token=TOKEN)  # its agent is back
+    rig.services["node-2"] = CheckpointService(own, own, "node-2", rig.root("node-2"), rig.credentials)  # its agent is back
     rig.services["node-2"].start()
     rig.store.update_node("node-1", NodeUpdate(state=NodeState.PENDING_REPLACEMENT))
     rig.store.update_node("node-1", NodeUpdate(state=NodeState.RETIRED))

@@ -24,7 +24,7 @@ from unbroken.agent.workers import WorkerRunner
 from unbroken.channel import AgentReceiver, agent_socket
 from unbroken.checkpoint import service as checkpoint_service
 from unbroken.checkpoint import shm
-from unbroken.checkpoint.peer import load_token
+from unbroken.checkpoint import credentials
 from unbroken.checkpoint.service import CheckpointService
 from unbroken.errors import StoreUnavailable
 from unbroken.health import join as health_join
@@ -53,7 +53,8 @@ class Agent:
         self.stopping = threading.Event()
         self.node_root = shm.node_root(self.layout.root, node)
         """The agent's own folder on the node: memory tier, and the socket its ranks report to."""
-        self.checkpoints = CheckpointService(runtime.catalog, runtime.cluster, node, self.node_root, load_token(self.layout.cluster_token))
+        self.checkpoints = CheckpointService(runtime.catalog, runtime.cluster, node, self.node_root,
+                                             credentials.load(self.layout.root))
         self.workers = (WorkerRunner(node, runtime.worker_table, self.store, self.layout, self.book, self._launch_settings)
                         if runtime.worker_table is not None else None)
 

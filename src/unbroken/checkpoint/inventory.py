@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from unbroken.checkpoint.credentials import Credentials
 from unbroken.checkpoint.peer import PeerClient
 from unbroken.checkpoint.persistent import PersistentStore
 from unbroken.errors import CheckpointError
@@ -79,11 +80,11 @@ class CopyCheck:
     detail: str = ""
 
 
-def verify_memory(catalog: CheckpointCatalog, job: str, token: bytes) -> Iterator[CopyCheck]:
+def verify_memory(catalog: CheckpointCatalog, job: str, credentials: Credentials) -> Iterator[CopyCheck]:
     """Every node's shard server re-checksums its copies of ``job``."""
     for node, address in sorted(catalog.shard_servers().items()):
         try:
-            with PeerClient(address, token) as peer:
+            with PeerClient(address, credentials) as peer:
                 results = peer.verify(job)
         except (OSError, CheckpointError) as exc:
             if any(c.node == node for c in catalog.list_shard_copies(job)):

@@ -1,146 +1,106 @@
-"""Shards between nodes: an authenticated TCP protocol served by every node agent.
+"""Shards between nodes: every node agent serves its memory tier over HTTPS with mutual TLS.
 
-Handshake (mutual, the cluster token never crosses the wire)::
+HTTP/1.1 (the standard library's server and client: nothing to install on a
+node, no framing of our own) over TLS 1.3, where both sides must present a
+certificate of the cluster's CA (:mod:`unbroken.checkpoint.credentials`). The API:
 
-    server -> client   32-byte nonce Ns
-    client -> server   HMAC-SHA256(token, "client" + Ns) + 32-byte nonce Nc
-    server -> client   HMAC-SHA256(token, "server" + Nc)      (or closes: unauthenticated)
+- ``PUT  /v1/jobs/{job}/replicas/{step}/{rank}``: the shard's bytes, its ``ShardInfo`` in the
+  ``Unbroken-Shard`` header. Stored as a held replica; the checksum is checked while the
+  bytes arrive and the descriptor appears only if it matches (else 422, the good copy stays).
+- ``GET  /v1/jobs/{job}/shards/{step}/{rank}``: a complete shard of this node (own or held),
+  ``Unbroken-Shard`` header + bytes, read under the slot's shared lock.
+- ``GET  /v1/jobs/{job}/shards``: every complete shard of the job on this node.
+- ``POST /v1/jobs/{job}/verify``: re-checksums them and reports each.
+- ``GET  /v1/jobs/{job}/catalog``: the restore catalog (steps committed in memory, where every
+  copy is), for a restoring rank.
 
-Then requests, each a 4-byte big-endian length + a JSON header, maybe followed
-by raw bytes:
-
-- ``put``: header ``{"op": "put", "info": ShardInfo}`` + ``info.size`` bytes. The server
-  writes them into its memory tier as a held replica, checking the checksum while
-  receiving; the descriptor appears only if it matches.
-- ``get``: ``{"op": "get", "job", "step", "rank"}``: reply header with the ShardInfo,
-  then the bytes, sent with ``sendfile`` straight from shared memory.
-- ``list``: ``{"op": "list", "job"}``: every complete shard of the job on the node.
-- ``verify``: ``{"op": "verify", "job"}``: re-checksums them and reports each.
-- ``catalog``: ``{"op": "catalog", "job"}``: the steps committed in memory and where every
-  copy of their shards is (from the store), for a restoring rank.
-
-Like NCCL's and gloo's own traffic, payloads are not encrypted: the token keeps
-other processes and hosts from reading or planting shards, the network is the
-cluster's private one.
+Errors are JSON ``{"error": "..."}`` with a 4xx status. Each connection is served by
+its own thread; a peer that fails the handshake or sends a bad request loses that
+connection only. TLS costs ~1 GB/s of encryption per core on the sending and the
+receiving side, paid by the agents in the background; ``sendfile`` cannot cross TLS.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
+import http.client
 import json
 import logging
 import mmap
 import os
-import secrets
+import re
 import socket
-import socketserver
-import struct
+import ssl
 import threading
 from collections.abc import Callable
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from unbroken.checkpoint import shm
-from unbroken.checkpoint.manifest import ShardInfo
-from unbroken.checkpoint.restore_catalog import RestoreCatalog
-from unbroken.checkpoint.integrity import StreamingChecksum, checksum
 from pydantic import ValidationError
 
+from unbroken.checkpoint import shm
+from unbroken.checkpoint.credentials import Credentials
+from unbroken.checkpoint.integrity import StreamingChecksum, checksum
+from unbroken.checkpoint.manifest import ShardInfo
+from unbroken.checkpoint.restore_catalog import RestoreCatalog
 from unbroken.errors import CheckpointError
 
 log = logging.getLogger("unbroken.checkpoint.peer")
 
-NONCE = 32
-MAX_HEADER = 16 << 20
+SHARD_HEADER = "Unbroken-Shard"
 CONNECT_TIMEOUT = 2.0
 IO_TIMEOUT = 60.0
 _CHUNK = 4 << 20
+_ROUTES = {
+    ("PUT", re.compile(r"^/v1/jobs/(?P<job>[^/]+)/replicas/(?P<step>\d+)/(?P<rank>\d+)$")): "_put",
+    ("GET", re.compile(r"^/v1/jobs/(?P<job>[^/]+)/shards/(?P<step>\d+)/(?P<rank>\d+)$")): "_get",
+    ("GET", re.compile(r"^/v1/jobs/(?P<job>[^/]+)/shards$")): "_list",
+    ("POST", re.compile(r"^/v1/jobs/(?P<job>[^/]+)/verify$")): "_verify",
+    ("GET", re.compile(r"^/v1/jobs/(?P<job>[^/]+)/catalog$")): "_catalog",
+}
 
 
 class AuthError(CheckpointError):
-    """The other side does not hold the cluster token."""
+    """The other side does not hold the cluster's certificate (or speaks no TLS)."""
 
 
-def load_token(path: Path) -> bytes:
-    try:
-        token = path.read_text().strip()
-    except OSError as exc:
-        raise CheckpointError(f"cannot read the cluster token {path}: {exc.strerror}") from None
-    if len(token) < 32:
-        raise CheckpointError(f"cluster token {path} is too short ({len(token)} characters, need >= 32)")
-    return token.encode()
+class RequestError(Exception):
+    """A request this server refuses: answered with its status, the connection goes on."""
 
-
-def create_token(path: Path) -> None:
-    """A fresh random token, readable by the owner only (agents and ranks run as the cluster's user)."""
-    if path.exists():
-        return
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32))
-
-
-def _mac(token: bytes, label: bytes, nonce: bytes) -> bytes:
-    return hmac.new(token, label + nonce, hashlib.sha256).digest()
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    data = bytearray(n)
-    _recv_into(sock, memoryview(data))
-    return bytes(data)
-
-
-def _recv_into(sock: socket.socket, view: memoryview, digest: StreamingChecksum | None = None) -> None:
-    done = 0
-    while done < len(view):
-        got = sock.recv_into(view[done : done + _CHUNK])
-        if not got:
-            raise ConnectionError(f"peer closed the connection after {done} of {len(view)} bytes")
-        if digest is not None:
-            digest.update(view[done : done + got])
-        done += got
-
-
-def _send_header(sock: socket.socket, header: dict[str, Any]) -> None:
-    data = json.dumps(header, separators=(",", ":")).encode()
-    sock.sendall(struct.pack(">I", len(data)) + data)
-
-
-def _recv_header(sock: socket.socket) -> dict[str, Any]:
-    (length,) = struct.unpack(">I", _recv_exact(sock, 4))
-    if length > MAX_HEADER:
-        raise ConnectionError(f"header of {length} bytes is larger than {MAX_HEADER}")
-    header: dict[str, Any] = json.loads(_recv_exact(sock, length))
-    return header
+    def __init__(self, status: HTTPStatus, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 # -- server ---------------------------------------------------------------------------
 
 
 class ShardServer:
-    """Serves one node's memory tier; ``catalog`` answers restoring ranks (the agent's store view)."""
+    """Serves one node's memory tier; ``catalog`` answers restoring ranks (the agent's catalog view)."""
 
-    def __init__(
-        self,
-        root: Path,
-        token: bytes,
-        host: str = "127.0.0.1",
-        *,
-        catalog: Callable[[str], RestoreCatalog] | None = None,
-    ) -> None:
+    def __init__(self, root: Path, credentials: Credentials, host: str = "127.0.0.1", *,
+                 catalog: Callable[[str], RestoreCatalog] | None = None) -> None:
         self.root = root
-        self.token = token
         self.catalog = catalog
+        context = credentials.server_context()
         server = self
 
-        class Handler(socketserver.BaseRequestHandler):
-            def handle(self) -> None:
-                server._serve(self.request)
+        class Handler(_Handler):
+            shard_server = server
 
-        class Server(socketserver.ThreadingTCPServer):
+        class Server(ThreadingHTTPServer):
             daemon_threads = True
             allow_reuse_address = True
+
+            def handle_error(self, request: Any, client_address: Any) -> None:
+                pass  # a refused handshake or a dropped peer was logged where it happened
+
+            def get_request(self) -> tuple[socket.socket, Any]:
+                sock, address = super().get_request()
+                # The handshake runs in the connection's own thread (``Handler.setup``), so a
+                # client that stalls it never holds up the accept loop.
+                return context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False), address
 
         self._server = Server((host, 0), Handler)
         self.address = f"{host}:{self._server.server_address[1]}"
@@ -154,44 +114,72 @@ class ShardServer:
         self._server.shutdown()
         self._server.server_close()
 
-    def _serve(self, sock: socket.socket) -> None:
-        sock.settimeout(IO_TIMEOUT)
-        peer = "%s:%s" % sock.getpeername()[:2]
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive: a replication or a restore is several requests
+    shard_server: ShardServer
+
+    def setup(self) -> None:
+        self.request.settimeout(IO_TIMEOUT)
         try:
-            nonce = secrets.token_bytes(NONCE)
-            sock.sendall(nonce)
-            answer = _recv_exact(sock, 32 + NONCE)
-            if not hmac.compare_digest(answer[:32], _mac(self.token, b"client", nonce)):
-                log.warning("rejected a peer without the cluster token", extra={"peer": peer})
-                return
-            sock.sendall(_mac(self.token, b"server", answer[32:]))
-            while True:
+            self.request.do_handshake()
+        except (ssl.SSLError, OSError) as exc:
+            log.warning("refused a peer without the cluster's certificate: %s", exc, extra={"peer": self.client_address[0]})
+            raise
+        super().setup()
+
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except (ssl.SSLError, OSError) as exc:
+            log.info("peer connection ended: %s", exc, extra={"peer": self.client_address[0]})
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # requests are not logged one by one; failures are
+
+    def do_GET(self) -> None:
+        self._route("GET")
+
+    def do_PUT(self) -> None:
+        self._route("PUT")
+
+    def do_POST(self) -> None:
+        self._route("POST")
+
+    def _route(self, method: str) -> None:
+        for (verb, pattern), name in _ROUTES.items():
+            match = pattern.match(self.path) if verb == method else None
+            if match:
+                params = match.groupdict()
                 try:
-                    header = _recv_header(sock)
-                except ConnectionError:
-                    return  # client done
-                self._dispatch(sock, header)
-        except Exception as exc:  # noqa: BLE001 - one bad peer or request must not take the server down
-            log.warning("peer connection failed: %s: %s", type(exc).__name__, exc, extra={"peer": peer})
+                    getattr(self, name)(params["job"], *(int(params[k]) for k in ("step", "rank") if k in params))
+                except RequestError as exc:
+                    self._json(exc.status, {"error": str(exc)})
+                return
+        self._json(HTTPStatus.NOT_FOUND, {"error": f"no such endpoint: {method} {self.path}"})
 
-    def _dispatch(self, sock: socket.socket, header: dict[str, Any]) -> None:
-        op = header.get("op")
-        if op == "put":
-            self._put(sock, ShardInfo.model_validate(header["info"]))
-        elif op == "get":
-            self._get(sock, str(header["job"]), int(header["step"]), int(header["rank"]))
-        elif op == "list":
-            shards = shm.scan(self.root, str(header["job"]))
-            _send_header(sock, {"ok": True, "shards": [{"info": s.info.model_dump(mode="json"), "held": s.held} for s in shards]})
-        elif op == "catalog" and self.catalog is not None:
-            _send_header(sock, {"ok": True, "catalog": self.catalog(str(header["job"])).model_dump(mode="json")})
-        elif op == "verify":
-            _send_header(sock, {"ok": True, "results": verify_local(self.root, str(header["job"]))})
-        else:
-            _send_header(sock, {"ok": False, "error": f"unknown op {op!r}"})
+    def _json(self, status: HTTPStatus, body: Any) -> None:
+        data = json.dumps(body, separators=(",", ":")).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
 
-    def _put(self, sock: socket.socket, info: ShardInfo) -> None:
-        path = shm.held_path(self.root, info.job, info.step, info.rank)
+    # -- the endpoints ------------------------------------------------------------
+
+    def _put(self, job: str, step: int, rank: int) -> None:
+        try:
+            info = ShardInfo.model_validate_json(self.headers.get(SHARD_HEADER, ""))
+        except ValidationError as exc:
+            self.close_connection = True  # its body is still coming: nothing else can be read on this connection
+            raise RequestError(HTTPStatus.BAD_REQUEST, f"{SHARD_HEADER} header: {exc.errors()[0]['msg']}") from None
+        length = int(self.headers.get("Content-Length", "-1"))
+        if (info.job, info.step, info.rank) != (job, step, rank) or length != info.size:
+            self.close_connection = True
+            raise RequestError(HTTPStatus.BAD_REQUEST, f"path, {SHARD_HEADER} and Content-Length disagree")
+        root = self.shard_server.root
+        path = shm.held_path(root, info.job, info.step, info.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{threading.get_ident()}.tmp")
         digest = StreamingChecksum()
@@ -202,36 +190,64 @@ class ShardServer:
                 os.posix_fallocate(fd, 0, info.size)  # ENOSPC now, not SIGBUS while receiving
                 with mmap.mmap(fd, info.size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)) as view:
                     with memoryview(view) as mv:
-                        _recv_into(sock, mv, digest)
+                        _read_into(self.rfile, mv, digest)
         except BaseException:
             os.close(fd)
             tmp.unlink(missing_ok=True)
+            self.close_connection = True
             raise
         os.close(fd)
-        if digest.hexdigest() != info.checksum:
+        got = digest.hexdigest() if info.size else checksum(b"", 0)
+        if got != info.checksum:
             tmp.unlink(missing_ok=True)
-            _send_header(sock, {"ok": False, "error": f"checksum mismatch: sent {info.checksum}, received {digest.hexdigest()}"})
-            return
+            raise RequestError(HTTPStatus.UNPROCESSABLE_ENTITY, f"checksum mismatch: sent {info.checksum}, received {got}")
         # Only now does a copy already held for this step and rank go: descriptor first,
         # so nobody pairs the old descriptor with the new bytes.
         shm.descriptor_path(path).unlink(missing_ok=True)
         os.replace(tmp, path)
         shm.write_descriptor(path, info)
-        _send_header(sock, {"ok": True})
+        self._json(HTTPStatus.OK, {"stored": str(path.name)})
 
-    def _get(self, sock: socket.socket, job: str, step: int, rank: int) -> None:
-        for stored in shm.scan(self.root, job):
+    def _get(self, job: str, step: int, rank: int) -> None:
+        for stored in shm.scan(self.shard_server.root, job):
             if stored.info.step != step or stored.info.rank != rank:
                 continue
             with shm.SharedRead(stored) as read:
                 if not read.ok:
                     continue
-                _send_header(sock, {"ok": True, "info": stored.info.model_dump(mode="json")})
-                if stored.info.size:
-                    with open(stored.path, "rb") as f:  # same inode; our LOCK_SH keeps writers out
-                        sock.sendfile(f, 0, stored.info.size)
+                self.send_response(HTTPStatus.OK)
+                self.send_header(SHARD_HEADER, stored.info.model_dump_json())
+                self.send_header("Content-Length", str(stored.info.size))
+                self.end_headers()
+                if stored.info.size:  # same inode; our LOCK_SH keeps writers out
+                    with mmap.mmap(read.fd, stored.info.size, prot=mmap.PROT_READ) as view, memoryview(view) as mv:
+                        for offset in range(0, stored.info.size, _CHUNK):
+                            self.wfile.write(mv[offset : offset + _CHUNK])
                 return
-        _send_header(sock, {"ok": False, "error": f"no complete shard of {job} step {step} rank {rank} here"})
+        raise RequestError(HTTPStatus.NOT_FOUND, f"no complete shard of {job} step {step} rank {rank} here")
+
+    def _list(self, job: str) -> None:
+        shards = shm.scan(self.shard_server.root, job)
+        self._json(HTTPStatus.OK, {"shards": [{"info": s.info.model_dump(mode="json"), "held": s.held} for s in shards]})
+
+    def _verify(self, job: str) -> None:
+        self._json(HTTPStatus.OK, {"results": verify_local(self.shard_server.root, job)})
+
+    def _catalog(self, job: str) -> None:
+        if self.shard_server.catalog is None:
+            raise RequestError(HTTPStatus.NOT_FOUND, "this server keeps no catalog")
+        self._json(HTTPStatus.OK, self.shard_server.catalog(job).model_dump(mode="json"))
+
+
+def _read_into(stream: Any, view: memoryview, digest: StreamingChecksum | None = None) -> None:
+    done = 0
+    while done < len(view):
+        got = stream.readinto(view[done : done + _CHUNK])
+        if not got:
+            raise ConnectionError(f"peer closed the connection after {done} of {len(view)} bytes")
+        if digest is not None:
+            digest.update(view[done : done + got])
+        done += got
 
 
 def verify_local(root: Path, job: str) -> list[dict[str, Any]]:
@@ -257,73 +273,85 @@ def _checksum_file(fd: int, size: int) -> str:
 
 
 class PeerClient:
-    """One authenticated connection to a node's shard server; usable as a context manager."""
+    """A keep-alive connection to one node's shard server; usable as a context manager."""
 
-    def __init__(self, address: str, token: bytes) -> None:
+    def __init__(self, address: str, credentials: Credentials) -> None:
         host, _, port = address.rpartition(":")
         self.address = address
-        self.sock = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT)
-        self.sock.settimeout(IO_TIMEOUT)
+        self._conn = http.client.HTTPSConnection(host, int(port), timeout=CONNECT_TIMEOUT, context=credentials.client_context())
         try:
-            nonce = _recv_exact(self.sock, NONCE)
-            mine = secrets.token_bytes(NONCE)
-            self.sock.sendall(_mac(token, b"client", nonce) + mine)
-            try:
-                proof = _recv_exact(self.sock, 32)
-            except ConnectionError:
-                raise AuthError(f"shard server {address} rejected our cluster token") from None
-            if not hmac.compare_digest(proof, _mac(token, b"server", mine)):
-                raise AuthError(f"shard server {address} does not hold the cluster token")
-        except BaseException:
-            self.sock.close()
-            raise
+            self._conn.connect()
+        except ssl.SSLError as exc:
+            self._conn.close()
+            raise AuthError(f"shard server {address} is not of this cluster (TLS: {exc.reason or exc})") from None
+        assert self._conn.sock is not None
+        self._conn.sock.settimeout(IO_TIMEOUT)
 
     def __enter__(self) -> "PeerClient":
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.sock.close()
+        self._conn.close()
 
-    def _reply(self) -> dict[str, Any]:
-        reply = _recv_header(self.sock)
-        if not reply.get("ok"):
-            raise CheckpointError(f"{self.address}: {reply.get('error')}")
-        return reply
+    def _exchange(self, method: str, path: str, *, headers: dict[str, str] | None = None,
+                  body: Callable[[], None] | None = None) -> http.client.HTTPResponse:
+        """One request; ``body`` sends the request body itself (its Content-Length is in ``headers``)."""
+        try:
+            self._conn.putrequest(method, path, skip_accept_encoding=True)
+            for name, value in (headers or {"Content-Length": "0"}).items():
+                self._conn.putheader(name, value)
+            self._conn.endheaders()
+            if body is not None:
+                body()
+            response = self._conn.getresponse()
+        except ssl.SSLError as exc:
+            raise AuthError(f"shard server {self.address} refused us: not of this cluster (TLS: {exc.reason or exc})") from None
+        if response.status >= 400:
+            detail = response.read().decode(errors="replace")
+            try:
+                detail = json.loads(detail)["error"]
+            except (ValueError, KeyError, TypeError):
+                pass
+            raise CheckpointError(f"{self.address}: {detail}")
+        return response
+
+    def _json(self, method: str, path: str) -> Any:
+        return json.loads(self._exchange(method, path).read())
 
     def put(self, path: Path, info: ShardInfo) -> None:
-        """Send a shard file (``sendfile`` from shared memory) to be held as a replica."""
-        _send_header(self.sock, {"op": "put", "info": info.model_dump(mode="json")})
-        if info.size:
-            with open(path, "rb") as f:
-                self.sock.sendfile(f, 0, info.size)
-        self._reply()
+        """Send a shard file from shared memory to be held as a replica."""
+        def send() -> None:
+            if not info.size:
+                return
+            with open(path, "rb") as f, mmap.mmap(f.fileno(), info.size, prot=mmap.PROT_READ) as view, memoryview(view) as mv:
+                for offset in range(0, info.size, _CHUNK):
+                    self._conn.send(mv[offset : offset + _CHUNK])
+
+        headers = {"Content-Length": str(info.size), SHARD_HEADER: info.model_dump_json()}
+        self._exchange("PUT", f"/v1/jobs/{info.job}/replicas/{info.step}/{info.rank}", headers=headers, body=send).read()
 
     def get(self, job: str, step: int, rank: int, into: Callable[[ShardInfo], memoryview]) -> ShardInfo:
         """Receive a shard into the buffer ``into(info)`` returns; checked against its checksum."""
-        _send_header(self.sock, {"op": "get", "job": job, "step": step, "rank": rank})
-        info = ShardInfo.model_validate(self._reply()["info"])
+        response = self._exchange("GET", f"/v1/jobs/{job}/shards/{step}/{rank}")
+        info = ShardInfo.model_validate_json(response.getheader(SHARD_HEADER) or "")
         digest = StreamingChecksum()
         if info.size:
-            view = into(info)
-            _recv_into(self.sock, view[: info.size], digest)
+            _read_into(response, into(info)[: info.size], digest)
         got = digest.hexdigest() if info.size else checksum(b"", 0)
         if got != info.checksum:
             raise CheckpointError(f"{self.address}: {job} step {step} rank {rank} checksum mismatch ({info.checksum} != {got})")
         return info
 
     def shards(self, job: str) -> list[tuple[ShardInfo, bool]]:
-        _send_header(self.sock, {"op": "list", "job": job})
-        return [(ShardInfo.model_validate(s["info"]), bool(s["held"])) for s in self._reply()["shards"]]
+        return [(ShardInfo.model_validate(s["info"]), bool(s["held"])) for s in self._json("GET", f"/v1/jobs/{job}/shards")["shards"]]
 
     def catalog(self, job: str) -> RestoreCatalog:
-        _send_header(self.sock, {"op": "catalog", "job": job})
-        raw = self._reply()["catalog"]
+        raw = self._json("GET", f"/v1/jobs/{job}/catalog")
         try:
             return RestoreCatalog.model_validate(raw)
         except ValidationError as exc:
             raise CheckpointError(f"{self.address}: not a restore catalog this unbroken reads: {exc.errors()[0]['msg']}") from None
 
     def verify(self, job: str) -> list[dict[str, Any]]:
-        _send_header(self.sock, {"op": "verify", "job": job})
-        results: list[dict[str, Any]] = self._reply()["results"]
+        results: list[dict[str, Any]] = self._json("POST", f"/v1/jobs/{job}/verify")["results"]
         return results

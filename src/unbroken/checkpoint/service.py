@@ -24,6 +24,7 @@ from pathlib import Path
 import tenacity
 
 from unbroken.checkpoint import plan, shm
+from unbroken.checkpoint.credentials import Credentials
 from unbroken.checkpoint.manifest import ShardInfo, StepManifest
 from unbroken.checkpoint.peer import PeerClient, ShardServer
 from unbroken.checkpoint.persistent import PersistentStore
@@ -69,7 +70,7 @@ class CheckpointService:
     node: str
     root: Path
     """This node's folder in shared memory."""
-    token: bytes
+    credentials: Credentials
     host: str = "127.0.0.1"
     _known: dict[Path, str] = field(default_factory=dict)
     """Shard files recorded in the catalog, with the checksum they had then."""
@@ -83,7 +84,7 @@ class CheckpointService:
 
     def start(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
-        self.server = ShardServer(self.root, self.token, host=self.host, catalog=self.restore_catalog).start()
+        self.server = ShardServer(self.root, self.credentials, host=self.host, catalog=self.restore_catalog).start()
         self.catalog.set_shard_server(self.node, self.server.address)
         log.info("shard server listening", extra={"node": self.node, "address": self.server.address})
 
@@ -180,7 +181,7 @@ class CheckpointService:
                         if not read.ok:
                             break  # rewritten since: a newer step supersedes it
                         started = time.monotonic()
-                        with PeerClient(address, self.token) as client:
+                        with PeerClient(address, self.credentials) as client:
                             client.put(shard.path, info)
                     log.info("replicated step %d rank %d to %s", info.step, info.rank, name,
                              extra={"node": self.node, "job": info.job, "peer": name, "bytes": info.size,

@@ -31,6 +31,7 @@ import torch
 
 from unbroken.checkpoint import collectives, rng, shard, shm, tiers
 from unbroken.checkpoint.api import Restored
+from unbroken.checkpoint.credentials import Credentials
 from unbroken.checkpoint.manifest import ShardInfo
 from unbroken.checkpoint.restore_catalog import RestoreCatalog
 from unbroken.checkpoint.peer import PeerClient
@@ -67,7 +68,8 @@ class TieredCheckpointer:
     policy: TierPolicy
     endpoint: str | None
     """The local agent's shard server (``host:port``); None outside an agent."""
-    token: bytes
+    credentials: Credentials
+    """The cluster's TLS credentials: to ask the agent for the catalog and read peers' copies."""
     on_restored: Callable[[int], None] | None = None
     save_wait_seconds: float = 30.0
     _pool: shm.SlotPool = field(init=False)
@@ -213,7 +215,7 @@ class TieredCheckpointer:
         catalog = RestoreCatalog(job=self.job)
         if self.endpoint is not None:
             try:
-                with PeerClient(self.endpoint, self.token) as agent:
+                with PeerClient(self.endpoint, self.credentials) as agent:
                     catalog = agent.catalog(self.job)
             except (OSError, CheckpointError) as exc:
                 _say(f"memory tier catalog unavailable ({exc}); looking at the persistent tier only")
@@ -232,7 +234,7 @@ class TieredCheckpointer:
         """Where this rank can read shards from; :func:`tiers.locations` orders their copies."""
         found: list[tiers.Tier] = [
             tiers.SharedMemoryTier(self.job, self.node, self.shm_root, self.attempt, self.rank, self._mapping),
-            tiers.PeerTier(self.job, self.node, self.token),
+            tiers.PeerTier(self.job, self.node, self.credentials),
         ]
         if self.policy.persistent is not None:
             found.append(tiers.PersistentTier(self.job, self.policy.persistent.uri))
@@ -302,13 +304,13 @@ def _map_private(path: Path, size: int) -> mmap.mmap:
 
 def from_environment(env: Any, rank: int, world_size: int, policy: TierPolicy, on_restored: Callable[[int], None] | None) -> TieredCheckpointer:
     """The checkpointer a rank launched by an agent gets (``unbroken.init``)."""
-    from unbroken.checkpoint.peer import load_token
+    from unbroken.checkpoint import credentials
     from unbroken.layout import ClusterLayout
 
     assert env.cluster_dir is not None
     return TieredCheckpointer(
         job=env.job, attempt=env.attempt, rank=rank, world_size=world_size, node=env.node,
         shm_root=shm.node_root(env.cluster_dir, env.node), policy=policy, endpoint=env.checkpoint_endpoint,
-        token=load_token(ClusterLayout.at(env.cluster_dir).cluster_token), on_restored=on_restored,
+        credentials=credentials.load(ClusterLayout.at(env.cluster_dir).root), on_restored=on_restored,
     )
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from unbroken.checkpoint import shard, shm
+from unbroken.checkpoint.credentials import Credentials
 from unbroken.checkpoint.manifest import ShardInfo
 from unbroken.checkpoint.peer import PeerClient
 from unbroken.checkpoint.persistent import PersistentStore
@@ -125,7 +126,7 @@ class PeerTier:
 
     job: str
     node: str
-    token: bytes
+    credentials: Credentials
 
     def locate(self, catalog: RestoreCatalog, step: int, rank: int) -> list[Location]:
         entry = catalog.memory_step(step)
@@ -143,7 +144,7 @@ class PeerTier:
             holder["buffer"] = bytearray(info.size)
             return memoryview(holder["buffer"])
 
-        with PeerClient(location.where, self.token) as peer:
+        with PeerClient(location.where, self.credentials) as peer:
             info = peer.get(self.job, step, rank, into)
         buffer = holder.get("buffer", bytearray(1))
         return Loaded(shard.read(buffer, info.metas(), info.skeleton_offset, info.size, copy=False), info.size)

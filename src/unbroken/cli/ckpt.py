@@ -8,7 +8,7 @@ import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
 from unbroken.checkpoint import inventory as inv
-from unbroken.checkpoint.peer import load_token
+from unbroken.checkpoint import credentials
 from unbroken.checkpoint.persistent import PersistentStore
 from unbroken.cli.common import DirOption, Output, OutputOption, ago, console, open_runtime, print_json, table
 from unbroken.config.checkpoint import TierPolicy
@@ -72,7 +72,7 @@ def verify(
     runtime = open_runtime(directory)
     policy = _policy(runtime, job)
     store = runtime.catalog
-    checks = [c for c in inv.verify_memory(store, job, load_token(runtime.layout.cluster_token)) if step is None or c.step in (step, -1)]
+    checks = [c for c in inv.verify_memory(store, job, credentials.load(runtime.layout.root)) if step is None or c.step in (step, -1)]
     if policy.persistent is not None:
         steps = None if step is None else [step]
         total = sum(r.size for r in store.list_checkpoint_steps(job, tier=CheckpointTier.PERSISTENT)

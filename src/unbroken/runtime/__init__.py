@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from unbroken.backends.base import Backend
 from unbroken.backends.local import LocalBackend
-from unbroken.checkpoint.peer import create_token
+from unbroken.checkpoint import credentials
 from unbroken.config.cluster import ClusterConfig
 from unbroken.errors import UsageError
 from unbroken.layout import ClusterLayout
@@ -43,7 +43,7 @@ class Runtime:
     config: ClusterConfig
     """The cluster file this cluster was started with (validated)."""
     layout: ClusterLayout
-    """Where this cluster's files are (node folders, logs, the token)."""
+    """Where this cluster's files are (node folders, logs, its TLS credentials)."""
     clock: Clock = field(default=time.time)
     worker_table: WorkerTable | None = None
     """The local backend's worker rows, which local agents run; None where kubelet runs pods."""
@@ -61,10 +61,10 @@ def open_local(layout: ClusterLayout, *, clock: Clock = time.time) -> Runtime:
 
 
 def create_local(layout: ClusterLayout, config: ClusterConfig, *, clock: Clock = time.time) -> Runtime:
-    """A new local cluster's state in ``layout``: its token (the nodes' shared secret) and the
-    store, holding ``config``, status Up. No process is started."""
+    """A new local cluster's state in ``layout``: its TLS credentials (what its nodes prove to
+    each other) and the store, holding ``config``, status Up. No process is started."""
     layout.root.mkdir(parents=True, exist_ok=True)
-    create_token(layout.cluster_token)
+    credentials.create(layout.root, config.ClusterName)
     store = SqliteStore(layout.state_db, create=True)
     store.create_cluster(config.ClusterName, config.model_dump_json())
     return _local(layout, store, clock)

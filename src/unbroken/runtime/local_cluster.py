@@ -6,7 +6,7 @@ import shutil
 from collections.abc import Callable
 
 from unbroken.backends import netns_launch
-from unbroken.checkpoint import shm
+from unbroken.checkpoint import credentials, shm
 from unbroken.config.cluster import ClusterConfig
 from unbroken.errors import BackendError, ConflictError, StoreError
 from unbroken.layout import ClusterLayout
@@ -88,7 +88,7 @@ def down(layout: ClusterLayout) -> list[int]:
 
 
 def _wipe(layout: ClusterLayout) -> None:
-    for name in ("state.db", "state.db-wal", "state.db-shm", "cluster.token"):
+    for name in ("state.db", "state.db-wal", "state.db-shm", credentials.CA_FILE, credentials.CERT_FILE, credentials.KEY_FILE):
         (layout.root / name).unlink(missing_ok=True)
     for folder in ("nodes", "logs", "checkpoints"):
         shutil.rmtree(layout.root / folder, ignore_errors=True)
