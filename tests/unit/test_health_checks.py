@@ -137,3 +137,50 @@ def test_unknown_instance_types_and_incomplete_new_profiles_are_one_line_errors(
     data["Health"] = {"XidActions": {79: "Explode"}}
     with pytest.raises(ConfigError, match="Health.XidActions.79: 'Explode' is invalid"):
         validate_mapping(data, ClusterConfig, source="cluster.yaml")
+
+
+class _HealthyNvml:
+    """Stands in for NVML (the driver's library, not ours): one healthy GPU whose recovery action field
+    says what the test sets. Only the calls the device check makes."""
+
+    NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC, NVML_TEMPERATURE_GPU, NVML_SUCCESS = 1, 0, 0, 0
+    NVML_FI_DEV_GET_GPU_RECOVERY_ACTION = 263
+
+    def __init__(self, recovery_action: int) -> None:
+        self.recovery_action = recovery_action
+
+    def nvmlDeviceGetTotalEccErrors(self, *args):  # noqa: N802 - NVML's names
+        return 0
+
+    def nvmlDeviceGetRemappedRows(self, handle):  # noqa: N802
+        return (0, 0, 0, 0)
+
+    def nvmlDeviceGetTemperature(self, *args):  # noqa: N802
+        return 40
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle):  # noqa: N802
+        return 0
+
+    def nvmlDeviceGetFieldValues(self, handle, fields):  # noqa: N802
+        from types import SimpleNamespace
+
+        return [SimpleNamespace(nvmlReturn=0, value=SimpleNamespace(uiVal=self.recovery_action))]
+
+
+@pytest.mark.parametrize("code, status, action", [
+    (0, "Pass", "None"), (1, "Fail", "Reboot"), (2, "Fail", "Reboot"), (3, "Fail", "Reboot"), (4, "Fail", "Reboot"),
+])
+def test_the_drivers_recovery_action_field_and_an_xid_154_line_are_judged_by_one_table(tmp_path, code, status, action):
+    from unbroken.config.health import FaultAction
+    from unbroken.health.checks.devices import _gpu_errors
+    from unbroken.health.checks.findings import Findings
+    from unbroken.health.kernel_log.xid import XidTable
+
+    found = Findings("ok")
+    _gpu_errors(_HealthyNvml(code), 0, object(), ctx_for(tmp_path, "p5.48xlarge"), found)
+    outcome = found.outcome()
+    assert (outcome.status.value, outcome.action.value) == (status, action if status == "Fail" else "None")
+    names = {0: "None", 1: "GPU Reset Required", 2: "Node Reboot Required", 3: "Drain P2P", 4: "Drain and Reset"}
+    line = f"NVRM: Xid (PCI:0000:b9:00): 154, GPU recovery action changed from 0x0 (None) to 0x{code} ({names[code]})"
+    event = XidTable().parse(line)
+    assert event is not None and event.action is FaultAction(action), "the kernel-log path agrees"

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 from unbroken.health.checks.findings import Findings
 from unbroken.health.context import CheckContext
+from unbroken.health.kernel_log.xid import recovery_actions
 from unbroken.health.result import FaultAction, Outcome, Status, skip
 
 T = TypeVar("T")
@@ -20,7 +21,6 @@ T = TypeVar("T")
 RETIRED_PAGES_REPLACE = 60
 """NVIDIA's dynamic page retirement guidance: a board with this many retired pages is RMA'd."""
 
-_RECOVERY_ACTIONS = {0: "none", 1: "GPU reset", 2: "node reboot", 3: "drain P2P", 4: "drain and reset"}
 
 
 class NoDevices(Exception):
@@ -136,19 +136,21 @@ def _gpu_errors(nvml: Any, i: int, handle: Any, ctx: CheckContext, found: Findin
     metrics["temperature_c"] = temperature
     if temperature is not None and temperature > ctx.profile.MaxGpuTemperatureC:
         found.warn(f"GPU {i}: {temperature} C, above {ctx.profile.MaxGpuTemperatureC:g} C", "HighTemperature")
-    reasons = _query(getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", nvml.nvmlDeviceGetCurrentClocksThrottleReasons), handle)
+    # The newer name first; the older one only where the bindings predate it (getattr's default would be looked up either way).
+    clock_reasons = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or nvml.nvmlDeviceGetCurrentClocksThrottleReasons
+    reasons = _query(clock_reasons, handle)
     if reasons is not None:
         metrics["throttle_reasons"] = hex(reasons)
         named = {0x8: "hardware slowdown", 0x40: "hardware thermal slowdown", 0x80: "hardware power brake", 0x20: "software thermal slowdown"}
         active = [name for bit, name in named.items() if reasons & bit]
         if active:
             found.warn(f"GPU {i}: clocks throttled: {', '.join(active)}", "Throttled")
-    action = _recovery_action(nvml, handle)
-    metrics["recovery_action"] = _RECOVERY_ACTIONS.get(action, action) if action is not None else None
-    if action in (1, 2, 4):
-        found.fail(f"GPU {i}: the driver asks for a {_RECOVERY_ACTIONS[action]}", "DriverRecoveryAction", FaultAction.REBOOT)
-    elif action == 3:
-        found.warn(f"GPU {i}: the driver asks to drain peer-to-peer traffic", "DriverRecoveryAction")
+    code = _recovery_action(nvml, handle)
+    # One table decides, for this field and for Xid 154 lines alike (health/data/xid.yaml, RecoveryActions).
+    action = recovery_actions().get(code) if code is not None else None
+    metrics["recovery_action"] = action.name if action else code
+    if action is not None and action.action is not FaultAction.NONE:
+        found.fail(f"GPU {i}: the driver asks for {action.name}", "DriverRecoveryAction", action.action)
     found.metrics[f"gpu{i}"] = metrics
 
 
