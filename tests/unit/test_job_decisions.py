@@ -388,14 +388,23 @@ def test_the_rank_that_died_is_named_not_the_peers_that_lost_it():
     assert d.action is Action.RESTART and d.reason.startswith(f"worker on node-2: {KILLED}")
 
 
-def test_a_lost_peer_waits_a_moment_for_the_failure_that_caused_it():
-    symptom = worker(1, "node-1", WorkerPhase.FAILED, exit_code=1, message=PEER_LOST, ended_at=NOW - 0.2)
-    d = running(symptom, worker(2, "node-2"))
-    assert d.action is Action.WAIT and "lost a peer" in d.reason
-    # once the grace has passed, the symptom is reported as it is: nothing else ever failed
-    late = dataclasses.replace(symptom, ended_at=NOW - 1.5)
-    d = running(late, worker(2, "node-2"))
+def test_a_lost_peer_restarts_at_once_and_is_retried_whatever_the_exit_code_policy():
+    """The rank that died may never report (its node is gone): the restart does not wait for it.
+    A peer-lost exit code 1 is a symptom, not the program's own error: retried under ExitCode too."""
+    symptom = worker(1, "node-1", WorkerPhase.FAILED, exit_code=1, message=PEER_LOST, ended_at=NOW - 0.1)
+    d = running(symptom, worker(2, "node-2"), s=spec(restart_policy="ExitCode"))
     assert d.action is Action.RESTART and "Connection closed by peer" in d.reason
+
+
+def test_the_cause_of_a_restart_decided_on_a_symptom_is_found_once_it_reports():
+    from unbroken.controller.job_decisions import restart_cause
+
+    symptom = worker(1, "node-1", WorkerPhase.FAILED, exit_code=1, message=PEER_LOST, ended_at=NOW - 0.3)
+    killed = worker(2, "node-2", WorkerPhase.FAILED, exit_code=-9, message=KILLED, ended_at=NOW - 0.1)
+    reason = f"worker on node-1: {PEER_LOST}; restart 1 of 3"
+    assert restart_cause([symptom, worker(2, "node-2", WorkerPhase.STOPPED)], reason) is None, "not reported (yet)"
+    assert restart_cause([symptom, killed], reason) == killed
+    assert restart_cause([symptom, killed], f"worker on node-2: {KILLED}; restart 1 of 3") is None, "the event named it already"
 
 
 def test_an_error_of_its_own_is_not_waited_on():

@@ -112,3 +112,28 @@ def test_a_stop_decided_but_never_applied_is_applied_on_the_next_pass(runtime: R
         [worker] = runtime.backend.observe_attempt(name, 0)
         assert worker.desired is Desired.STOP, f"{name}'s worker was not asked to stop"
     assert runtime.cluster.get_job("restarting").phase is JobPhase.RESTARTING, "it waits for its worker to stop"
+
+
+def test_a_restart_decided_on_a_lost_peer_names_its_cause_once_that_reports(runtime: Runtime) -> None:
+    table = runtime.worker_table
+    assert table is not None
+    now = time.time()
+    add_nodes(runtime, "node-1", "node-2", now=now)
+    submit(runtime, "c", 2, auto_resume=True)
+    passes = reconciler(runtime)
+    passes.reconcile_all(now)
+    first, second = runtime.backend.observe_attempt("c", 0)
+    for w in (first, second):
+        table.update_worker(w.id, WorkerUpdate(phase=WorkerPhase.RUNNING))
+    table.update_worker(first.id, WorkerUpdate(
+        phase=WorkerPhase.FAILED, exit_code=1, ended_at=now,
+        message="rank 0 (local rank 0) exited with code 1: RuntimeError: Connection closed by peer [127.0.0.1]:4000"))
+    passes.reconcile_all(now)  # the symptom reported first: restart at once
+    assert runtime.cluster.get_job("c").phase is JobPhase.RESTARTING
+    table.update_worker(second.id, WorkerUpdate(phase=WorkerPhase.FAILED, exit_code=-9, ended_at=now + 0.2,
+                                                message="rank 3 (local rank 1) exited with signal 9 (SIGKILL)"))
+    for _ in range(3):
+        passes.reconcile_all(now + 0.3)
+    causes = runtime.cluster.list_events(object_kind="Job", object_name="c", reason="JobRestartCause")
+    assert [e.message for e in causes] == [
+        "attempt 0: the failure behind restart 1: worker on node-2: rank 3 (local rank 1) exited with signal 9 (SIGKILL)"]

@@ -152,17 +152,29 @@ def describe_exit(code: int, log_dir: Path) -> tuple[int, str]:
     return code, f"torchrun {_exit_words(code)}"
 
 
+_EXCEPTION_LINE = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception|Interrupt)\b.*$")
+
+
 def _rank_error(log_dir: Path, local_rank: int, limit: int = 300) -> str | None:
-    """The exception a rank recorded in torchrun's error file, on one line."""
+    """The exception a rank died of, on one line: from torchrun's error file (``unbroken.init()``
+    writes it), else the last exception line of the rank's stderr (a plain script's traceback)."""
     for path in sorted(log_dir.glob(f"*/attempt_*/{local_rank}/error.json"), reverse=True):
         try:
             message = json.loads(path.read_text())["message"]
             text = message["message"] if isinstance(message, dict) else str(message)
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        text = " ".join(text.split())
-        return text if len(text) <= limit else text[: limit - 3] + "..."
+        return _one_line(text, limit)
+    for path in sorted(log_dir.glob(f"*/attempt_*/{local_rank}/stderr.log"), reverse=True):
+        lines = [line for line in _tail(path).splitlines() if _EXCEPTION_LINE.match(line)]
+        if lines:
+            return _one_line(lines[-1], limit)
     return None
+
+
+def _one_line(text: str, limit: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _exit_words(code: int) -> str:

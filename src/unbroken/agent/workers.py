@@ -111,7 +111,9 @@ class WorkerRunner:
 
     def _record_exit(self, worker: Worker, running: launcher.RunningWorker, code: int) -> None:
         del self.running[worker.id]
-        if worker.desired is Desired.STOP or running.stop_started is not None:
+        # Stopped only if we stopped it: a worker that died on its own before the stop request
+        # reached it keeps its real exit, which is what names the cause of a restart.
+        if running.stop_started is not None:
             phase, exit_code, message = WorkerPhase.STOPPED, code, "stopped by the controller"
         elif code == 0:
             phase, exit_code, message = WorkerPhase.SUCCEEDED, 0, "all ranks exited 0"

@@ -65,9 +65,6 @@ def decide(
             return Decision(Action.WAIT, f"stopping attempt {job.attempt} on {', '.join(w.node for w in stopping)}")
         return _place(spec, free, "waiting to restart")
     # Running
-    culprit = awaiting_root_cause(now, workers)
-    if culprit:
-        return Decision(Action.WAIT, culprit)
     failure = detect_failure(now, spec, workers, nodes)
     if failure is not None:
         failure = _with_suspects(now, failure, workers, nodes, silent_after)
@@ -79,12 +76,6 @@ def decide(
     return Decision(Action.WAIT, "running")
 
 
-ROOT_CAUSE_GRACE_SECONDS = 1.0
-"""How long a peer's "connection closed" may wait for the failure that caused it to be reported.
-When one rank dies, the ranks it talked to fail a moment later with a broken connection; their
-node may report first. The other workers' agents report within a few tenths of a second, so the
-event names the rank that died, at a cost of at most this much in recovery time."""
-
 _PEER_LOST = re.compile(
     r"Connection (closed|reset) by peer|Broken pipe|Connection refused|NCCL (error|communicator was aborted)|"
     r"ProcessGroup\w* .*(aborted|timed? ?out)|DistNetworkError|DistBackendError",
@@ -93,22 +84,14 @@ _PEER_LOST = re.compile(
 
 
 def is_peer_lost(worker: Worker) -> bool:
-    """The worker failed because a peer went away (a symptom), not of its own accord."""
+    """The worker failed because a peer went away (a symptom), not of its own accord.
+
+    When one rank dies, the ranks it talked to fail a moment later on a broken connection,
+    and their node may report first. The restart is not delayed to wait for the cause (a dead
+    node never reports one); the reconciler names the cause in a JobRestartCause event once it
+    shows up, and a symptom is always retryable, whatever the restart policy says of exit codes."""
     return worker.phase is WorkerPhase.FAILED and worker.exit_code is not None and worker.exit_code > 0 \
         and _PEER_LOST.search(worker.message or "") is not None
-
-
-def awaiting_root_cause(now: float, workers: list[Worker]) -> str:
-    """A reason to wait a moment before deciding, or "" to decide now: every failure so far is a
-    peer-lost symptom, other workers are still running, and the first symptom is recent."""
-    failed = [w for w in workers if w.phase is WorkerPhase.FAILED]
-    running = [w for w in workers if not w.phase.is_terminal]
-    if not failed or not running or not all(is_peer_lost(w) for w in failed):
-        return ""
-    first = min((w.ended_at for w in failed if w.ended_at is not None), default=now)
-    if now - first >= ROOT_CAUSE_GRACE_SECONDS:
-        return ""
-    return f"workers on {', '.join(w.node for w in failed)} lost a peer; waiting for the failure that caused it"
 
 
 def _root_cause_first(worker: Worker) -> tuple[int, float]:
@@ -121,13 +104,22 @@ def _root_cause_first(worker: Worker) -> tuple[int, float]:
     return kind, worker.ended_at or 0.0
 
 
+def restart_cause(failed_attempt: list[Worker], restart_reason: str) -> Worker | None:
+    """The worker whose own failure caused a restart whose event named only a peer-lost symptom,
+    once it has reported; None if the event already named it or nothing better is known yet."""
+    if _PEER_LOST.search(restart_reason) is None:
+        return None
+    causes = sorted((w for w in failed_attempt if w.phase is WorkerPhase.FAILED and not is_peer_lost(w)), key=_root_cause_first)
+    return causes[0] if causes else None
+
+
 def detect_failure(now: float, spec: JobSpec, workers: list[Worker], nodes: dict[str, Node]) -> Failure | None:
     """First reason this attempt cannot finish, in order: worker exit (the root cause among
     several), lost node, hang."""
     failed = sorted((w for w in workers if w.phase is WorkerPhase.FAILED), key=_root_cause_first)
     if failed:
         w = failed[0]
-        return Failure(f"worker on {w.node}: {w.message}", _retryable_exit(spec, w.exit_code))
+        return Failure(f"worker on {w.node}: {w.message}", is_peer_lost(w) or _retryable_exit(spec, w.exit_code))
     for w in workers:
         if w.phase is WorkerPhase.STOPPED and w.desired is Desired.RUN:
             return Failure(f"worker on {w.node} {w.message or 'stopped unexpectedly'}", True)

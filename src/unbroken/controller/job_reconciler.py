@@ -61,6 +61,7 @@ class JobReconciler:
         # A resume the attempt reported goes before what this pass decides: when an attempt's
         # first step and its failure arrive together, the events still read in the order they happened.
         self._note_resume(job, workers)
+        self._note_cause(job, workers)
         self._apply(now, job, decision, nodes)
         return decision
 
@@ -108,6 +109,28 @@ class JobReconciler:
             self.store.add_event("Job", job.name, "JobSucceeded", decision.reason)
         elif job.reason != decision.reason and job.phase is JobPhase.PENDING:
             self.store.update_job(job.name, JobUpdate(reason=decision.reason), expect_version=job.version)
+
+    def _note_cause(self, job: Job, workers: list[Worker]) -> None:
+        """A restart decided on a peer-lost symptom names its cause once that has reported: one
+        JobRestartCause event per restart (the restart itself was not delayed to wait for it)."""
+        if job.phase is JobPhase.RESTARTING:
+            failed_attempt, failed = job.attempt, workers
+        elif job.phase is JobPhase.RUNNING and job.attempt > 0:
+            failed_attempt, failed = job.attempt - 1, self.backend.observe_attempt(job.name, job.attempt - 1)
+        else:
+            return
+        restarts = self.store.list_events(object_kind="Job", object_name=job.name, reason="JobRestarting")
+        if len(restarts) <= failed_attempt:
+            return
+        cause = job_decisions.restart_cause(failed, restarts[failed_attempt].message)
+        if cause is None:
+            return
+        noted = self.store.list_events(object_kind="Job", object_name=job.name, reason="JobRestartCause")
+        if any(e.message.startswith(f"attempt {failed_attempt}:") for e in noted):
+            return
+        self.store.add_event("Job", job.name, "JobRestartCause",
+                             f"attempt {failed_attempt}: the failure behind restart {failed_attempt + 1}: worker on {cause.node}: {cause.message}",
+                             type=EventType.WARNING)
 
     def _note_resume(self, job: Job, workers: list[Worker]) -> None:
         """One JobResumed event per restarted attempt, once its first step is reported."""
