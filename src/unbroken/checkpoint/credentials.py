@@ -18,6 +18,7 @@ On Kubernetes the three files are a Secret mounted into the agents and the pods.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import ssl
 from dataclasses import dataclass
@@ -39,17 +40,12 @@ class Credentials:
     key: Path
 
     def server_context(self) -> ssl.SSLContext:
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        self._common(context)
-        context.verify_mode = ssl.CERT_REQUIRED  # the client must hold the cluster's certificate too
-        return context
+        return _server_context(self)
 
     def client_context(self) -> ssl.SSLContext:
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-        self._common(context)
-        context.check_hostname = False  # peers are the cluster's by their certificate, not by an address
-        context.verify_mode = ssl.CERT_REQUIRED
-        return context
+        """One per credentials and process, shared by every connection (contexts are thread-safe):
+        loading the files costs milliseconds, which a restore's first request should not pay each time."""
+        return _client_context(self)
 
     def _common(self, context: ssl.SSLContext) -> None:
         context.minimum_version = ssl.TLSVersion.TLSv1_3
@@ -58,6 +54,23 @@ class Credentials:
             context.load_cert_chain(str(self.cert), str(self.key))
         except (OSError, ssl.SSLError) as exc:
             raise CheckpointError(f"cannot load the cluster's TLS credentials from {self.cert.parent}: {exc}") from None
+
+
+@functools.cache
+def _server_context(credentials: Credentials) -> ssl.SSLContext:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    credentials._common(context)
+    context.verify_mode = ssl.CERT_REQUIRED  # the client must hold the cluster's certificate too
+    return context
+
+
+@functools.cache
+def _client_context(credentials: Credentials) -> ssl.SSLContext:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    credentials._common(context)
+    context.check_hostname = False  # peers are the cluster's by their certificate, not by an address
+    context.verify_mode = ssl.CERT_REQUIRED
+    return context
 
 
 def at(directory: Path) -> Credentials:
