@@ -26,9 +26,11 @@ log = logging.getLogger("unbroken.controller")
 LOOP_SECONDS = 0.2
 """Reaction time to any change; a pass over a small cluster costs ~1 ms of SQLite reads."""
 
-SILENT_AFTER_HEARTBEATS = 2
-"""Two missed lease renewals make a node a suspect, well before it is declared lost:
-its workers are not waited for at a restart, and it is handed no new attempt."""
+SILENT_AFTER_HEARTBEATS = 1.5
+"""A lease half an interval overdue makes a node a suspect, well before it is declared lost:
+its workers are not waited for at a restart, and it is handed no new attempt. Renewals come
+every interval plus the time of one write, so a healthy node is not a suspect; a dead one is
+at most 1.5 s after its last renewal, which bounds what a lost node adds to a restart."""
 
 
 def run(runtime: Runtime, stopping: threading.Event) -> None:
