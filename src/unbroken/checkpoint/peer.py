@@ -98,6 +98,9 @@ class ShardServer:
 
             def get_request(self) -> tuple[socket.socket, Any]:
                 sock, address = super().get_request()
+                # Replies go out as headers then body: without this, Nagle holds the body back
+                # until the client's delayed ACK (40 ms on every catalog a restoring rank asks for).
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 # The handshake runs in the connection's own thread (``Handler.setup``), so a
                 # client that stalls it never holds up the accept loop.
                 return context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False), address
