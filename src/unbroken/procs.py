@@ -75,6 +75,14 @@ def _running(proc: psutil.Process) -> bool:
         return False
 
 
+def environ(proc: psutil.Process) -> dict[str, str]:
+    """The process's environment; empty if it vanished or cannot be read meanwhile (a scan races exits)."""
+    try:
+        return proc.environ()
+    except (psutil.Error, OSError):
+        return {}
+
+
 def cluster_processes(cluster_dir: Path) -> list[psutil.Process]:
     """Every live process started for this cluster (agents, controller, torchrun, ranks).
 

@@ -102,7 +102,7 @@ def test_read_views_logs_and_cancel(make_cluster, tmp_path):
     assert follower.returncode == 0 and re.search(r"^\[node-[12] rank 0\] ", out, re.MULTILINE), out[-2000:]
     job = cluster.wait_job_phase("views", {"Cancelled"}, 30)
     assert job.reason == "cancelled by user"
-    wait_until(lambda: not [p for p in procs.cluster_processes(cluster.dir) if p.environ().get("UNBROKEN_JOB") == "views"],
+    wait_until(lambda: not [p for p in procs.cluster_processes(cluster.dir) if procs.environ(p).get("UNBROKEN_JOB") == "views"],
              20, "cancelled job's processes gone")
     again = cluster.cli("job", "cancel", "views", check=False)
     assert again.returncode == 2 and "already ended" in again.stderr

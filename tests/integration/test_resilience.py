@@ -69,7 +69,7 @@ def test_killed_agent_node_is_replaced_and_job_resumes(cluster3, tmp_path):
     last_nodes = {w.node for w in cluster3.workers("agentkill", job.attempt)}
     assert victim not in last_nodes
     assert cluster3.store.get_node(victim).state is NodeState.RETIRED
-    assert not [p for p in procs.cluster_processes(cluster3.dir) if p.environ().get("UNBROKEN_NODE") == victim]
+    assert not [p for p in procs.cluster_processes(cluster3.dir) if procs.environ(p).get("UNBROKEN_NODE") == victim]
 
 
 def test_sigstopped_worker_is_detected_as_hang_and_job_restarts(cluster3, tmp_path):
@@ -95,7 +95,7 @@ def test_crashing_worker_fails_after_max_retry_with_reason_and_no_process_left(c
     assert events.count("JobRestarting") == 1 and events[-1] == "JobFailed"
 
     def job_processes():
-        return [p for p in procs.cluster_processes(cluster3.dir) if p.environ().get("UNBROKEN_JOB") == "crash"]
+        return [p for p in procs.cluster_processes(cluster3.dir) if procs.environ(p).get("UNBROKEN_JOB") == "crash"]
 
     wait_until(lambda: not job_processes(), 15, "no process of the failed job")
     described = cluster3.cli("job", "describe", "crash").stdout

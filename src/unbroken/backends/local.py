@@ -109,7 +109,7 @@ class LocalBackend:
 
     def node_processes(self, name: str) -> list[psutil.Process]:
         members = procs.tree(_read_pid(self.layout.agent_pid(name)) or 0)
-        tagged = [p for p in procs.cluster_processes(self.layout.root) if _env_of(p).get(NODE) == name]
+        tagged = [p for p in procs.cluster_processes(self.layout.root) if procs.environ(p).get(NODE) == name]
         seen = {p.pid for p in members}
         return members + [p for p in tagged if p.pid not in seen]
 
@@ -163,11 +163,11 @@ class LocalBackend:
         (data loader workers) inherit them; only the topmost one per rank counts."""
         found: dict[int, RankProcess] = {}
         for proc in procs.tree(worker.pid or 0):
-            env = _env_of(proc)
+            env = procs.environ(proc)
             if "RANK" not in env or "LOCAL_RANK" not in env:
                 continue
             try:
-                parent_env = _env_of(proc.parent()) if proc.parent() else {}
+                parent_env = procs.environ(proc.parent()) if proc.parent() else {}
             except psutil.Error:
                 parent_env = {}
             if "RANK" in parent_env:
@@ -256,10 +256,3 @@ def _read_pid(path: Path) -> int | None:
         return int(path.read_text().strip())
     except (OSError, ValueError):
         return None
-
-
-def _env_of(proc: psutil.Process) -> dict[str, str]:
-    try:
-        return proc.environ()
-    except (psutil.Error, OSError):
-        return {}  # the process may vanish or be unreadable mid-scan
