@@ -34,7 +34,9 @@ class MessageKind(StrEnum):
     PROGRESS = "progress"
     """``ctx.progress(step)``: the heartbeat hang detection and goodput read."""
     RESTORED = "restored"
-    """The rank resumed from a checkpoint of this step."""
+    """The rank resumed from a checkpoint of this step (``detail``: from where; ``metrics["seconds"]``)."""
+    SAVED = "saved"
+    """The rank saved this step (``detail``: the tier; ``metrics``: ``stall_seconds``, ``bytes``)."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,8 @@ class RankMessage:
     ts: float
     step: int | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    detail: str = ""
+    """A short word for the kind of message (a tier, a source), never free text."""
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -66,6 +70,7 @@ class RankMessage:
         numbers = [self.ts, *(self.metrics.values() if isinstance(self.metrics, dict) else [None])]
         if (
             not isinstance(self.job, str)
+            or not isinstance(self.detail, str)
             or not all(type(v) is int for v in ints)
             or not all(type(v) in (int, float) for v in numbers)
             or not all(isinstance(k, str) for k in self.metrics)

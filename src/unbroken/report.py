@@ -15,6 +15,7 @@ Definitions (also in the README):
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -36,6 +37,10 @@ class AttemptSummary:
     outcome: str
     fault_at: float | None = None
     detected_at: float | None = None
+    restart_reason: str = ""
+    """The JobRestarting message that ended the previous attempt and led to this one."""
+    checkpoint_stall_s: float = 0.0
+    """Training time its ranks spent blocked in checkpoint saves (the slowest node's ranks)."""
 
     @property
     def step_seconds(self) -> float | None:
@@ -130,10 +135,12 @@ def _attempt(job: Job, attempt: int, workers: list[Worker], events: list[Event])
 
     scheduled = earliest(w.created_at for w in workers)
     fault_at = detected_at = None
+    restart_reason = ""
     if attempt > 0 and scheduled is not None:
         restarts = [e for e in events if e.reason == "JobRestarting" and e.ts <= scheduled]
         if restarts:
             detected_at = restarts[-1].ts
+            restart_reason = restarts[-1].message
             previous_start = _previous_schedule(events, detected_at)
             chaos = [e for e in events if e.reason.startswith(CHAOS_PREFIX) and previous_start <= e.ts <= detected_at]
             fault_at = chaos[-1].ts if chaos else detected_at
@@ -149,10 +156,44 @@ def _attempt(job: Job, attempt: int, workers: list[Worker], events: list[Event])
         restored_step=next((w.restored_step for w in workers if w.restored_step is not None), None),
         first_step=earliest(w.first_step for w in workers), last_step=latest(w.last_step for w in workers),
         last_progress_at=latest(w.last_progress_at for w in workers), outcome=outcome,
-        fault_at=fault_at, detected_at=detected_at,
+        fault_at=fault_at, detected_at=detected_at, restart_reason=restart_reason,
+        checkpoint_stall_s=latest(w.checkpoint_stall_s for w in workers) or 0.0,
     )
 
 
 def _previous_schedule(events: list[Event], before: float) -> float:
     scheduled = [e.ts for e in events if e.reason == "JobScheduled" and e.ts <= before]
     return scheduled[-1] if scheduled else 0.0
+
+
+BADPUT_CAUSES = ("startup", "restart", "lost_steps", "checkpoint_stall", "hang_wait")
+"""Where a job's time went other than into kept training progress (Google's goodput/badput split)."""
+
+
+def badput(report: JobReport, is_hang: Callable[[str], bool]) -> dict[str, float]:
+    """Seconds lost per cause, from an attempt summary (``is_hang`` says which restart reasons were hangs).
+
+    - startup: each attempt's placement to its first step (imports, rendezvous, restore);
+    - hang_wait: for a hang, the time from the last step to its detection (the hang timeout);
+    - restart: fault to the next attempt's placement, less any hang wait (detection, stopping, placing);
+    - lost_steps: steps recomputed after a restart, at the failed attempt's step time;
+    - checkpoint_stall: time the training loop was blocked in saves.
+    """
+    spent = dict.fromkeys(BADPUT_CAUSES, 0.0)
+    attempts = report.attempts
+    for index, attempt in enumerate(attempts):
+        if attempt.scheduled_at is not None and attempt.first_step_at is not None:
+            spent["startup"] += max(0.0, attempt.first_step_at - attempt.scheduled_at)
+        spent["checkpoint_stall"] += attempt.checkpoint_stall_s
+        following = attempts[index + 1] if index + 1 < len(attempts) else None
+        if following is None:
+            continue
+        if attempt.last_step is not None and attempt.step_seconds is not None:
+            spent["lost_steps"] += max(0, attempt.last_step - (following.restored_step or 0)) * attempt.step_seconds
+        hang = 0.0
+        if is_hang(following.restart_reason) and following.detected_at is not None and attempt.last_progress_at is not None:
+            hang = max(0.0, following.detected_at - attempt.last_progress_at)
+            spent["hang_wait"] += hang
+        if following.fault_at is not None and following.scheduled_at is not None:
+            spent["restart"] += max(0.0, following.scheduled_at - following.fault_at - hang)
+    return spent

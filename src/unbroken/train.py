@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from unbroken.channel import MessageKind, RankMessage, RankSender
-from unbroken.checkpoint.api import Checkpointer
+from unbroken.checkpoint.api import Checkpointer, RestoreReport, SaveReport
 from unbroken.launch_env import LaunchEnv
 
 _PR_SET_PDEATHSIG = 1
@@ -51,14 +51,30 @@ class Context:
         """
         self._send(MessageKind.PROGRESS, step, {k: float(v) for k, v in metrics.items()})
 
-    def _send(self, kind: MessageKind, step: int | None, metrics: dict[str, float] | None = None) -> None:
+    def _send(self, kind: MessageKind, step: int | None, metrics: dict[str, float] | None = None, detail: str = "") -> None:
         self._sender.send(
             RankMessage(
                 kind=kind, job=self.job, attempt=self.attempt, rank=self.rank, local_rank=self.local_rank,
-                pid=os.getpid(), ts=time.time(), step=step, metrics=metrics or {},
+                pid=os.getpid(), ts=time.time(), step=step, metrics=metrics or {}, detail=detail,
             ),
-            must_arrive=kind is not MessageKind.PROGRESS,
+            must_arrive=kind is MessageKind.HELLO or kind is MessageKind.RESTORED,
         )
+
+
+@dataclass
+class _AgentObserver:
+    """Tells the node agent of every save and restore: its metrics and the job's badput come from these."""
+
+    ctx: Context | None = None
+
+    def saved(self, report: SaveReport) -> None:
+        if self.ctx is not None:
+            self.ctx._send(MessageKind.SAVED, report.step, {"stall_seconds": report.stall_seconds, "bytes": float(report.bytes)},
+                           report.tier)
+
+    def restored(self, report: RestoreReport) -> None:
+        if self.ctx is not None:
+            self.ctx._send(MessageKind.RESTORED, report.step, {"seconds": report.seconds}, report.source)
 
 
 def init(
@@ -81,24 +97,23 @@ def init(
     sender = RankSender(env.agent_socket)
     directory = Path(checkpoint_dir) if checkpoint_dir else env.checkpoint_dir or Path("checkpoints")
 
-    def on_restored(step: int) -> None:
-        ctx._send(MessageKind.RESTORED, step)  # ctx is bound below
-
+    observer = _AgentObserver()  # bound to the context below: the checkpointer is part of it
     checkpointer: Checkpointer
     if env.checkpoint_tiers and env.managed:
         from unbroken.config.checkpoint import TierPolicy
         from unbroken.checkpoint.tiered import from_environment
 
         policy = TierPolicy.model_validate_json(env.checkpoint_tiers)
-        checkpointer = from_environment(env, rank, world_size, policy, on_restored)
+        checkpointer = from_environment(env, rank, world_size, policy, observer)
     else:
         from unbroken.checkpoint.file import FileCheckpointer
 
-        checkpointer = FileCheckpointer(directory, rank=rank, world_size=world_size, keep=env.checkpoint_keep, on_restored=on_restored)
+        checkpointer = FileCheckpointer(directory, rank=rank, world_size=world_size, keep=env.checkpoint_keep, observer=observer)
     ctx = Context(
         rank=rank, world_size=world_size, local_rank=local_rank, job=env.job, node=env.node,
         attempt=env.attempt, checkpoint=checkpointer, _sender=sender,
     )
+    observer.ctx = ctx
     # Hello before joining the process group: from here on the agent expects progress,
     # so a rank stuck in rendezvous counts against startup_timeout.
     ctx._send(MessageKind.HELLO, None)

@@ -138,12 +138,30 @@ def test_restore_of_empty_or_missing_directory_is_a_fresh_start(tmp_path: Path) 
     assert FileCheckpointer(tmp_path / "empty").restore() is None
 
 
-def test_restore_calls_on_restored_with_the_step(tmp_path: Path) -> None:
-    seen: list[int] = []
-    ck = FileCheckpointer(tmp_path, on_restored=seen.append)
-    ck.save(7, {"x": 1})
+class Reports:
+    """Collects what a checkpointer tells its observer (what ``unbroken.init()`` sends to the agent)."""
+
+    def __init__(self) -> None:
+        self.saves: list = []
+        self.restores: list = []
+
+    def saved(self, report) -> None:
+        self.saves.append(report)
+
+    def restored(self, report) -> None:
+        self.restores.append(report)
+
+
+def test_saves_and_restores_are_reported_with_their_cost(tmp_path: Path) -> None:
+    reports = Reports()
+    ck = FileCheckpointer(tmp_path, observer=reports)
+    ck.save(7, {"x": torch.zeros(1000)})
     assert ck.restore().step == 7
-    assert seen == [7]
+    [save] = reports.saves
+    assert (save.step, save.tier) == (7, "file") and save.stall_seconds > 0
+    assert save.bytes == (tmp_path / "step-000000007" / "rank-00000.pt").stat().st_size
+    [restore] = reports.restores
+    assert (restore.step, restore.source) == (7, "file") and restore.seconds > 0
 
 
 def test_restore_brings_back_every_rng(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ import pytest
 import torch
 from unbroken.waiting import wait_until
 from s3 import empty_and_delete_bucket
-from test_file_checkpoint import assert_same, sample_state
+from test_file_checkpoint import Reports, assert_same, sample_state
 
 from unbroken.checkpoint import service as service_module
 from unbroken.checkpoint import shard, shm
@@ -218,14 +218,14 @@ def test_memory_round_trip_restores_the_newest_step_bit_exact_and_its_rng(make_r
     first = draw()
     assert not torch.equal(draw()[0], first[0]), "the generators moved on"
 
-    seen: list[int] = []
-    ck.on_restored = seen.append
+    reports = Reports()
+    ck.observer = reports
     restored = ck.restore()
 
     assert restored is not None and restored.step == 30
     assert restored.source == "memory on node-1"
     assert_same(restored.state, sample_state(30))
-    assert seen == [30]
+    assert [(r.step, r.source) for r in reports.restores] == [(30, "memory")]
     again = draw()
     assert torch.equal(again[0], first[0]) and again[1] == first[1] and np.array_equal(again[2], first[2])
     assert "restored step 30 from memory on node-1" in capsys.readouterr().out

@@ -12,12 +12,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
 import sys
 import threading
 import time
 
-from unbroken import logs
+from unbroken import logs, metrics
 from unbroken.agent import join_checks, launcher
 from unbroken.agent.progress import ProgressBook
 from unbroken.agent.workers import WorkerRunner
@@ -28,7 +29,10 @@ from unbroken.checkpoint import credentials
 from unbroken.checkpoint.service import CheckpointService
 from unbroken.errors import StoreUnavailable
 from unbroken.health import join as health_join
+from unbroken.health.gpu_metrics import GpuCollector
 from unbroken.health.monitor import HealthMonitor
+from unbroken.health.result import CheckResult
+from unbroken.metrics import AgentMetrics
 from unbroken.layout import ClusterLayout
 from unbroken.runtime import Runtime, open_local
 from unbroken.state.phases import DeepHealthStatus, NodeState
@@ -49,12 +53,13 @@ class Agent:
         self.node = node
         self.layout = runtime.layout
         self.cluster = runtime.config
-        self.book = ProgressBook()
+        self.metrics = AgentMetrics()
+        self.book = ProgressBook(self.metrics)
         self.stopping = threading.Event()
         self.node_root = shm.node_root(self.layout.root, node)
         """The agent's own folder on the node: memory tier, and the socket its ranks report to."""
         self.checkpoints = CheckpointService(runtime.catalog, runtime.cluster, node, self.node_root,
-                                             credentials.load(self.layout.root))
+                                             credentials.load(self.layout.root), metrics=self.metrics)
         self.workers = (WorkerRunner(node, runtime.worker_table, self.store, self.layout, self.book, self._launch_settings)
                         if runtime.worker_table is not None else None)
 
@@ -86,11 +91,12 @@ class Agent:
         if not self.register():
             return
         self.receiver = AgentReceiver(agent_socket(self.node_root))
+        endpoint = self._serve_metrics()
         threading.Thread(target=self._lease_loop, name="lease", daemon=True).start()
         self.checkpoints.start()
         threading.Thread(target=self._checkpoint_loop, name="checkpoints", daemon=True).start()
         threading.Thread(target=self._join_checks, name="join-checks", daemon=True).start()
-        HealthMonitor(self.store, self._jobs_on, self.layout, self.node, self.cluster, self.stopping).start()
+        HealthMonitor(self.store, self._jobs_on, self.layout, self.node, self.cluster, self.stopping, self.metrics).start()
         try:
             while not self.stopping.is_set():
                 try:
@@ -111,6 +117,25 @@ class Agent:
                 self.workers.kill_all()
             self.receiver.close()
             self.checkpoints.close()
+            if endpoint is not None:
+                endpoint.close()
+
+    def _serve_metrics(self) -> metrics.Endpoint | None:
+        """This node's ``/metrics``: what its agent measures, and its GPUs under dcgm-exporter's names."""
+        settings = self.cluster.Metrics
+        if not settings.Enabled:
+            return None
+        if settings.GpuMetrics:
+            self.metrics.register(GpuCollector(self.node, self.metrics.last_xid))
+        node = self.store.get_node(self.node)
+        # In its own network namespace a node binds its namespace address: that is what reaches it.
+        host = node.address if self.cluster.Local.NetworkNamespaces else settings.Host
+        number = int(match.group(1)) if (match := re.search(r"(\d+)$", self.node)) else 0
+        port = settings.AgentBasePort + number if settings.AgentBasePort else 0
+        endpoint = metrics.serve(self.metrics.registry, host, port)
+        self.store.update_node(self.node, NodeUpdate(metrics_address=endpoint.address))
+        log.info("serving metrics", extra={"node": self.node, "address": endpoint.address})
+        return endpoint
 
     def _lease_loop(self) -> None:
         """One write per interval: the heartbeat and whatever progress the ranks reported since."""
@@ -139,7 +164,7 @@ class Agent:
         def deep(suite: str) -> health_join.Verdict:
             busy = {w.node for w in self.runtime.backend.active_workers()}
             return health_join.run_suite(suite, self.node, store=self.store, jobs_on=self._jobs_on, layout=self.layout,
-                                         cluster=self.cluster, busy=busy)
+                                         cluster=self.cluster, busy=busy, on_result=self._measure_check)
 
         result, notes = join_checks.run_join_checks(self.node, self.layout.node_dir(self.node), suites, deep)
         for note in notes:
@@ -153,6 +178,12 @@ class Agent:
             type=EventType.NORMAL if result.passed else EventType.WARNING,
         )
         log.info("join checks %s: %s", status.value, result.reason, extra={"node": self.node})
+
+    def _measure_check(self, result: CheckResult) -> None:
+        self.metrics.check_ran(result.check, result.status.value, result.duration_s)
+        busbw = result.metrics.get("busbw") if result.check.startswith("collective.") else None
+        if busbw is not None and result.node == self.node and result.metrics.get("sizes"):
+            self.metrics.collective_busbw.labels("all_reduce", str(max(result.metrics["sizes"]))).set(float(busbw) * 1e9)
 
     def _jobs_on(self, node: str) -> list[str]:
         return [w.job for w in self.runtime.backend.active_workers() if w.node == node]

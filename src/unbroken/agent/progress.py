@@ -16,7 +16,12 @@ import threading
 from dataclasses import dataclass, field
 
 from unbroken.channel import MessageKind, RankMessage
+from unbroken.metrics import AgentMetrics
 from unbroken.state.records import RankInfo, WorkerProgress
+
+
+_TIERS = frozenset({"memory", "file"})
+_SOURCES = frozenset({"memory", "replica", "peer", "persistent", "file"})
 
 
 @dataclass
@@ -25,6 +30,8 @@ class _RankProgress:
     pid: int
     step: int | None = None
     ts: float | None = None
+    stalled: float = 0.0
+    """Seconds this rank's saves blocked its training loop."""
 
 
 @dataclass
@@ -45,6 +52,8 @@ class _Progress:
                 self.first_progress_at, self.first_step = msg.ts, msg.step
         elif msg.kind is MessageKind.RESTORED and msg.step is not None:
             self.restored_step = msg.step
+        elif msg.kind is MessageKind.SAVED:
+            rank.stalled += float(msg.metrics.get("stall_seconds", 0.0))
         self.dirty = True
 
     def report(self, job: str, attempt: int) -> WorkerProgress:
@@ -58,20 +67,34 @@ class _Progress:
             last_step=min(r.step for r in reporting if r.step is not None) if reporting else None,
             last_progress_at=min(r.ts for r in reporting if r.ts is not None) if reporting else None,
             restored_step=self.restored_step,
+            checkpoint_stall_s=max((r.stalled for r in self.ranks.values()), default=0.0) or None,
         )
 
 
 class ProgressBook:
-    """Per (job, attempt) progress of the workers on this node."""
+    """Per (job, attempt) progress of the workers on this node; saves and restores also go to ``metrics``."""
 
-    def __init__(self) -> None:
+    def __init__(self, metrics: AgentMetrics | None = None) -> None:
         self._workers: dict[tuple[str, int], _Progress] = {}
         self._lock = threading.Lock()
+        self.metrics = metrics
 
     def apply(self, messages: list[RankMessage]) -> None:
         with self._lock:
             for msg in messages:
                 self._workers.setdefault((msg.job, msg.attempt), _Progress()).apply(msg)
+                if self.metrics is not None:
+                    self._measure(self.metrics, msg)
+
+    @staticmethod
+    def _measure(metrics: AgentMetrics, msg: RankMessage) -> None:
+        # Labels only from known words: a datagram is anyone's to send, a metric's series are not.
+        if msg.kind is MessageKind.SAVED:
+            tier = msg.detail if msg.detail in _TIERS else "other"
+            metrics.save_stall.labels(tier).observe(float(msg.metrics.get("stall_seconds", 0.0)))
+        elif msg.kind is MessageKind.RESTORED and "seconds" in msg.metrics:
+            source = msg.detail if msg.detail in _SOURCES else "other"
+            metrics.restore.labels(source).observe(float(msg.metrics["seconds"]))
 
     def take_dirty(self) -> list[WorkerProgress]:
         """Reports of the workers with news since the last take."""

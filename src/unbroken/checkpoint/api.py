@@ -18,6 +18,33 @@ class Restored:
     """Where it came from (a path or a tier name), for the log line a person reads."""
 
 
+@dataclass(frozen=True)
+class SaveReport:
+    """One save as the training loop felt it: what the agent turns into metrics and badput."""
+
+    step: int
+    tier: str
+    """``memory`` (the tiered checkpointer's stage) or ``file``."""
+    stall_seconds: float
+    """How long ``save`` blocked the training loop."""
+    bytes: int
+
+
+@dataclass(frozen=True)
+class RestoreReport:
+    step: int
+    source: str
+    """Where the rank's shard came from: ``memory``, ``replica``, ``peer``, ``persistent`` or ``file``."""
+    seconds: float
+
+
+class CheckpointObserver(Protocol):
+    """Told of every save and restore; ``unbroken.init()`` passes one that reports to the node agent."""
+
+    def saved(self, report: SaveReport) -> None: ...
+    def restored(self, report: RestoreReport) -> None: ...
+
+
 class Checkpointer(Protocol):
     def save(self, step: int, state: dict[str, Any]) -> None:
         """Every rank calls it with its own state; returns once the state is durable."""

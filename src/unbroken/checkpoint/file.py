@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import time
 import zipfile
 from pathlib import Path
 from typing import Any, Callable
@@ -24,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from unbroken.checkpoint import collectives, rng
-from unbroken.checkpoint.api import Restored
+from unbroken.checkpoint.api import CheckpointObserver, Restored, RestoreReport, SaveReport
 from unbroken.errors import CheckpointError
 
 _STEP_DIR = re.compile(r"^step-(\d{9})$")
@@ -84,22 +85,24 @@ class FileCheckpointer:
         rank: int = 0,
         world_size: int = 1,
         keep: int = 2,
-        on_restored: Callable[[int], None] | None = None,
+        observer: CheckpointObserver | None = None,
     ) -> None:
         self.directory = directory
         self.rank = rank
         self.world_size = world_size
         self.keep = keep
-        self._on_restored = on_restored
+        self._observer = observer
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         if step < 0:
             raise CheckpointError(f"checkpoint step must be >= 0, got {step}")
+        started = time.perf_counter()
         target = step_dir(self.directory, step)
         try:
             target.mkdir(parents=True, exist_ok=True)
             payload = {"step": step, "state": state, "rng": rng.capture()}
-            write_atomically(rank_file(self.directory, step, self.rank), lambda f: torch.save(payload, f))
+            path = rank_file(self.directory, step, self.rank)
+            write_atomically(path, lambda f: torch.save(payload, f))
             if self.rank == 0:
                 manifest = {"step": step, "world_size": self.world_size, "format": "unbroken.file/1"}
                 write_atomically(target / "manifest.json", lambda f: f.write(json.dumps(manifest).encode()))
@@ -111,17 +114,20 @@ class FileCheckpointer:
             if cause is None:
                 raise
             raise CheckpointError(f"cannot write checkpoint step {step} to {target}: {cause.strerror or cause}") from exc
+        if self._observer is not None:
+            self._observer.saved(SaveReport(step, "file", time.perf_counter() - started, path.stat().st_size))
 
     def restore(self) -> Restored | None:
         """Newest committed step that *every* rank loads cleanly; older steps on any failure."""
+        started = time.perf_counter()
         for step in self._agreed_candidates():
             payload = self._try_load(step)
             if collectives.all_ok(payload is not None):
                 assert payload is not None
                 self._discard_abandoned(after=step)
                 rng.apply(payload["rng"])
-                if self._on_restored:
-                    self._on_restored(step)
+                if self._observer is not None:
+                    self._observer.restored(RestoreReport(step, "file", time.perf_counter() - started))
                 return Restored(step=step, state=payload["state"], source=str(step_dir(self.directory, step)))
         self._discard_abandoned(after=-1)
         return None

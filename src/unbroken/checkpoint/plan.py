@@ -289,8 +289,13 @@ def _commit_memory(view: JobView, here: NodeView, steps: list[CheckpointStep], c
     for copy in copies:
         if copy.tier is MEMORY:
             groups.setdefault((copy.step, copy.attempt, copy.world_size), {})[copy.rank] = copy
+    keep = view.policy.memory.keep if view.policy is not None else 1
     for (step, attempt, world_size), ranks in sorted(groups.items(), reverse=True):
         if step in have or len(ranks) != world_size:
+            continue
+        if sum(other > step for other in have) >= keep:
+            # Retention already let this step go (its files linger until the ranks reuse their
+            # slots): committing it again would only have the next pass retire it again.
             continue
         record = CheckpointStep(
             job=view.job.name, step=step, tier=MEMORY, attempt=attempt, world_size=world_size, status=StepStatus.COMMITTED,

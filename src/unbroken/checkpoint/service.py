@@ -30,6 +30,7 @@ from unbroken.checkpoint.peer import PeerClient, ShardServer
 from unbroken.checkpoint.persistent import PersistentStore
 from unbroken.checkpoint.restore_catalog import CatalogStep, CopyLocation, RestoreCatalog
 from unbroken.config.checkpoint import TierPolicy
+from unbroken.metrics import AgentMetrics
 from unbroken.state.catalog import CheckpointCatalog
 from unbroken.state.phases import NodeState
 from unbroken.state.records import CheckpointStep, CheckpointTier, EventType, Job, ShardCopy, StepStatus
@@ -81,6 +82,7 @@ class CheckpointService:
     _pins: dict[Path, shm.SharedRead] = field(default_factory=dict)
     _policies: dict[str, TierPolicy | None] = field(default_factory=dict)
     server: ShardServer | None = None
+    metrics: AgentMetrics | None = None
 
     def start(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -127,7 +129,7 @@ class CheckpointService:
                 replicator_busy=self._replicator.busy(), drainer_busy=self._drainer.busy(),
             )
             for action in plan.plan(view, here):
-                self._do(job.name, policy, action)
+                self._do(view, action)
 
     def _policy(self, job: Job) -> TierPolicy | None:
         """The job's tiers; a job's spec never changes, so it is parsed once, not every pass."""
@@ -135,12 +137,14 @@ class CheckpointService:
             self._policies[job.spec_json] = job.spec().checkpoint.tiers
         return self._policies[job.spec_json]
 
-    def _do(self, job: str, policy: TierPolicy | None, action: plan.Action) -> None:
-        catalog = self.catalog
+    def _do(self, view: plan.JobView, action: plan.Action) -> None:
+        catalog, job, policy = self.catalog, view.job.name, view.policy
         match action:
             case plan.RecordCopy(copy=copy, path=path):
                 catalog.put_shard_copy(copy)
                 self._known[path] = copy.checksum
+                if self.metrics is not None and copy.tier is CheckpointTier.MEMORY:
+                    self.metrics.checkpoint_bytes.labels("memory").inc(copy.size)
             case plan.ForgetCopies(step=step, tier=tier, node=node, rank=rank):
                 catalog.delete_shard_copies(job, step, tier=tier, node=node, rank=rank)
             case plan.DeleteStep(step=step, tier=tier):
@@ -148,6 +152,8 @@ class CheckpointService:
             case plan.CommitMemory(record=record):
                 if catalog.put_checkpoint_step(record, only_if_absent=True):
                     log.info("step %d committed in memory", record.step, extra={"node": self.node, "job": job, "bytes": record.size})
+                    saved = [s.info.saved_at for s in view.shards if (s.info.step, s.info.attempt) == (record.step, record.attempt)]
+                    self._durable("memory", min(saved) if saved else None)
             case plan.Replicate(shards=shards, peers=peers):
                 self._replicator.run(functools.partial(self._push, shards, peers))
             case plan.OpenDrain(record=record):
@@ -183,6 +189,9 @@ class CheckpointService:
                         started = time.monotonic()
                         with PeerClient(address, self.credentials) as client:
                             client.put(shard.path, info)
+                    if self.metrics is not None:
+                        self.metrics.checkpoint_bytes.labels("replica").inc(info.size)
+                    self._durable("replica", info.saved_at)
                     log.info("replicated step %d rank %d to %s", info.step, info.rank, name,
                              extra={"node": self.node, "job": info.job, "peer": name, "bytes": info.size,
                                     "seconds": round(time.monotonic() - started, 3)})
@@ -242,7 +251,11 @@ class CheckpointService:
         try:
             retrying(PersistentStore(uri).upload_shard, shard.path, info)
         except Exception as exc:  # noqa: BLE001 - any tier failure degrades, never kills the agent
+            if self.metrics is not None:
+                self.metrics.tier_failures.labels("persistent", type(exc).__name__).inc()
             return f"{type(exc).__name__}: {exc}"
+        if self.metrics is not None:
+            self.metrics.checkpoint_bytes.labels("persistent").inc(info.size)
         self.catalog.put_shard_copy(ShardCopy(
             job=job, step=info.step, rank=info.rank, tier=PERSISTENT, node="", attempt=info.attempt,
             world_size=info.world_size, size=info.size, checksum=info.checksum, info_json=info.model_dump_json(),
@@ -303,6 +316,8 @@ class CheckpointService:
             target = PersistentStore(policy.persistent.uri)
             target.commit(manifest)
         except Exception as exc:  # noqa: BLE001
+            if self.metrics is not None:
+                self.metrics.tier_failures.labels("persistent", type(exc).__name__).inc()
             self._fail_drain(job, row, f"writing the manifest: {type(exc).__name__}: {exc}")
             return
         now = time.time()
@@ -311,6 +326,7 @@ class CheckpointService:
             status=StepStatus.COMMITTED, size=manifest.size, updated_at=now, committed_at=now,
         ))
         log.info("step %d committed in %s", row.step, policy.persistent.uri, extra={"node": self.node, "job": job, "bytes": manifest.size})
+        self._durable("persistent", min(s.saved_at for s in manifest.shards))
         for old in plan.persistent_excess(self.catalog.list_checkpoint_steps(job, tier=PERSISTENT), policy.persistent.keep):
             try:
                 target.delete_step(job, old.step)
@@ -319,6 +335,11 @@ class CheckpointService:
                 continue
             self.catalog.delete_checkpoint_step(job, old.step, PERSISTENT)
             self.catalog.delete_shard_copies(job, old.step, tier=PERSISTENT)
+
+    def _durable(self, tier: str, saved_at: float | None) -> None:
+        """A step (or a replica) became durable in ``tier``, this long after its save."""
+        if self.metrics is not None and saved_at is not None:
+            self.metrics.durable.labels(tier).observe(max(0.0, time.time() - saved_at))
 
     # -- pins -----------------------------------------------------------------------
 

@@ -25,12 +25,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from unbroken.checkpoint import collectives, rng, shard, shm, tiers
-from unbroken.checkpoint.api import Restored
+from unbroken.checkpoint.api import CheckpointObserver, Restored, RestoreReport, SaveReport
 from unbroken.checkpoint.credentials import Credentials
 from unbroken.checkpoint.manifest import ShardInfo
 from unbroken.checkpoint.restore_catalog import RestoreCatalog
@@ -54,6 +54,8 @@ class Loaded:
     payload: dict[str, Any]
     source: str
     size: int = 0
+    kind: str = ""
+    """The restore's source as a metric label (``tiers.Location.source``)."""
 
 
 @dataclass
@@ -70,7 +72,7 @@ class TieredCheckpointer:
     """The local agent's shard server (``host:port``); None outside an agent."""
     credentials: Credentials
     """The cluster's TLS credentials: to ask the agent for the catalog and read peers' copies."""
-    on_restored: Callable[[int], None] | None = None
+    observer: CheckpointObserver | None = None
     save_wait_seconds: float = 30.0
     _pool: shm.SlotPool = field(init=False)
     _pending: threading.Thread | None = field(default=None, init=False)
@@ -124,6 +126,8 @@ class TieredCheckpointer:
             raise
         self._last_step, self._last_at = step, time.monotonic()
         self.last_stall_seconds = time.perf_counter() - started
+        if self.observer is not None:
+            self.observer.saved(SaveReport(step, "memory", self.last_stall_seconds, layout.size))
         self._pending = threading.Thread(target=self._finalize, args=(slot, layout, step), name="ckpt-finalize", daemon=True)
         self._pending.start()
         return True
@@ -191,6 +195,7 @@ class TieredCheckpointer:
     # -- restore --------------------------------------------------------------------
 
     def restore(self) -> Restored | None:
+        started = time.perf_counter()
         catalog = collectives.from_rank0(self.catalog)
         for step in catalog.candidates():
             loaded = self.load_shard(step, self.rank, catalog)
@@ -202,8 +207,8 @@ class TieredCheckpointer:
                 # The next saves will be about this size: get their slots ready meanwhile.
                 self._pending = threading.Thread(target=self._prepare_slots, args=(loaded.size,), name="ckpt-prepare", daemon=True)
                 self._pending.start()
-                if self.on_restored:
-                    self.on_restored(step)
+                if self.observer is not None:
+                    self.observer.restored(RestoreReport(step, loaded.kind, time.perf_counter() - started))
                 return Restored(step=step, state=loaded.payload["state"], source=loaded.source)
             _say(f"step {step} is not restorable on every rank; trying an older step")
         return None
@@ -257,7 +262,7 @@ class TieredCheckpointer:
             if not isinstance(payload, dict) or payload.get("step") != step or "state" not in payload:
                 _say(f"step {step} rank {rank} from {location.description}: not a step-{step} checkpoint")
                 continue
-            return Loaded(payload, location.description, loaded.size)
+            return Loaded(payload, location.description, loaded.size, location.source)
         return None
 
     PREFETCH_STEPS = 2
@@ -302,7 +307,7 @@ def _map_private(path: Path, size: int) -> mmap.mmap:
     return view
 
 
-def from_environment(env: Any, rank: int, world_size: int, policy: TierPolicy, on_restored: Callable[[int], None] | None) -> TieredCheckpointer:
+def from_environment(env: Any, rank: int, world_size: int, policy: TierPolicy, observer: CheckpointObserver | None) -> TieredCheckpointer:
     """The checkpointer a rank launched by an agent gets (``unbroken.init``)."""
     from unbroken.checkpoint import credentials
     from unbroken.layout import ClusterLayout
@@ -311,6 +316,6 @@ def from_environment(env: Any, rank: int, world_size: int, policy: TierPolicy, o
     return TieredCheckpointer(
         job=env.job, attempt=env.attempt, rank=rank, world_size=world_size, node=env.node,
         shm_root=shm.node_root(env.cluster_dir, env.node), policy=policy, endpoint=env.checkpoint_endpoint,
-        credentials=credentials.load(ClusterLayout.at(env.cluster_dir).root), on_restored=on_restored,
+        credentials=credentials.load(ClusterLayout.at(env.cluster_dir).root), observer=observer,
     )
 

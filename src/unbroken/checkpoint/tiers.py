@@ -50,6 +50,8 @@ class Location:
     """A node's shard server or the tier's URI."""
     attempt: int | None = None
     """The attempt whose copy this is (memory tiers): a re-saved step has copies of two attempts."""
+    source: str = ""
+    """The metric label of a restore from here: ``memory``, ``replica``, ``peer`` or ``persistent``."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,7 @@ class SharedMemoryTier:
             return []
         tier = "memory" if any(c.tier == "memory" for c in here) else "replica"
         assert entry is not None
-        return [Location(SourceKind.LOCAL, f"{tier} on {self.node}", self.node, entry.attempt)]
+        return [Location(SourceKind.LOCAL, f"{tier} on {self.node}", self.node, entry.attempt, tier)]
 
     def read(self, location: Location, step: int, rank: int) -> Loaded:
         """Straight from shared memory, checksum first.
@@ -133,7 +135,7 @@ class PeerTier:
         copies = entry.copies.get(rank, ()) if entry else ()
         return [
             Location(SourceKind.PEER_REPLICA if c.tier == "replica" else SourceKind.PEER_PRIMARY, f"{c.tier} on {c.node}",
-                     catalog.endpoints[c.node])
+                     catalog.endpoints[c.node], source="replica" if c.tier == "replica" else "peer")
             for c in copies if c.node != self.node and catalog.endpoints.get(c.node)
         ]
 
@@ -158,7 +160,7 @@ class PersistentTier:
     uri: str
 
     def locate(self, catalog: RestoreCatalog, step: int, rank: int) -> list[Location]:
-        return [Location(SourceKind.PERSISTENT, f"persistent {self.uri}", self.uri)] if step in catalog.persistent else []
+        return [Location(SourceKind.PERSISTENT, f"persistent {self.uri}", self.uri, source="persistent")] if step in catalog.persistent else []
 
     def read(self, location: Location, step: int, rank: int) -> Loaded:
         store = PersistentStore(self.uri)

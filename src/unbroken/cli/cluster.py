@@ -27,14 +27,26 @@ def up(
     directory: DirOption = None,
     wait: Annotated[bool, typer.Option(help="Wait until every node has finished its join checks")] = True,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for nodes to join")] = 120.0,
+    metrics_port: Annotated[int | None, typer.Option("--metrics-port", min=1, max=65000, help=(
+        "Serve /metrics on fixed ports: the controller on PORT, node-N's agent on PORT+N (default: free ports, "
+        "listed by 'cluster status'). Overrides the cluster file's Metrics ports."))] = None,
+    gpu_metrics: Annotated[bool | None, typer.Option("--gpu-metrics/--no-gpu-metrics", help=(
+        "Export NVML readings under dcgm-exporter's names; --no-gpu-metrics where dcgm-exporter already runs"))] = None,
 ) -> None:
     """Start the controller and one agent per node as background processes.
 
-    Examples:  unbroken cluster up --nodes 3    |    unbroken cluster up -f cluster.yaml --dir /tmp/c1
+    Examples:  unbroken cluster up --nodes 3    |    unbroken cluster up -f cluster.yaml --dir /tmp/c1 --metrics-port 9400
     """
     if (file is None) == (nodes is None):
         raise UsageError("give exactly one of --file/-f CLUSTER_FILE or --nodes N")
     config = load_model(file, ClusterConfig) if file else ClusterConfig.with_nodes(nodes or 1)
+    metrics_changes: dict[str, Any] = {}
+    if metrics_port is not None:
+        metrics_changes.update(ControllerPort=metrics_port, AgentBasePort=metrics_port)
+    if gpu_metrics is not None:
+        metrics_changes["GpuMetrics"] = gpu_metrics
+    if metrics_changes:
+        config = config.model_copy(update={"Metrics": config.Metrics.model_copy(update=metrics_changes)})
     layout = layout_for(directory)
     runtime, resumed = local_cluster.up(layout, config)
     if resumed:
@@ -83,6 +95,7 @@ def status(directory: DirOption = None, output: OutputOption = Output.table) -> 
         "nodes": _count(n.state.value for n in nodes if n.state is not NodeState.RETIRED),
         "retired_nodes": sum(n.state is NodeState.RETIRED for n in nodes),
         "jobs": _count(j.phase.value for j in jobs),
+        "metrics": metrics_targets(runtime),
         "time": time.time(),
     }
     if output is Output.json:
@@ -94,6 +107,22 @@ def status(directory: DirOption = None, output: OutputOption = Output.table) -> 
     _print_nodes(runtime)
     if jobs:
         console.print("jobs: " + ", ".join(f"{v} {k}" for k, v in sorted(data["jobs"].items())))
+    if data["metrics"]:
+        console.print("metrics (Prometheus file_sd: 'cluster status -o json' .metrics): " + ", ".join(
+            f"{t['labels'].get('node', t['labels']['component'])} {t['targets'][0]}" for t in data["metrics"]), highlight=False)
+
+
+def metrics_targets(runtime: Runtime) -> list[dict[str, Any]]:
+    """Every /metrics endpoint of the cluster, in Prometheus' file_sd format (one target group each)."""
+    targets = []
+    controller = runtime.cluster.cluster().controller_metrics
+    if controller:
+        targets.append({"targets": [controller], "labels": {"component": "controller", "cluster": runtime.config.ClusterName}})
+    for node in runtime.cluster.list_nodes():
+        if node.metrics_address and node.state is not NodeState.RETIRED:
+            targets.append({"targets": [node.metrics_address],
+                            "labels": {"component": "agent", "node": node.name, "cluster": runtime.config.ClusterName}})
+    return targets
 
 
 def _count(values) -> dict[str, int]:

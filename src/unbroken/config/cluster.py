@@ -67,6 +67,23 @@ class LocalSettings(_Strict):
         return self
 
 
+class MetricsSettings(_Strict):
+    """Where the controller and every agent serve Prometheus metrics (``/metrics``)."""
+
+    Enabled: bool = True
+    Host: str = "127.0.0.1"
+    """The address they bind. Loopback by default: nothing of the cluster is open to the network
+    unless asked (``0.0.0.0`` lets a Prometheus on another machine scrape). A node in its own
+    network namespace binds its namespace address."""
+    ControllerPort: int = Field(default=0, ge=0, le=65535)
+    """0: a free port, chosen at start and listed by ``unbroken cluster status``."""
+    AgentBasePort: int = Field(default=0, ge=0, le=65535)
+    """node-N serves on AgentBasePort + N (so a fixed scrape config can name them); 0: free ports."""
+    GpuMetrics: bool = True
+    """NVML's readings under dcgm-exporter's names (DCGM_FI_DEV_*), so existing GPU dashboards
+    work. Turn off where dcgm-exporter already runs on the nodes: two exporters of one name clash."""
+
+
 class ClusterConfig(_Strict):
     ClusterName: str = Field(pattern=NAME_PATTERN)
     InstanceGroups: list[InstanceGroup] = Field(min_length=1)
@@ -75,6 +92,7 @@ class ClusterConfig(_Strict):
     Local: LocalSettings = Field(default_factory=LocalSettings)
     Health: HealthSettings = Field(default_factory=HealthSettings)
     """Profile and Xid-table overrides, kernel-log source, monitor cadence (health checks)."""
+    Metrics: MetricsSettings = Field(default_factory=MetricsSettings)
 
     @field_validator("InstanceGroups")
     @classmethod

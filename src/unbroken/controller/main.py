@@ -14,8 +14,11 @@ import signal
 import sys
 import threading
 
-from unbroken import logs
+from prometheus_client import CollectorRegistry
+
+from unbroken import logs, metrics
 from unbroken.controller.job_reconciler import JobReconciler
+from unbroken.controller.metrics import ClusterCollector
 from unbroken.controller.node_reconciler import NodeReconciler
 from unbroken.layout import ClusterLayout
 from unbroken.runtime import Runtime, open_local
@@ -33,12 +36,34 @@ every interval plus the time of one write, so a healthy node is not a suspect; a
 at most 1.5 s after its last renewal, which bounds what a lost node adds to a restart."""
 
 
+def serve_metrics(runtime: Runtime) -> metrics.Endpoint | None:
+    """The cluster's metrics on ``/metrics``, derived from the stores on every scrape."""
+    settings = runtime.config.Metrics
+    if not settings.Enabled:
+        return None
+    registry = CollectorRegistry()
+    registry.register(ClusterCollector(runtime.cluster, runtime.backend, runtime.catalog, runtime.clock))
+    endpoint = metrics.serve(registry, settings.Host, settings.ControllerPort)
+    runtime.cluster.set_controller_metrics(endpoint.address)
+    log.info("serving metrics", extra={"address": endpoint.address})
+    return endpoint
+
+
 def run(runtime: Runtime, stopping: threading.Event) -> None:
     cluster = runtime.config
     nodes = NodeReconciler(runtime.cluster, runtime.backend, cluster)
     jobs = JobReconciler(runtime.cluster, runtime.backend,
                          silent_after=SILENT_AFTER_HEARTBEATS * cluster.Local.HeartbeatIntervalSeconds)
     log.info("controller started", extra={"cluster": cluster.ClusterName})
+    endpoint = serve_metrics(runtime)
+    try:
+        _loop(runtime, nodes, jobs, stopping)
+    finally:
+        if endpoint is not None:
+            endpoint.close()
+
+
+def _loop(runtime: Runtime, nodes: NodeReconciler, jobs: JobReconciler, stopping: threading.Event) -> None:
     while not stopping.is_set():
         now = runtime.clock()
         try:

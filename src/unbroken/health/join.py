@@ -10,7 +10,7 @@ the one taken out.
 
 from __future__ import annotations
 
-from collections.abc import Set
+from collections.abc import Callable, Set
 from dataclasses import dataclass
 
 from unbroken.config.cluster import ClusterConfig
@@ -42,8 +42,10 @@ def connectivity_peers(store: ClusterStore, layout: ClusterLayout, cluster: Clus
 
 
 def run_suite(suite: str, node: str, *, store: ClusterStore, jobs_on: events.JobsOn, layout: ClusterLayout,
-              cluster: ClusterConfig, busy: Set[str] = frozenset()) -> Verdict:
-    """Run ``suite`` for the joining ``node``; ``busy`` nodes (running a job) are the last picked as peers."""
+              cluster: ClusterConfig, busy: Set[str] = frozenset(),
+              on_result: Callable[[CheckResult], None] | None = None) -> Verdict:
+    """Run ``suite`` for the joining ``node``; ``busy`` nodes (running a job) are the last picked as peers.
+    ``on_result`` sees every result (the agent's metrics)."""
     me = store.get_node(node)
     peers: tuple[Peer, ...] = ()
     if suite == Suite.INSTANCE_CONNECTIVITY.value:
@@ -52,6 +54,8 @@ def run_suite(suite: str, node: str, *, store: ClusterStore, jobs_on: events.Job
     results = runner.run_suite(catalogue.for_suite(Suite(suite), cluster.Health), ctx, Suite(suite))
     for result in results:
         events.record(store, result)
+        if on_result is not None:
+            on_result(result)
     return verdict(store, jobs_on, node, results)
 
 

@@ -19,6 +19,7 @@ from unbroken.health.kernel_log.sources import LineSource, open_source
 from unbroken.health.kernel_log.watch import Finding, KernelLogWatch
 from unbroken.health.result import CheckResult, FaultAction, Status, Suite
 from unbroken.layout import ClusterLayout
+from unbroken.metrics import AgentMetrics
 from unbroken.state.phases import NodeState
 from unbroken.state.store import ClusterStore
 
@@ -42,8 +43,9 @@ def finding_result(node: str, finding: Finding) -> CheckResult:
 
 class HealthMonitor:
     def __init__(self, store: ClusterStore, jobs_on: events.JobsOn, layout: ClusterLayout, node: str, cluster: ClusterConfig,
-                 stopping: threading.Event) -> None:
+                 stopping: threading.Event, metrics: AgentMetrics | None = None) -> None:
         self.store, self.jobs_on, self.layout, self.node, self.cluster, self.stopping = store, jobs_on, layout, node, cluster, stopping
+        self.metrics = metrics
         self.settings = cluster.Health
         # Opened now, in the agent's start-up: the source starts at "now" and later lines are ours.
         self.source: LineSource = open_source(self.settings.KernelLogSource, layout.kernel_log(node))
@@ -68,6 +70,11 @@ class HealthMonitor:
             self.source.close()
 
     def handle(self, store: ClusterStore, finding: Finding) -> None:
+        if self.metrics is not None and finding.check == "kernel_log.xid":
+            self.metrics.last_xid[str(finding.metrics["pci"])] = int(finding.metrics["xid"])  # type: ignore[call-overload]
+        if self.metrics is not None and "rule_type" in finding.metrics:  # an NPD rule, as NPD itself would count it
+            condition = finding.metrics.get("condition") if finding.metrics["rule_type"] == "permanent" else None
+            self.metrics.problem(finding.check.removeprefix("kernel_log."), condition=str(condition) if condition else None)
         events.record(store, finding_result(self.node, finding))
         if finding.action is not FaultAction.NONE:
             events.apply_fault(store, self.jobs_on, self.node, finding.action, finding.reason, source=finding.check)
@@ -90,6 +97,8 @@ class HealthMonitor:
 
     def report(self, store: ClusterStore, result: CheckResult) -> None:
         """Every run is logged; only failures and changes become events (no event flood every interval)."""
+        if self.metrics is not None:
+            self.metrics.check_ran(result.check, result.status.value, result.duration_s)
         previous = self._last.get(result.check)
         self._last[result.check] = result.status
         if result.status is Status.FAIL or result.status is not previous:

@@ -47,6 +47,8 @@ class ClusterRecord:
     config_json: str
     status: ClusterStatus
     created_at: float
+    controller_metrics: str | None = None
+    """Where the controller serves ``/metrics`` (``host:port``), once it runs."""
 
     def config(self) -> "ClusterConfig":
         from unbroken.config.cluster import ClusterConfig
@@ -73,6 +75,8 @@ class Node:
     replaced_by: str | None = None
     recovery_requested: bool = False
     """An operator asked for this node's reboot/replacement: carried out even with NodeRecovery None."""
+    metrics_address: str | None = None
+    """Where its agent serves ``/metrics`` (``host:port``)."""
     version: int = 0
 
 
@@ -131,6 +135,8 @@ class Worker:
     """Oldest of the node's ranks' latest progress: a single stuck rank shows here."""
     restored_step: int | None = None
     ranks: tuple[RankInfo, ...] = field(default_factory=tuple)
+    checkpoint_stall_s: float | None = None
+    """Time its ranks spent blocked in checkpoint saves (the most of any rank), for badput."""
 
 
 @dataclass(frozen=True)
@@ -148,6 +154,7 @@ class WorkerProgress:
     last_step: int | None = None
     last_progress_at: float | None = None
     restored_step: int | None = None
+    checkpoint_stall_s: float | None = None
 
 
 @dataclass(frozen=True)

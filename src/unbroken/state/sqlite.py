@@ -54,14 +54,14 @@ SCHEMA_VERSION = 3
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS cluster (
     id INTEGER PRIMARY KEY CHECK (id = 1), name TEXT NOT NULL, config_json TEXT NOT NULL,
-    status TEXT NOT NULL, created_at REAL NOT NULL
+    status TEXT NOT NULL, created_at REAL NOT NULL, controller_metrics TEXT
 );
 CREATE TABLE IF NOT EXISTS nodes (
     name TEXT PRIMARY KEY, "group" TEXT NOT NULL, instance_type TEXT NOT NULL,
     state TEXT NOT NULL, deep_health TEXT NOT NULL, address TEXT NOT NULL,
     fault_type TEXT, fault_reason TEXT, agent_pid INTEGER,
     registered_at REAL, state_changed_at REAL NOT NULL, reboots INTEGER NOT NULL,
-    replaced_by TEXT, recovery_requested INTEGER NOT NULL, version INTEGER NOT NULL DEFAULT 0
+    replaced_by TEXT, recovery_requested INTEGER NOT NULL, metrics_address TEXT, version INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS leases (node TEXT PRIMARY KEY, renewed_at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS jobs (
@@ -77,7 +77,7 @@ CREATE TABLE IF NOT EXISTS workers (
     pid INTEGER, created_at REAL NOT NULL, started_at REAL, ended_at REAL,
     exit_code INTEGER, message TEXT, log_dir TEXT,
     first_step INTEGER, first_progress_at REAL, last_step INTEGER, last_progress_at REAL,
-    restored_step INTEGER, ranks TEXT NOT NULL,
+    restored_step INTEGER, ranks TEXT NOT NULL, checkpoint_stall_s REAL,
     UNIQUE (job, attempt, node)
 );
 CREATE INDEX IF NOT EXISTS workers_by_node ON workers(node, phase);
@@ -112,11 +112,15 @@ INSERT OR IGNORE INTO shard_servers (node, address)
     SELECT substr(key, length('ckpt-endpoint/') + 1), value FROM meta WHERE key LIKE 'ckpt-endpoint/%';
 INSERT OR IGNORE INTO leases (node, renewed_at) SELECT name, heartbeat_at FROM nodes WHERE heartbeat_at IS NOT NULL;
 ALTER TABLE nodes DROP COLUMN heartbeat_at;
-ALTER TABLE nodes ADD COLUMN version INTEGER NOT NULL DEFAULT 0;
-ALTER TABLE jobs ADD COLUMN nodes TEXT NOT NULL DEFAULT '[]';
-ALTER TABLE jobs ADD COLUMN version INTEGER NOT NULL DEFAULT 0;
 DROP TABLE meta;
 """
+_NEW_IN_V3 = (
+    ("nodes", "version", "INTEGER NOT NULL DEFAULT 0"),
+    ("jobs", "nodes", "TEXT NOT NULL DEFAULT '[]'"),
+    ("jobs", "version", "INTEGER NOT NULL DEFAULT 0"),
+    ("workers", "checkpoint_stall_s", "REAL"),
+    ("nodes", "metrics_address", "TEXT"),
+)
 
 _NODES = "SELECT nodes.*, leases.renewed_at AS heartbeat_at FROM nodes LEFT JOIN leases ON leases.node = nodes.name"
 
@@ -157,6 +161,9 @@ class SqliteStore:
                 if version == 2:
                     for statement in _statements(_FROM_V2):
                         conn.execute(statement)
+                    for table, column, declaration in _NEW_IN_V3:
+                        if column not in {row["name"] for row in conn.execute(f"PRAGMA table_info({table})")}:
+                            conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
                 conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     # -- connection and transactions -------------------------------------------------
@@ -199,13 +206,13 @@ class SqliteStore:
         """The one cluster of this file (what ``cluster up`` writes first), status Up."""
         record = ClusterRecord(name=name, config_json=config_json, status=ClusterStatus.UP, created_at=time.time())
         with self._transaction() as conn:
-            conn.execute("INSERT OR REPLACE INTO cluster VALUES (1, ?, ?, ?, ?)",
+            conn.execute("INSERT OR REPLACE INTO cluster VALUES (1, ?, ?, ?, ?, NULL)",
                          (record.name, record.config_json, record.status.value, record.created_at))
         return record
 
     @_store_call
     def cluster(self) -> ClusterRecord:
-        row = self._conn().execute("SELECT name, config_json, status, created_at FROM cluster WHERE id = 1").fetchone()
+        row = self._conn().execute("SELECT name, config_json, status, created_at, controller_metrics FROM cluster WHERE id = 1").fetchone()
         if row is None:
             raise StoreError(f"{self.path}: holds no cluster configuration")
         return _decode(ClusterRecord, row)
@@ -214,6 +221,11 @@ class SqliteStore:
     def set_cluster_status(self, status: ClusterStatus) -> None:
         with self._transaction() as conn:
             conn.execute("UPDATE cluster SET status = ? WHERE id = 1", (status.value,))
+
+    @_store_call
+    def set_controller_metrics(self, address: str | None) -> None:
+        with self._transaction() as conn:
+            conn.execute("UPDATE cluster SET controller_metrics = ? WHERE id = 1", (address,))
 
     # -- nodes ----------------------------------------------------------------------
 

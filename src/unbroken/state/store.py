@@ -32,6 +32,8 @@ class ClusterStore(Protocol):
     # the cluster object
     def cluster(self) -> ClusterRecord: ...
     def set_cluster_status(self, status: ClusterStatus) -> None: ...
+    def set_controller_metrics(self, address: str | None) -> None:
+        """Where the running controller serves its metrics (None: it stopped)."""
 
     # nodes
     def add_node(self, node: Node) -> None:

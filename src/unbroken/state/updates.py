@@ -48,6 +48,7 @@ class NodeUpdate(_Update):
     reboots: int | _Unset = UNSET
     replaced_by: str | None | _Unset = UNSET
     recovery_requested: bool | _Unset = UNSET
+    metrics_address: str | None | _Unset = UNSET
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,3 +78,4 @@ class WorkerUpdate(_Update):
     last_step: int | None | _Unset = UNSET
     last_progress_at: float | None | _Unset = UNSET
     restored_step: int | None | _Unset = UNSET
+    checkpoint_stall_s: float | None | _Unset = UNSET
