@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from http.server import ThreadingHTTPServer
 from threading import Thread
 from typing import Any
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import Metric
@@ -34,7 +34,7 @@ class Endpoint:
 
     address: str
     """``host:port`` as Prometheus scrapes it."""
-    server: ThreadingHTTPServer
+    server: WSGIServer
     thread: Thread
 
     def close(self) -> None:
