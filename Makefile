@@ -17,18 +17,27 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 HAS_NVIDIA      := $(shell test -e /proc/driver/nvidia/version && echo yes)
 TORCH_SPEC      := torch==$(TORCH_VERSION)$(if $(HAS_NVIDIA),,+cpu)
 
-.PHONY: demo test install clean
+# What the tests run for real besides Python: Prometheus (scraping the cluster's /metrics)
+# and Chromium (the dashboard, driven by Playwright). Debian's packages; sudo where not root.
+SYSTEM_PACKAGES := prometheus chromium
+SUDO := $(shell test "$$(id -u)" = 0 || echo sudo)
+
+.PHONY: demo test install system-packages clean
 
 demo: $(STAMP)
 	$(BIN)/unbroken demo
 
-test: $(STAMP)
+test: $(STAMP) system-packages
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q tests
 
 install: $(STAMP)
+
+system-packages:
+	@command -v prometheus >/dev/null && command -v chromium >/dev/null || \
+		( $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends $(SYSTEM_PACKAGES) )
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
