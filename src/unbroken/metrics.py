@@ -14,15 +14,19 @@ check ids, tiers, sources, reasons that are codes, never steps or pids.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
+from socketserver import ThreadingMixIn
 from threading import Thread
 from typing import Any
-from wsgiref.simple_server import WSGIServer
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
+
+from unbroken.http_bind import bind_without_lookup
 
 SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 """From a millisecond (a warm memory-tier stall) to five minutes (a slow persistent drain)."""
@@ -42,10 +46,32 @@ class Endpoint:
         self.server.server_close()
 
 
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # a scrape a second is not news
+
+
+class _MetricsServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+    def server_bind(self) -> None:
+        bind_without_lookup(self)  # no reverse DNS: in a node's namespace it blocks past the lease
+        self.setup_environ()
+
+
+class _MetricsServer6(_MetricsServer):
+    address_family = socket.AF_INET6
+
+
 def serve(registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0) -> Endpoint:
-    """Serve ``registry`` on ``host:port`` (0: a free port) in a background thread."""
-    server, thread = start_http_server(port, host, registry)
-    return Endpoint(f"{host}:{server.server_port}", server, thread)
+    """Serve ``registry`` on ``host:port`` (0: a free port) in a background thread
+    (prometheus_client's WSGI app; the server binds without a DNS lookup)."""
+    server_class = _MetricsServer6 if ":" in host else _MetricsServer
+    server = make_server(host, port, make_wsgi_app(registry), server_class, handler_class=_QuietHandler)
+    thread = Thread(target=server.serve_forever, name="metrics", daemon=True)
+    thread.start()
+    shown = f"[{host}]" if ":" in host else host
+    return Endpoint(f"{shown}:{server.server_port}", server, thread)
 
 
 class _NpdProblemCounter(Collector):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import urllib.request
 
 import pytest
 import yaml
@@ -24,6 +25,14 @@ def test_a_100mbit_link_fails_connectivity_and_is_named_while_10_unlimited_runs_
     nodes = {n["name"]: n for n in cluster.json("node", "list")}
     assert len({n["address"] for n in nodes.values()}) == 3 and not any(n["address"].startswith("127.") for n in nodes.values())
     assert all(namespace_exists(NodeNet(cluster.dir, name)) for name in nodes)
+    # Each agent serves its metrics on its namespace's address (bound without a reverse DNS
+    # lookup, which has no resolver in there and used to block until the node was declared lost).
+    agents = [t for t in cluster.json("cluster", "status")["metrics"] if t["labels"]["component"] == "agent"]
+    for target in agents:
+        address = target["targets"][0]
+        assert address.split(":")[0] == nodes[target["labels"]["node"]]["address"], target
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as reply:
+            assert b"unbroken_health_check_runs_total" in reply.read()
 
     healthy = cluster.cli("check", "collective", "--nodes", "node-1,node-2,node-3", "-b", "64K", "-e", "1M", "-f", "4",
                           "--repeat", "10", "-o", "json", timeout=300)

@@ -45,6 +45,7 @@ from unbroken.checkpoint.integrity import StreamingChecksum, checksum
 from unbroken.checkpoint.manifest import ShardInfo
 from unbroken.checkpoint.restore_catalog import RestoreCatalog
 from unbroken.errors import CheckpointError
+from unbroken.http_bind import bind_without_lookup
 
 log = logging.getLogger("unbroken.checkpoint.peer")
 
@@ -92,6 +93,9 @@ class ShardServer:
         class Server(ThreadingHTTPServer):
             daemon_threads = True
             allow_reuse_address = True
+
+            def server_bind(self) -> None:
+                bind_without_lookup(self)  # no reverse DNS: in a node's namespace it blocks for seconds
 
             def handle_error(self, request: Any, client_address: Any) -> None:
                 pass  # a refused handshake or a dropped peer was logged where it happened
