@@ -280,7 +280,7 @@ def test_unknown_top_level_job_key_lists_valid_fields(tmp_path: Path) -> None:
 def test_unknown_top_level_cluster_key_lists_valid_fields(tmp_path: Path) -> None:
     message = cluster_error(write(tmp_path / "cluster.yaml", MINIMAL_CLUSTER + "Tags: [a]\n"))
 
-    assert "Tags: unknown field (valid: ClusterName, Health, InstanceGroups, Local, NodeRecovery)" in message
+    assert "Tags: unknown field (valid: ClusterName, Health, InstanceGroups, Local, Metrics, NodeRecovery)" in message
 
 
 # -- bad values ----------------------------------------------------------------------

@@ -48,6 +48,9 @@ class Backend(Protocol):
     def worker_history(self, job: str) -> list[Worker]:
         """Every worker of every attempt of ``job``, oldest first (for reports)."""
 
+    def progress_history(self, job: str) -> list[tuple[int, float, int]]:
+        """(attempt, time, step) over the job's life, oldest first, about one sample a second."""
+
     def release_workers(self, node: Node, reason: str) -> None:
         """The node's agent is gone and can never confirm its workers stopped: close them as
         Stopped (local: the rows; Kubernetes: force-delete pods stuck Terminating)."""

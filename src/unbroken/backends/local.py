@@ -152,6 +152,9 @@ class LocalBackend:
     def worker_history(self, job: str) -> list[Worker]:
         return self.workers.list_workers(job=job)
 
+    def progress_history(self, job: str) -> list[tuple[int, float, int]]:
+        return self.workers.progress_samples(job)
+
     def release_workers(self, node: Node, reason: str) -> None:
         for worker in self.workers.list_workers(node=node.name, active=True):
             self.workers.update_worker(worker.id, WorkerUpdate(

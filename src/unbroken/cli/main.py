@@ -53,6 +53,24 @@ def validate_command(
     run_validate(directory, output, steps, timeout)
 
 
+@app.command("dashboard")
+def dashboard_command(
+    directory: cluster.DirOption = None,
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on; anything but loopback needs a token"),
+    port: int = typer.Option(8080, "--port", min=0, max=65535, help="Port; 0 picks a free one"),
+    token: str | None = typer.Option(None, "--token", help="Token every request must carry (default on a network "
+                                     "address: a random one, printed in the URL)", show_default=False),
+) -> None:
+    """A live web page of the cluster: nodes (health, faults), jobs (progress, restarts, goodput, the step-over-time plot
+    with every fault and resume), checkpoints per tier, the event stream. Read-only.
+
+    Example:  unbroken dashboard   (then open the printed URL)
+    """
+    from unbroken.cli.dashboard import run_dashboard
+
+    run_dashboard(directory, host, port, token)
+
+
 def run() -> None:
     """Typer handles usage errors (exit 2) and --help; our own errors end here as one line."""
     try:

@@ -99,6 +99,10 @@ CREATE TABLE IF NOT EXISTS checkpoint_steps (
     PRIMARY KEY (job, step, tier)
 );
 CREATE TABLE IF NOT EXISTS shard_servers (node TEXT PRIMARY KEY, address TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS progress_samples (
+    job TEXT NOT NULL, attempt INTEGER NOT NULL, node TEXT NOT NULL, ts REAL NOT NULL, step INTEGER NOT NULL,
+    PRIMARY KEY (job, attempt, node, ts)
+);
 """
 
 # v2 kept the cluster, its status and the shard servers in a key-value table, heartbeats on
@@ -275,6 +279,17 @@ class SqliteStore:
                     f"AND phase IN ({', '.join('?' for _ in live)})",
                     (*values.values(), report.job, report.attempt, node, *live),
                 )
+                if report.last_step is not None and report.last_progress_at is not None:
+                    conn.execute("INSERT OR IGNORE INTO progress_samples VALUES (?, ?, ?, ?, ?)",
+                                 (report.job, report.attempt, node, report.last_progress_at, report.last_step))
+
+    @_store_call
+    def progress_samples(self, job: str) -> list[tuple[int, float, int]]:
+        """(attempt, time, step) as the job's nodes reported it, oldest first: the slowest node per renewal."""
+        rows = self._conn().execute(
+            "SELECT attempt, ts, MIN(step) AS step FROM progress_samples WHERE job = ? GROUP BY attempt, CAST(ts AS INTEGER) "
+            "ORDER BY ts", (job,)).fetchall()
+        return [(int(r["attempt"]), float(r["ts"]), int(r["step"])) for r in rows]
 
     # -- jobs -----------------------------------------------------------------------
 

@@ -24,3 +24,5 @@ class WorkerTable(Protocol):
     ) -> list[Worker]:
         """Oldest first; ``active`` keeps only Pending and Running workers."""
     def update_worker(self, worker_id: int, update: WorkerUpdate) -> Worker: ...
+    def progress_samples(self, job: str) -> list[tuple[int, float, int]]:
+        """(attempt, time, step) of the job over its life, from the lease renewals (the step-over-time plot)."""

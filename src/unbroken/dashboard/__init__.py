@@ -1,0 +1,1 @@
+"""The read-only web dashboard (``unbroken dashboard``): FastAPI, live over server-sent events."""
