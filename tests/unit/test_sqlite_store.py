@@ -187,6 +187,31 @@ def test_a_lease_renewal_carries_progress_into_the_nodes_active_workers_only(sto
     assert (after.restored_step, after.last_step) == (5, 9), "what a report does not say is kept"
 
 
+def test_progress_samples_keep_the_slowest_node_per_second_and_thin_out_a_long_life(store):
+    store.add_job(a_job())
+    workers = store.add_workers([a_worker(attempt=1), a_worker(attempt=1, node="node-2")])
+    for worker in workers:
+        store.update_worker(worker.id, WorkerUpdate(phase=WorkerPhase.RUNNING))
+    ranks = (RankInfo(rank=0, local_rank=0, pid=7),)
+
+    def report(node: str, at: float, step: int, attempt: int = 1) -> None:
+        store.renew_lease(node, at=at, progress=[
+            WorkerProgress(job="train", attempt=attempt, ranks=ranks, last_step=step, last_progress_at=at)])
+
+    report("node-1", 100.2, 12)
+    report("node-2", 100.7, 10)  # same second, behind: the job is where its slowest node is
+    report("node-1", 100.9, 14)
+    report("node-1", 101.1, 15)
+    report("node-1", 101.5, 99, attempt=0)  # no live worker of attempt 0 here: not a sample
+    assert store.progress_samples("train") == [(1, 100.7, 10), (1, 101.1, 15)]
+    for second in range(102, 10_102):
+        report("node-1", float(second), second)
+    thinned = store.progress_samples("train", max_points=100)
+    assert 90 <= len(thinned) <= 101 and thinned[-1] == (1, 10_101.0, 10_101)
+    assert [s[1] for s in thinned] == sorted(s[1] for s in thinned)
+    assert store.progress_samples("other") == []
+
+
 # -- jobs -------------------------------------------------------------------------------
 
 

@@ -100,8 +100,8 @@ CREATE TABLE IF NOT EXISTS checkpoint_steps (
 );
 CREATE TABLE IF NOT EXISTS shard_servers (node TEXT PRIMARY KEY, address TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS progress_samples (
-    job TEXT NOT NULL, attempt INTEGER NOT NULL, node TEXT NOT NULL, ts REAL NOT NULL, step INTEGER NOT NULL,
-    PRIMARY KEY (job, attempt, node, ts)
+    job TEXT NOT NULL, attempt INTEGER NOT NULL, second INTEGER NOT NULL, ts REAL NOT NULL, step INTEGER NOT NULL,
+    PRIMARY KEY (job, attempt, second)
 );
 """
 
@@ -274,21 +274,30 @@ class SqliteStore:
                 if not values:
                     continue
                 assignments = ", ".join(f"{_quote(c)} = ?" for c in values)
-                conn.execute(
+                updated = conn.execute(
                     f"UPDATE workers SET {assignments} WHERE job = ? AND attempt = ? AND node = ? "
                     f"AND phase IN ({', '.join('?' for _ in live)})",
                     (*values.values(), report.job, report.attempt, node, *live),
-                )
-                if report.last_step is not None and report.last_progress_at is not None:
-                    conn.execute("INSERT OR IGNORE INTO progress_samples VALUES (?, ?, ?, ?, ?)",
-                                 (report.job, report.attempt, node, report.last_progress_at, report.last_step))
+                ).rowcount
+                if updated and report.last_step is not None and report.last_progress_at is not None:
+                    # One row per job, attempt and second, whatever the node count: the slowest node's step.
+                    conn.execute(
+                        "INSERT INTO progress_samples VALUES (?, ?, ?, ?, ?) ON CONFLICT (job, attempt, second) DO UPDATE "
+                        "SET step = excluded.step, ts = excluded.ts WHERE excluded.step < progress_samples.step",
+                        (report.job, report.attempt, int(report.last_progress_at), report.last_progress_at, report.last_step))
 
     @_store_call
-    def progress_samples(self, job: str) -> list[tuple[int, float, int]]:
-        """(attempt, time, step) as the job's nodes reported it, oldest first: the slowest node per renewal."""
-        rows = self._conn().execute(
-            "SELECT attempt, ts, MIN(step) AS step FROM progress_samples WHERE job = ? GROUP BY attempt, CAST(ts AS INTEGER) "
-            "ORDER BY ts", (job,)).fetchall()
+    def progress_samples(self, job: str, max_points: int = 2000) -> list[tuple[int, float, int]]:
+        """(attempt, time, step) of the job, oldest first: at most about ``max_points``, evenly
+        spread over its life (a week-long job has 600k seconds; a plot needs a few hundred)."""
+        conn = self._conn()
+        span = conn.execute("SELECT MIN(second), MAX(second) FROM progress_samples WHERE job = ?", (job,)).fetchone()
+        if span[0] is None:
+            return []
+        bucket = max(1, -(-(int(span[1]) - int(span[0]) + 1) // max_points))
+        rows = conn.execute(
+            "SELECT attempt, MAX(ts) AS ts, MAX(step) AS step FROM progress_samples WHERE job = ? "
+            "GROUP BY attempt, second / ? ORDER BY ts", (job, bucket)).fetchall()
         return [(int(r["attempt"]), float(r["ts"]), int(r["step"])) for r in rows]
 
     # -- jobs -----------------------------------------------------------------------
