@@ -6,6 +6,8 @@ Works the same under an unbroken agent and under plain ``torchrun`` (or plain
 Under an agent, a job file with checkpoint tiers gets the tiered checkpointer
 (shared memory, replicas, persistent tier); the memory tier needs the agent
 that owns it, so plain torchrun always gets the file checkpointer.
+Logging goes out as JSON lines tagged with the rank's job, node, attempt and rank
+(``structured_logs=False`` leaves the script's logging alone).
 torch is imported lazily so that ``import unbroken`` stays cheap for the CLI.
 """
 
@@ -21,6 +23,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from unbroken import logs
 from unbroken.channel import MessageKind, RankMessage, RankSender
 from unbroken.checkpoint.api import Checkpointer, RestoreReport, SaveReport
 from unbroken.launch_env import LaunchEnv
@@ -82,15 +85,23 @@ def init(
     checkpoint_dir: str | Path | None = None,
     backend: str | None = None,
     init_process_group: bool = True,
+    structured_logs: bool = True,
 ) -> Context:
     """Join the job: read rank and world size, start ``torch.distributed``, say hello to the agent.
 
-    ``backend`` defaults to NCCL when CUDA is available, else gloo.
+    ``backend`` defaults to NCCL when CUDA is available, else gloo. With
+    ``structured_logs``, the root logger writes JSON lines to stdout carrying
+    ``job``, ``node``, ``attempt``, ``rank`` and ``local_rank`` (what is known), so
+    log shippers (Loki, CloudWatch, Fluent Bit) read rank logs without a pattern;
+    ``print`` output stays as printed.
     """
     env = LaunchEnv.from_environ()
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if structured_logs:
+        known = {"job": env.job, "node": env.node, "attempt": env.attempt if env.managed else None}
+        logs.setup(component="rank", **{k: v for k, v in known.items() if v is not None}, rank=rank, local_rank=local_rank)
     if env.managed:
         _die_with_parent()
     _record_uncaught_errors()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -91,6 +92,15 @@ def test_read_views_logs_and_cancel(make_cluster, tmp_path):
     node_logs = cluster.cli("job", "logs", "views", "--node", "node-2").stdout
     assert "[node-2 torchrun]" in node_logs or "[node-2 rank" in node_logs
     wait_until(lambda: "first step" in cluster.cli("job", "logs", "views", "--rank", "3").stdout, 30, "rank 3 log")
+    # Rank logs are JSON lines a log shipper reads without a pattern, tagged with where they came from.
+    worker = cluster.workers("views", 0)[0]
+    stdout_files = list(cluster.layout.worker_log_dir("views", 0, worker.node).glob("*/attempt_*/*/stdout.log"))
+    assert stdout_files
+    records = [json.loads(line) for path in stdout_files for line in path.read_text().splitlines() if line.strip()]
+    first = next(r for r in records if "first step" in r["msg"])
+    assert {k: first[k] for k in ("component", "job", "node", "attempt")} == {
+        "component": "rank", "job": "views", "node": worker.node, "attempt": 0}
+    assert isinstance(first["rank"], int) and isinstance(first["step"], int) and first["level"] == "info" and first["ts"]
     bad = cluster.cli("job", "logs", "views", "--rank", "9", check=False)
     assert bad.returncode == 2 and "no rank 9" in bad.stderr
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import logging
 import os
 import sys
 import time
@@ -25,6 +26,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import unbroken
+
+log = logging.getLogger("unbroken.workloads.mlp")
 
 FEATURES = 32
 CLASSES = 8
@@ -133,7 +136,8 @@ def main(argv: list[str]) -> int:
         if not torch.equal(restored.state.get("ballast", ballast), ballast):
             raise RuntimeError("restored --state-mb ballast differs from what was saved")
         step = restored.step
-        print(f"rank {ctx.rank}: resumed at step {step} from {restored.source} in {time.monotonic() - restore_started:.3f} s", flush=True)
+        log.info(f"rank {ctx.rank}: resumed at step {step} from {restored.source} in {time.monotonic() - restore_started:.3f} s",
+                 extra={"step": step, "source": restored.source})
 
     loss_fn = nn.CrossEntropyLoss()
     loss: torch.Tensor | None = None  # stays None when resumed from the final step
@@ -149,7 +153,7 @@ def main(argv: list[str]) -> int:
         step += 1
         first_loss = first_loss if first_loss is not None else loss.item()
         if args.crash_at_step is not None and step == args.crash_at_step and ctx.rank == args.crash_rank:
-            print(f"rank {ctx.rank}: injected crash at step {step}", flush=True)
+            log.error(f"rank {ctx.rank}: injected crash at step {step}", extra={"step": step})
             sys.stdout.flush()
             os._exit(3)
         remaining = args.step_time - (time.monotonic() - started)
@@ -160,7 +164,7 @@ def main(argv: list[str]) -> int:
             first_step_of_process = step
             # Wall-clock mark of this process's first step: benchmarks read it to time
             # recovery under plain torchrun, where there is no agent to report to.
-            print(f"rank {ctx.rank}: first step {step} at {time.time():.3f}", flush=True)
+            log.info(f"rank {ctx.rank}: first step {step} at {time.time():.3f}", extra={"step": step})
         if step % args.checkpoint_every == 0 or step == args.steps:
             state: dict[str, Any] = {
                 "model": model.state_dict(), "optimizer": optimizer.state_dict(), "sampler": sampler.state_dict(),
@@ -169,12 +173,12 @@ def main(argv: list[str]) -> int:
                 state["ballast"] = ballast
             ctx.checkpoint.save(step, state)
         if ctx.rank == 0 and (step % 50 == 0 or step == args.steps):
-            print(f"step {step} loss {loss.item():.4f}", flush=True)
+            log.info(f"step {step} loss {loss.item():.4f}", extra={"step": step, "loss": round(loss.item(), 6)})
 
     if ctx.rank == 0:
         final = f"{loss.item():.4f}" if loss is not None else "- (resumed at the end)"
-        print(f"done: {step} steps, first loss {first_loss}, final loss {final}, "
-              f"params sha256 {parameters_digest(model)}", flush=True)
+        log.info(f"done: {step} steps, first loss {first_loss}, final loss {final}, params sha256 {parameters_digest(model)}",
+                 extra={"step": step})
         if args.output:
             torch.save(model.state_dict(), args.output)
     if dist.is_initialized():
