@@ -89,11 +89,20 @@ def test_job_page_follows_a_fault_live_and_a_node_page_turns_red(make_cluster, t
         assert page.text_content("#restarts") == "0 of 3"
         assert page.locator("#plot polyline.attempt[data-attempt='0']").count() == 1
 
+        # When each phase first shows on the page, by the page's clock (the same machine's).
+        page.evaluate("""window.shown = {};
+            new MutationObserver(() => document.querySelectorAll('#history li').forEach((li, i) => {
+                window.shown[i + ':' + li.className] ??= Date.now() / 1000; }))
+            .observe(document.querySelector('#history'), {childList: true, subtree: true});""")
         cluster.cli("chaos", "kill-worker", "live")
         # The phase strip comes from the job's events: a restart quicker than a push still shows.
         page.wait_for_function("""[...document.querySelectorAll('#history li')].map(li => li.className).join(' ')
                                   .includes('phase-Running phase-Restarting phase-Running phase-Resumed')""")
         page.wait_for_function("document.querySelector('#restarts').textContent === '1 of 3'")
+        shown = page.evaluate("window.shown")
+        events = {e.reason: e.ts for e in cluster.store.list_events(object_kind="Job", object_name="live")}
+        lag = {"restart": shown["1:phase-Restarting"] - events["JobRestarting"], "resume": shown["3:phase-Resumed"] - events["JobResumed"]}
+        assert all(0 <= seconds < 3 for seconds in lag.values()), f"seconds from the event to the page: {lag}"
         page.wait_for_function("document.querySelector('#phase').textContent === 'Running'")
         page.wait_for_selector("#plot line.marker.fault", state="attached")
         page.wait_for_selector("#plot line.marker.resumed", state="attached")
