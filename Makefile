@@ -22,18 +22,22 @@ TORCH_SPEC      := torch==$(TORCH_VERSION)$(if $(HAS_NVIDIA),,+cpu)
 SYSTEM_PACKAGES := prometheus chromium
 SUDO := $(shell test "$$(id -u)" = 0 || echo sudo)
 
-.PHONY: demo test install system-packages clean
+.PHONY: demo test install system-packages screenshots clean
 
 demo: $(STAMP)
 	$(BIN)/unbroken demo
 
 test: $(STAMP) system-packages
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks docs
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q tests
 
 install: $(STAMP)
+
+# docs/img/dashboard-*.png: a real cluster through a fault, photographed in Chromium (a minute).
+screenshots: $(STAMP) system-packages
+	$(BIN)/python docs/screenshots.py
 
 system-packages:
 	@command -v prometheus >/dev/null && command -v chromium >/dev/null || \

@@ -97,11 +97,11 @@ def test_job_page_follows_a_fault_live_and_a_node_page_turns_red(make_cluster, t
         cluster.cli("chaos", "kill-worker", "live")
         # The phase strip comes from the job's events: a restart quicker than a push still shows.
         page.wait_for_function("""[...document.querySelectorAll('#history li')].map(li => li.className).join(' ')
-                                  .includes('phase-Running phase-Restarting phase-Running phase-Resumed')""")
+                                  .includes('step-Running step-Restarting step-Running step-Resumed')""")
         page.wait_for_function("document.querySelector('#restarts').textContent === '1 of 3'")
         shown = page.evaluate("window.shown")
         events = {e.reason: e.ts for e in cluster.store.list_events(object_kind="Job", object_name="live")}
-        lag = {"restart": shown["1:phase-Restarting"] - events["JobRestarting"], "resume": shown["3:phase-Resumed"] - events["JobResumed"]}
+        lag = {"restart": shown["1:step-Restarting"] - events["JobRestarting"], "resume": shown["3:step-Resumed"] - events["JobResumed"]}
         assert all(0 <= seconds < 3 for seconds in lag.values()), f"seconds from the event to the page: {lag}"
         page.wait_for_function("document.querySelector('#phase').textContent === 'Running'")
         page.wait_for_selector("#plot line.marker.fault", state="attached")

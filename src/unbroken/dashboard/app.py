@@ -91,28 +91,25 @@ def create_app(runtime: Runtime, *, token: str | None = None) -> FastAPI:
     @app.get("/api/nodes/{name}")
     def node(name: str) -> Response:
         try:
-            found = runtime.cluster.get_node(name)
+            detail = views.node_detail(runtime, name, runtime.clock())
         except NotFoundError as exc:
             return JSONResponse({"error": str(exc)}, status_code=404)
         events = [views.event_row(e) for e in runtime.cluster.list_events(object_kind="Node", object_name=name)]
-        row = next((n for n in views.snapshot(runtime, runtime.clock())["nodes"] if n["name"] == name), None)
-        return JSONResponse({"node": row or {"name": found.name, "state": found.state.value,
-                                             "health_status": found.state.health_status_label},
-                             "address": found.address, "reboots": found.reboots, "replaced_by": found.replaced_by, "events": events})
+        return JSONResponse({"node": detail, "events": events})
 
     @app.get("/api/stream")
-    async def stream(request: Request, job: str | None = None) -> StreamingResponse:
-        return StreamingResponse(_changes(request, runtime, job), media_type="text/event-stream",
+    async def stream(request: Request, job: str | None = None, node: str | None = None) -> StreamingResponse:
+        return StreamingResponse(_changes(request, runtime, job, node), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
     return app
 
 
-async def _changes(request: Request, runtime: Runtime, job: str | None) -> AsyncIterator[str]:
-    """A ``data:`` event each time the snapshot (and the job's timeline) differs from the last one sent."""
+async def _changes(request: Request, runtime: Runtime, job: str | None, node: str | None) -> AsyncIterator[str]:
+    """A ``data:`` event each time the snapshot (and the job's timeline, or the node) differs from the last one sent."""
     last = ""
     while not await request.is_disconnected():
-        data = await asyncio.to_thread(_state, runtime, job)
+        data = await asyncio.to_thread(_state, runtime, job, node)
         encoded = json.dumps(data, sort_keys=True, default=str)
         if encoded != last:
             last = encoded
@@ -120,7 +117,7 @@ async def _changes(request: Request, runtime: Runtime, job: str | None) -> Async
         await asyncio.sleep(PUSH_SECONDS)
 
 
-def _state(runtime: Runtime, job: str | None) -> dict[str, Any]:
+def _state(runtime: Runtime, job: str | None, node: str | None) -> dict[str, Any]:
     now = runtime.clock()
     data: dict[str, Any] = {"snapshot": views.snapshot(runtime, now)}
     if job:
@@ -128,10 +125,15 @@ def _state(runtime: Runtime, job: str | None) -> dict[str, Any]:
             data["timeline"] = views.timeline(runtime, job, now)
         except NotFoundError:
             data["timeline"] = None
+    if node:
+        try:
+            data["node"] = views.node_detail(runtime, node, now)
+        except NotFoundError:
+            data["node"] = None
     # ages tick every second; send them rounded so an idle cluster is not a change twice a second
-    for node in data["snapshot"]["nodes"]:
-        if node["heartbeat_age_s"] is not None:
-            node["heartbeat_age_s"] = int(node["heartbeat_age_s"])
+    for row in [*data["snapshot"]["nodes"], *([data["node"]] if data.get("node") else [])]:
+        if row["heartbeat_age_s"] is not None:
+            row["heartbeat_age_s"] = int(row["heartbeat_age_s"])
     for row in data["snapshot"]["checkpoints"]:
         if row["age_s"] is not None:
             row["age_s"] = int(row["age_s"])

@@ -33,6 +33,18 @@ def snapshot(runtime: Runtime, now: float) -> dict[str, Any]:
             "checkpoints": checkpoints, "events": events}
 
 
+def node_detail(runtime: Runtime, name: str, now: float) -> dict[str, Any]:
+    """One node, retired ones included (a replaced node's page says what replaced it)."""
+    n = runtime.cluster.get_node(name)
+    running = next((w.job for w in runtime.backend.active_workers() if w.node == name), None)
+    return {
+        "name": n.name, "group": n.group, "state": n.state.value, "health_status": n.state.health_status_label,
+        "deep_health": n.deep_health.value, "fault_type": n.fault_type, "fault_reason": n.fault_reason,
+        "heartbeat_age_s": None if n.heartbeat_at is None else round(now - n.heartbeat_at, 1), "job": running,
+        "address": n.address, "reboots": n.reboots, "replaced_by": n.replaced_by,
+    }
+
+
 def job_row(runtime: Runtime, name: str, now: float) -> dict[str, Any]:
     job = runtime.cluster.get_job(name)
     spec = job.spec()

@@ -84,7 +84,9 @@ function renderPlot(svg, t) {
   const samples = t.samples;
   const start = Math.min(t.created_at, ...samples.map((s) => s.t));
   const end = Math.max(t.now, ...samples.map((s) => s.t), start + 1);
-  const top = Math.max(1, t.job.total_steps || 0, ...samples.map((s) => s.step), ...t.lost.map((l) => l.to_step));
+  // Scaled to the steps reached, not the total: a long job's first hours would be a flat line.
+  const reached = Math.max(1, ...samples.map((s) => s.step), ...t.lost.map((l) => l.to_step));
+  const top = t.job.total_steps && t.job.total_steps <= reached * 1.25 ? t.job.total_steps : Math.ceil(reached * 1.1);
   const x = (ts) => L + ((ts - start) / (end - start)) * (W - L - R);
   const y = (step) => H - B - (step / top) * (H - T - B);
   const parts = [
@@ -97,7 +99,7 @@ function renderPlot(svg, t) {
   ];
   for (const l of t.lost) {
     parts.push(`<rect class="lost" data-steps="${l.steps}" x="${x(l.from_t)}" y="${y(l.to_step)}" ` +
-      `width="${Math.max(2, x(l.to_t) - x(l.from_t))}" height="${Math.max(1, y(l.from_step) - y(l.to_step))}"><title>${l.steps} steps lost</title></rect>`);
+      `width="${Math.max(2, x(l.to_t) - x(l.from_t))}" height="${Math.max(3, y(l.from_step) - y(l.to_step))}"><title>${l.steps} steps lost</title></rect>`);
   }
   const colors = ["#0969da", "#8250df", "#1a7f37", "#bc4c00", "#bf3989", "#0550ae"];
   const attempts = [...new Set(samples.map((s) => s.attempt))];
@@ -134,25 +136,28 @@ function render(data) {
       fact("goodput", pct(j.goodput), "goodput") +
       fact("recovery", t.recoveries.length ? t.recoveries.map((r) => `${r.toFixed(1)} s`).join(", ") : "-", "recovery") +
       `<div><span>progress</span>${progressBar(j)}</div>`;
-    $("history").innerHTML = t.history.map((h) => `<li class="phase-${esc(h.phase)}" title="${esc(h.message)}">` +
+    $("history").innerHTML = t.history.map((h) => `<li class="step-${esc(h.phase)}" title="${esc(h.message)}">` +
       `${badge(`phase-${h.phase}`, h.phase)} <time>${time(h.t)}</time></li>`).join("");
     renderPlot($("plot"), t);
     renderEvents(s.events, (e) => e.kind === "Job" && e.name === j.name);
-  } else if (page === "node") {
-    const n = s.nodes.find((x) => x.name === subject);
-    $("title").innerHTML = `node <b>${esc(subject)}</b> ` + (n ? badge("health", n.health_status) : "(retired)");
-    document.body.className = n ? `health-${n.health_status}` : "";
-    if (n) {
-      $("facts").innerHTML = fact("health", n.health_status, "health") + fact("deep check", n.deep_health, "deep") +
-        fact("fault", n.fault_type || "-", "fault") + fact("job", n.job || "-", "job");
-    }
+  } else if (page === "node" && data.node) {
+    const n = data.node, retired = n.state === "Retired";
+    $("title").innerHTML = `node <b>${esc(subject)}</b> ` + badge("health", n.health_status) + (retired ? " retired" : "");
+    document.body.className = `health-${n.health_status}`;
+    $("facts").innerHTML = fact("health", n.health_status, "health") + fact("state", n.state, "state") +
+      fact("deep check", n.deep_health, "deep") + fact("fault", n.fault_type || "-", "fault") +
+      fact("job", n.job || "-", "job") + fact("heartbeat", n.heartbeat_age_s === null ? "-" : `${n.heartbeat_age_s} s ago`, "heartbeat") +
+      fact("address", n.address || "-", "address") + fact("reboots", n.reboots, "reboots") +
+      (n.replaced_by ? `<div><span>replaced by</span><b id="replaced-by"><a href="/nodes/${esc(n.replaced_by)}">${esc(n.replaced_by)}</a></b></div>` : "") +
+      (n.fault_reason ? `<div class="wide"><span>reason</span><b id="reason">${esc(n.fault_reason)}</b></div>` : "");
     renderEvents(s.events, (e) => (e.kind === "Node" && e.name === subject) || e.message.includes(subject));
   }
 }
 
 let latest = null;
 function connect() {
-  const source = new EventSource(`/api/stream${page === "job" ? `?job=${encodeURIComponent(subject)}` : ""}`);
+  const query = page === "job" ? `?job=${encodeURIComponent(subject)}` : page === "node" ? `?node=${encodeURIComponent(subject)}` : "";
+  const source = new EventSource(`/api/stream${query}`);
   source.onopen = () => { $("live").className = "on"; $("live").textContent = "live"; };
   source.onerror = () => { $("live").className = "off"; $("live").textContent = "reconnecting"; };
   source.onmessage = (message) => { latest = JSON.parse(message.data); render(latest); };
