@@ -1,10 +1,9 @@
 """A real Prometheus (Debian's ``prometheus``) for the tests: scrapes every second, finds its
-targets in a file_sd file the test writes from ``unbroken cluster status -o json``."""
+targets in the file_sd file the test has ``unbroken cluster status --targets-file`` write."""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -30,11 +29,6 @@ class Prometheus:
     url: str
     targets_file: Path
     process: subprocess.Popen[bytes]
-
-    def set_targets(self, targets: list[dict[str, Any]]) -> None:
-        tmp = self.targets_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(targets))
-        os.replace(tmp, self.targets_file)  # file_sd reads whole files only
 
     def query(self, expr: str) -> list[dict[str, Any]]:
         """The instant vector (or scalar) ``expr`` evaluates to now."""

@@ -35,10 +35,14 @@ def test_prometheus_sees_restarts_node_faults_recoveries_and_every_dashboard_pan
     cluster = make_cluster("-f", str(config))
     with prometheus_server(tmp_path / "prometheus") as prom:
         def targets() -> list[dict]:
-            return cluster.json("cluster", "status")["metrics"]
+            """What Prometheus reads: the file_sd file ``cluster status --targets-file`` writes, as a user would."""
+            cluster.cli("cluster", "status", "--targets-file", str(prom.targets_file))
+            return json.loads(prom.targets_file.read_text())
 
-        prom.set_targets(targets())
         listed = targets()
+        assert listed == cluster.json("cluster", "status")["metrics"]
+        unwritable = cluster.cli("cluster", "status", "--targets-file", "/proc/unbroken/targets.json", check=False)
+        assert unwritable.returncode == 2 and "--targets-file /proc/unbroken/targets.json: cannot write it" in unwritable.stderr
         assert {t["labels"]["component"] for t in listed} == {"controller", "agent"} and len(listed) == 4
         wait_until(lambda: all(prom.scraped(t["targets"][0]) for t in listed), 30, "every endpoint scraped and up")
 
@@ -67,7 +71,7 @@ def test_prometheus_sees_restarts_node_faults_recoveries_and_every_dashboard_pan
         wait_until(lambda: prom.value(f'sum(unbroken_node_faults_total{{node="{spare}",reason="Xid79"}})') == 1, 30, "the Xid fault counted")
         # the replacement joins with an endpoint of its own: Prometheus follows cluster status
         wait_until(lambda: cluster.store.get_node(spare).replaced_by, 30, f"{spare} replaced")
-        prom.set_targets(targets())
+        targets()
 
         # Every panel of the dashboard: it parses, and (but for the GPU panels, which need NVIDIA GPUs) returns data.
         missing: dict[str, str] = {}

@@ -27,7 +27,7 @@ CLI = {
     "ckpt prune": ["--dir", "--dry-run", "--keep", "JOB"],
     "ckpt verify": ["--dir", "--output/-o", "--step", "JOB"],
     "cluster down": ["--dir"],
-    "cluster status": ["--dir", "--output/-o"],
+    "cluster status": ["--dir", "--output/-o", "--targets-file"],
     "cluster up": ["--dir", "--file/-f", "--gpu-metrics/--no-gpu-metrics", "--metrics-port", "--no-wait/--wait", "--nodes/-n", "--timeout"],
     "dashboard": ["--dir", "--host", "--port", "--token"],
     "demo": ["--dir", "--keep", "--steps"],
@@ -71,7 +71,7 @@ def test_the_context_a_training_script_gets():
     assert fields == {"rank", "world_size", "local_rank", "job", "node", "attempt", "checkpoint"}
     methods = {name for name, _ in inspect.getmembers(unbroken.Context) if not name.startswith("_")}
     assert methods == {"progress", "is_main"}
-    assert list(inspect.signature(unbroken.init).parameters) == ["checkpoint_dir", "backend", "init_process_group"]
+    assert list(inspect.signature(unbroken.init).parameters) == ["checkpoint_dir", "backend", "init_process_group", "structured_logs"]
 
 
 def test_the_dcp_storage_classes():

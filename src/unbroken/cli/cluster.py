@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -79,9 +81,18 @@ def down(directory: DirOption = None) -> None:
 
 
 @app.command("status")
-def status(directory: DirOption = None, output: OutputOption = Output.table) -> None:
-    """Controller, nodes by state, and jobs by phase."""
+def status(
+    directory: DirOption = None, output: OutputOption = Output.table,
+    targets_file: Annotated[Path | None, typer.Option(
+        "--targets-file", help="Also write the /metrics endpoints to this file, in Prometheus' file_sd format "
+                               "(atomically: Prometheus re-reads it when it changes). Re-run it from a timer to "
+                               "follow node replacements.")] = None,
+) -> None:
+    """Controller, nodes by state, jobs by phase, and the /metrics endpoints to scrape."""
     runtime = open_runtime(directory)
+    targets = metrics_targets(runtime)
+    if targets_file is not None:
+        write_targets(targets, targets_file)
     config, layout = runtime.config, runtime.layout
     pid = runtime.local_backend("cluster status").controller_pid()
     nodes = runtime.cluster.list_nodes()
@@ -95,7 +106,7 @@ def status(directory: DirOption = None, output: OutputOption = Output.table) -> 
         "nodes": _count(n.state.value for n in nodes if n.state is not NodeState.RETIRED),
         "retired_nodes": sum(n.state is NodeState.RETIRED for n in nodes),
         "jobs": _count(j.phase.value for j in jobs),
-        "metrics": metrics_targets(runtime),
+        "metrics": targets,
         "time": time.time(),
     }
     if output is Output.json:
@@ -110,6 +121,17 @@ def status(directory: DirOption = None, output: OutputOption = Output.table) -> 
     if data["metrics"]:
         console.print("metrics (Prometheus file_sd: 'cluster status -o json' .metrics): " + ", ".join(
             f"{t['labels'].get('node', t['labels']['component'])} {t['targets'][0]}" for t in data["metrics"]), highlight=False)
+
+
+def write_targets(targets: list[dict[str, Any]], path: Path) -> None:
+    """Whole or not at all: file_sd ignores a file it cannot parse, a torn write would drop every target."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(json.dumps(targets, indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise UsageError(f"--targets-file {path}: cannot write it: {exc.strerror}") from None
 
 
 def metrics_targets(runtime: Runtime) -> list[dict[str, Any]]:
