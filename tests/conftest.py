@@ -13,6 +13,14 @@ from helpers import Cluster, run_cli  # noqa: E402
 from unbroken import procs  # noqa: E402
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every end-to-end test (tests/integration) is ``slow``: ``-m "not slow"`` runs the fast part alone."""
+    integration = Path(__file__).parent / "integration"
+    for item in items:
+        if integration in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture
 def make_cluster(tmp_path: Path) -> Iterator:
     """Start real local clusters; on teardown bring them down and prove no process is left."""

@@ -8,6 +8,7 @@ that ``unbroken cluster status`` lists, once a second, and PromQL evaluated by P
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -97,3 +98,13 @@ def test_a_dashboard_expression_that_does_not_parse_is_caught(tmp_path):
         with pytest.raises(PromQLError, match="parse"):
             prom.query("sum by (job (unbroken_job_step)")
         assert prom.query("unbroken_job_step") == []
+
+
+def test_the_shipped_scrape_configs_keep_the_job_label():
+    """The local config passes promtool; both keep the series' own ``job`` label (the training job)."""
+    local = ROOT / "deploy" / "prometheus" / "prometheus-local.yml"
+    checked = subprocess.run(["promtool", "check", "config", str(local)], capture_output=True, text=True)
+    assert checked.returncode == 0 and "SUCCESS" in checked.stdout, checked.stdout + checked.stderr
+    assert yaml.safe_load(local.read_text())["scrape_configs"][0]["honor_labels"] is True
+    monitor = yaml.safe_load((ROOT / "deploy" / "prometheus" / "podmonitor.yaml").read_text())
+    assert monitor["kind"] == "PodMonitor" and monitor["spec"]["podMetricsEndpoints"][0]["honorLabels"] is True
