@@ -57,14 +57,14 @@ def unwritable_dir(tmp_path: Path) -> Path:
 
 def test_cluster_up_with_a_bad_file_is_one_line_and_creates_nothing(tmp_path: Path) -> None:
     bad = tmp_path / "cluster.yaml"
-    bad.write_text("ClusterName: dev\nInstanceGroups:\n  - InstanceGroupName: workers\n    InstanceCount: 0\n"
+    bad.write_text("ClusterName: dev\nInstanceGroups:\n  - InstanceGroupName: workers\n    InstanceCount: -1\n"
                    "NodeRecovery: Sometimes\n")
     target = tmp_path / "D"
 
     line = one_line_error(run_cli("cluster", "up", "-f", str(bad), "--dir", str(target), check=False), ConfigError.exit_code)
 
     assert line.startswith(f"error: {bad}: ")
-    assert "InstanceGroups.0.InstanceCount: 0 is invalid" in line
+    assert "InstanceGroups.0.InstanceCount: -1 is invalid" in line
     assert "NodeRecovery: 'Sometimes' is invalid" in line
     assert not (target / "state.db").exists()
     assert not target.exists()
@@ -267,3 +267,12 @@ def test_help_parser_handles_wrapped_descriptions() -> None:
 
     assert commands_in_help(page) == ["demo", "cluster"]
     assert commands_in_help(plain) == ["up", "down"]
+
+
+def test_cluster_up_with_no_nodes_at_all_is_refused(tmp_path: Path) -> None:
+    empty = tmp_path / "cluster.yaml"
+    empty.write_text("ClusterName: dev\nInstanceGroups:\n  - InstanceGroupName: workers\n    InstanceCount: 0\n")
+    target = tmp_path / "D"
+    line = one_line_error(run_cli("cluster", "up", "-f", str(empty), "--dir", str(target), check=False), ConfigError.exit_code)
+    assert "a local cluster needs at least one node" in line
+    assert not (target / "state.db").exists()

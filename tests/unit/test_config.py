@@ -280,7 +280,7 @@ def test_unknown_top_level_job_key_lists_valid_fields(tmp_path: Path) -> None:
 def test_unknown_top_level_cluster_key_lists_valid_fields(tmp_path: Path) -> None:
     message = cluster_error(write(tmp_path / "cluster.yaml", MINIMAL_CLUSTER + "Tags: [a]\n"))
 
-    assert "Tags: unknown field (valid: ClusterName, Health, InstanceGroups, Local, Metrics, NodeRecovery)" in message
+    assert "Tags: unknown field (valid: ClusterName, Health, InstanceGroups, Kubernetes, Local, Metrics, NodeRecovery)" in message
 
 
 # -- bad values ----------------------------------------------------------------------
@@ -289,8 +289,8 @@ def test_unknown_top_level_cluster_key_lists_valid_fields(tmp_path: Path) -> Non
 @pytest.mark.parametrize(
     ("text", "field", "value", "why"),
     [
-        ("ClusterName: c\nInstanceGroups: [{InstanceGroupName: w, InstanceCount: 0}]\n",
-         "InstanceGroups.0.InstanceCount", "0", "greater than or equal to 1"),
+        ("ClusterName: c\nInstanceGroups: [{InstanceGroupName: w, InstanceCount: -1}]\n",
+         "InstanceGroups.0.InstanceCount", "-1", "greater than or equal to 0"),
         ("ClusterName: c\nInstanceGroups: [{InstanceGroupName: w, InstanceCount: 65}]\n",
          "InstanceGroups.0.InstanceCount", "65", "less than or equal to 64"),
         (MINIMAL_CLUSTER + "NodeRecovery: Sometimes\n", "NodeRecovery", "'Sometimes'", "'Automatic' or 'None'"),
@@ -363,10 +363,10 @@ def test_node_lost_timeout_must_cover_two_heartbeats(tmp_path: Path) -> None:
 
 
 def test_several_problems_are_all_reported_on_one_line(tmp_path: Path) -> None:
-    text = "ClusterName: c\nInstanceGroups: [{InstanceGroupName: w, InstanceCount: 0}]\nNodeRecovery: Sometimes\nColour: red\n"
+    text = "ClusterName: c\nInstanceGroups: [{InstanceGroupName: w, InstanceCount: -1}]\nNodeRecovery: Sometimes\nColour: red\n"
     message = cluster_error(write(tmp_path / "cluster.yaml", text))
 
-    assert "InstanceGroups.0.InstanceCount: 0 is invalid" in message
+    assert "InstanceGroups.0.InstanceCount: -1 is invalid" in message
     assert "NodeRecovery: 'Sometimes' is invalid" in message
     assert "Colour: unknown field" in message
     assert message.count("; ") >= 2

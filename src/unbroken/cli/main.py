@@ -71,6 +71,15 @@ def dashboard_command(
     run_dashboard(directory, host, port, token)
 
 
+@app.command("operator", context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, add_help_option=False)
+def operator_command(ctx: typer.Context) -> None:
+    """The Kubernetes operator (runs in the unbroken-operator Deployment): watches Nodes and annotated PyTorchJobs,
+    labels and taints nodes, restarts jobs. `unbroken operator --help` lists its options."""
+    from unbroken.operator.main import main as operator_main
+
+    raise typer.Exit(operator_main(list(ctx.args)))
+
+
 def run() -> None:
     """Typer handles usage errors (exit 2) and --help; our own errors end here as one line."""
     try:

@@ -34,8 +34,9 @@ class InstanceGroup(_Strict):
     """Names the group in node listings; DNS-label rules so it can be a k8s label value."""
     InstanceType: str = "cpu-dev"
     """Selects the health profile (issue: health checks). ``cpu-dev`` is this kind of machine."""
-    InstanceCount: int = Field(ge=1, le=64)
-    """Nodes kept in service; replacements keep the count. 64 is the local backend's sane cap."""
+    InstanceCount: int = Field(ge=0, le=64)
+    """Nodes kept in service; replacements keep the count. 64 is the local backend's sane cap.
+    0 on Kubernetes, where the cluster's Nodes are the nodes."""
     OnStartDeepHealthChecks: list[DeepHealthCheck] = Field(default_factory=list)
     """Suites a node must pass on join before it takes work."""
 
@@ -84,6 +85,30 @@ class MetricsSettings(_Strict):
     work. Turn off where dcgm-exporter already runs on the nodes: two exporters of one name clash."""
 
 
+class Remediator(StrEnum):
+    CONDITION = "Condition"
+    """Set the node condition UnbrokenHealthy=False, cordon, evict: external repair acts on it."""
+    COMMAND = "Command"
+    """Also run RemediationCommand + [action, node] (a cloud CLI call that reboots or replaces it)."""
+
+
+class KubernetesSettings(_Strict):
+    """The Kubernetes backend (``unbroken operator``); ignored by local clusters."""
+
+    Remediator: Remediator = Remediator.CONDITION
+    RemediationCommand: list[str] = Field(default_factory=list)
+    """Run as ``RemediationCommand + [Reboot|Replace, <node>]`` with Remediator Command."""
+    ForceDeleteGraceSeconds: float = Field(default=30.0, ge=0, le=3600)
+    """A job pod on a lost node still Terminating after this long is force-deleted, so its
+    workload's controller can create it again elsewhere."""
+
+    @model_validator(mode="after")
+    def _command_given(self) -> "KubernetesSettings":
+        if self.Remediator is Remediator.COMMAND and not self.RemediationCommand:
+            raise ValueError("Remediator Command needs RemediationCommand (e.g. [/opt/remediate.sh])")
+        return self
+
+
 class ClusterConfig(_Strict):
     ClusterName: str = Field(pattern=NAME_PATTERN)
     InstanceGroups: list[InstanceGroup] = Field(min_length=1)
@@ -93,6 +118,7 @@ class ClusterConfig(_Strict):
     Health: HealthSettings = Field(default_factory=HealthSettings)
     """Profile and Xid-table overrides, kernel-log source, monitor cadence (health checks)."""
     Metrics: MetricsSettings = Field(default_factory=MetricsSettings)
+    Kubernetes: KubernetesSettings = Field(default_factory=KubernetesSettings)
 
     @field_validator("InstanceGroups")
     @classmethod

@@ -9,8 +9,10 @@ same four seams, whichever backend is behind them:
 - ``clock``: ``time.time``, or a fake one in tests of the reconcilers.
 
 Locally the first two are the same SQLite file (``<dir>/state.db``) and the
-backend runs agent processes. Nothing outside this package constructs
-``SqliteStore`` or ``LocalBackend``.
+backend runs agent processes. On Kubernetes (``open_kubernetes``) the store is
+the API server and the backend works through the workloads' pods. Nothing
+outside this package constructs ``SqliteStore``, ``LocalBackend``,
+``KubernetesStore`` or ``KubernetesBackend``.
 """
 
 from __future__ import annotations
@@ -18,21 +20,26 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from unbroken.backends.base import Backend
 from unbroken.backends.local import LocalBackend
 from unbroken.checkpoint import credentials
 from unbroken.config.cluster import ClusterConfig
-from unbroken.errors import UsageError
+from unbroken.errors import ConfigError, UsageError
 from unbroken.layout import ClusterLayout
 from unbroken.state.catalog import CheckpointCatalog
 from unbroken.state.sqlite import SqliteStore
 from unbroken.state.store import ClusterStore
 from unbroken.state.worker_table import WorkerTable
 
+if TYPE_CHECKING:
+    import kubernetes
+
 Clock = Callable[[], float]
 
-__all__ = ["Clock", "Runtime", "create_local", "open_local"]
+__all__ = ["Clock", "Runtime", "create_local", "open_kubernetes", "open_local"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,9 @@ def open_local(layout: ClusterLayout, *, clock: Clock = time.time) -> Runtime:
 def create_local(layout: ClusterLayout, config: ClusterConfig, *, clock: Clock = time.time) -> Runtime:
     """A new local cluster's state in ``layout``: its TLS credentials (what its nodes prove to
     each other) and the store, holding ``config``, status Up. No process is started."""
+    if not any(group.InstanceCount for group in config.InstanceGroups):
+        raise ConfigError("a local cluster needs at least one node: InstanceCount is 0 in every group "
+                          "(0 is for Kubernetes, where the cluster's Nodes are the nodes)")
     layout.root.mkdir(parents=True, exist_ok=True)
     credentials.create(layout.root, config.ClusterName)
     store = SqliteStore(layout.state_db, create=True)
@@ -75,3 +85,22 @@ def _local(layout: ClusterLayout, store: SqliteStore, clock: Clock) -> Runtime:
     backend = LocalBackend(layout, store, store, config)
     return Runtime(cluster=store, catalog=store, backend=backend, config=config, layout=layout, clock=clock,
                    worker_table=store)
+
+
+def open_kubernetes(api: "kubernetes.client.ApiClient", namespace: str, *, job_namespace: str | None = None,
+                    state_dir: Path = Path("/var/lib/unbroken"), clock: Clock = time.time) -> Runtime:
+    """The runtime of the cluster behind ``api``: unbroken installed in ``namespace`` (its
+    ConfigMap ``unbroken-cluster`` holds the cluster file); jobs in ``job_namespace`` or all."""
+    from unbroken.config.cluster import Remediator
+    from unbroken.kube.backend import CommandRemediator, ConditionRemediator, KubernetesBackend
+    from unbroken.kube.catalog import NoCheckpointCatalog
+    from unbroken.kube.store import KubernetesStore
+
+    store = KubernetesStore(api, namespace, job_namespace=job_namespace)
+    config = store.cluster().config()
+    settings = config.Kubernetes
+    remediator = (CommandRemediator(store, settings.RemediationCommand) if settings.Remediator is Remediator.COMMAND
+                  else ConditionRemediator(store))
+    backend = KubernetesBackend(store, remediator, force_delete_after=settings.ForceDeleteGraceSeconds)
+    return Runtime(cluster=store, catalog=NoCheckpointCatalog(), backend=backend, config=config,
+                   layout=ClusterLayout.at(state_dir), clock=clock)

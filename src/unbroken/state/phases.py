@@ -66,6 +66,8 @@ NODE_TRANSITIONS: dict[NodeState, frozenset[NodeState]] = {
 class DeepHealthStatus(StrEnum):
     """``unbroken.dev/deep-health-check-status``."""
 
+    NOT_RUN = "NotRun"
+    """Never checked (a Kubernetes node before its first deep check; the label is then absent)."""
     IN_PROGRESS = "InProgress"
     PASSED = "Passed"
     FAILED = "Failed"

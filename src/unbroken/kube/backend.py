@@ -1,0 +1,222 @@
+"""``Backend`` on Kubernetes: attempts are a workload's pods, node recovery is a ``Remediator``.
+
+- launch attempt N: one merge patch of the workload: the pod templates get
+  ``unbroken.dev/attempt: N`` (and, for jobs that require it, a nodeSelector on
+  ``deep-health-check-status: Passed``), and ``runPolicy.suspend`` goes false; the
+  workload's controller creates the pods, the scheduler places them, and nodes
+  that are not Schedulable carry unbroken's NoSchedule taint, so faulty nodes stay out.
+- stop attempt N: suspend the workload and delete its pods of attempt N (gracefully).
+- observe attempt N: its pods that are bound to a node, one worker each (node rank
+  from the replica type and index); a container that terminated non-zero (with
+  ``restartPolicy: OnFailure`` the kubelet restarts it in place, so ``lastState``
+  is read too) is a failed worker with the exit code and the log tail the kubelet
+  kept as the termination message.
+- release the workers of a lost node: its pods of unbroken's jobs are deleted,
+  and force-deleted once they have been Terminating for ``ForceDeleteGraceSeconds``
+  (a dead kubelet never confirms a deletion, and the workload's controller cannot
+  recreate a pod whose name is still taken: kubeflow/trainer#2072).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from unbroken.errors import BackendError, NotFoundError
+from unbroken.kube import names
+from unbroken.kube.store import KubernetesStore, _api_call, _timestamp
+from unbroken.state.phases import WorkerPhase
+from unbroken.state.records import Desired, EventType, Job, Node, Worker
+
+log = logging.getLogger("unbroken.kube.backend")
+
+_SIGNALS = {6: "SIGABRT", 9: "SIGKILL", 11: "SIGSEGV", 15: "SIGTERM"}
+
+
+class Remediator(Protocol):
+    """Carries out a node's reboot or replacement on a cluster unbroken does not provision."""
+
+    def remediate(self, node: Node, action: str) -> None:
+        """``action``: ``Reboot`` or ``Replace``."""
+
+
+class ConditionRemediator:
+    """The default: the node's ``UnbrokenHealthy=False`` condition (written with its state) is the
+    request; cordon it and evict unbroken's pods; external repair (EKS node auto repair, Cluster
+    API MachineHealthCheck, medik8s) reboots or replaces the machine."""
+
+    def __init__(self, store: KubernetesStore) -> None:
+        self.store = store
+
+    def remediate(self, node: Node, action: str) -> None:
+        _api_call(lambda: self.store.core.patch_node(node.name, {"spec": {"unschedulable": True}}))
+
+
+class CommandRemediator:
+    """Runs ``command + [action, node]`` (e.g. a script calling a cloud CLI), environment
+    ``UNBROKEN_NODE`` and ``UNBROKEN_ACTION``; a failure or timeout is a BackendError."""
+
+    def __init__(self, store: KubernetesStore, command: Sequence[str], timeout: float = 300.0) -> None:
+        self.store = store
+        self.command = list(command)
+        self.timeout = timeout
+
+    def remediate(self, node: Node, action: str) -> None:
+        ConditionRemediator(self.store).remediate(node, action)
+        argv = [*self.command, action, node.name]
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=self.timeout,
+                                  env={**os.environ, "UNBROKEN_NODE": node.name, "UNBROKEN_ACTION": action})
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise BackendError(f"remediation command {argv}: {exc}") from None
+        if done.returncode != 0:
+            raise BackendError(f"remediation command {argv} exited {done.returncode}: {done.stderr.strip()[-500:]}")
+        log.info("remediation command ran", extra={"node": node.name, "action": action, "stdout": done.stdout[-500:]})
+
+
+class KubernetesBackend:
+    def __init__(self, store: KubernetesStore, remediator: Remediator, *, force_delete_after: float = 30.0) -> None:
+        self.store = store
+        self.remediator = remediator
+        self.force_delete_after = force_delete_after
+        self.kind = store.workload
+
+    # -- nodes ----------------------------------------------------------------------------
+
+    def reboot_node(self, node: Node) -> None:
+        self._evict(node)
+        self.remediator.remediate(node, "Reboot")
+
+    def replace_node(self, node: Node) -> str | None:
+        self._evict(node)
+        self.remediator.remediate(node, "Replace")
+        return None  # capacity comes back through whatever repairs or scales the node group
+
+    def _evict(self, node: Node) -> None:
+        for pod in self._pods(field_selector=f"spec.nodeName={node.name}", label_selector=self.kind.job_name_label):
+            if not pod["metadata"].get("deletionTimestamp"):
+                self._delete(pod, grace=None)
+
+    # -- attempts -------------------------------------------------------------------------
+
+    def launch_attempt(self, job: Job, attempt: int, placement: Sequence[Node]) -> str:
+        namespace, _, short = job.name.partition("/")
+        obj = self.store.workload_object(job.name)
+        patch = self.kind.launch_patch(obj, attempt, require_deep_health=job.spec().resilience.require_deep_health_passed)
+        kind = self.kind
+        _api_call(lambda: self.store.custom.patch_namespaced_custom_object(kind.group, kind.version, namespace, kind.plural, short, patch))
+        return f"{short}-master-0 (the workload's controller sets MASTER_ADDR/MASTER_PORT)"
+
+    def stop_attempt(self, job: str, attempt: int) -> None:
+        namespace, _, short = job.partition("/")
+        kind = self.kind
+        try:
+            _api_call(lambda: self.store.custom.patch_namespaced_custom_object(
+                kind.group, kind.version, namespace, kind.plural, short, kind.suspend_patch(True)))
+        except NotFoundError:
+            return  # the job was deleted: its pods go with it
+        for pod in self._job_pods(job):
+            if _attempt(pod) == attempt and not pod["metadata"].get("deletionTimestamp"):
+                self._delete(pod, grace=None)
+
+    def observe_attempt(self, job: str, attempt: int) -> list[Worker]:
+        return [self._worker(job, pod) for pod in self._job_pods(job)
+                if _attempt(pod) == attempt and (pod.get("spec") or {}).get("nodeName")]
+
+    def active_workers(self) -> list[Worker]:
+        managed = {j.name for j in self.store.list_jobs()}
+        workers = []
+        for pod in self._pods(label_selector=self.kind.job_name_label):
+            job = f"{pod['metadata']['namespace']}/{pod['metadata']['labels'][self.kind.job_name_label]}"
+            if job in managed and (pod.get("spec") or {}).get("nodeName"):
+                worker = self._worker(job, pod)
+                if not worker.phase.is_terminal:
+                    workers.append(worker)
+        return workers
+
+    def worker_history(self, job: str) -> list[Worker]:
+        """The pods that still exist (the API server keeps no deleted pods; the job's Events tell the rest)."""
+        return sorted((self._worker(job, pod) for pod in self._job_pods(job) if (pod.get("spec") or {}).get("nodeName")),
+                      key=lambda w: (w.attempt, w.node_rank))
+
+    def progress_history(self, job: str) -> list[tuple[int, float, int]]:
+        return []  # ranks' progress is not sampled on Kubernetes yet (docs/kubernetes.md)
+
+    def release_workers(self, node: Node, reason: str) -> None:
+        now = time.time()
+        for pod in self._pods(field_selector=f"spec.nodeName={node.name}", label_selector=self.kind.job_name_label):
+            meta = pod["metadata"]
+            deleting = _timestamp(meta.get("deletionTimestamp"))
+            if deleting is None:
+                self._delete(pod, grace=None)
+            elif now - deleting >= self.force_delete_after:
+                self._delete(pod, grace=0)
+                job = f"{meta['namespace']}/{meta['labels'][self.kind.job_name_label]}"
+                self.store.add_event("Job", job, "PodForceDeleted",
+                                     f"pod {meta['name']} on {node.name} was Terminating for {now - deleting:.0f} s "
+                                     f"(ForceDeleteGraceSeconds {self.force_delete_after:g}); node {reason}",
+                                     type=EventType.WARNING)
+
+    # -- pods -----------------------------------------------------------------------------
+
+    def _pods(self, **selectors: str) -> list[dict[str, Any]]:
+        core = self.store.core
+        if self.store.job_namespace:
+            return self.store._json(core.list_namespaced_pod, self.store.job_namespace, **selectors)["items"]
+        return self.store._json(core.list_pod_for_all_namespaces, **selectors)["items"]
+
+    def _job_pods(self, job: str) -> list[dict[str, Any]]:
+        namespace, _, short = job.partition("/")
+        return self.store._json(self.store.core.list_namespaced_pod, namespace, label_selector=self.kind.pod_selector(short))["items"]
+
+    def _delete(self, pod: dict[str, Any], *, grace: int | None) -> None:
+        meta = pod["metadata"]
+        try:
+            _api_call(lambda: self.store.core.delete_namespaced_pod(meta["name"], meta["namespace"], grace_period_seconds=grace))
+        except NotFoundError:
+            pass
+
+    def _worker(self, job: str, pod: dict[str, Any]) -> Worker:
+        meta, spec, status = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
+        phase, exit_code, message, ended = _pod_phase(status)
+        return Worker(
+            job=job, attempt=_attempt(pod), node=spec.get("nodeName", ""), node_rank=self.kind.node_rank(pod),
+            desired=Desired.STOP if meta.get("deletionTimestamp") else Desired.RUN, phase=phase,
+            rdzv_endpoint=f"{meta['labels'].get(self.kind.job_name_label, '')}-master-0",
+            created_at=_timestamp(meta.get("creationTimestamp")) or 0.0, started_at=_timestamp(status.get("startTime")),
+            ended_at=ended, exit_code=exit_code, message=f"pod {meta['name']}: {message}" if message else None,
+        )
+
+
+def _attempt(pod: dict[str, Any]) -> int:
+    """Pods created before unbroken adopted the job carry no attempt: they are attempt 0."""
+    value = (pod["metadata"].get("annotations") or {}).get(names.ATTEMPT, "0")
+    return int(value) if value.isdigit() else 0
+
+
+def _pod_phase(status: dict[str, Any]) -> tuple[WorkerPhase, int | None, str | None, float | None]:
+    """(phase, exit code, message, ended) of a pod's main container. Exit codes the kubelet reports
+    as 128 + N for a signal are returned as -N, as the local backend reports a signal."""
+    pod_phase = status.get("phase", "Pending")
+    for container in status.get("containerStatuses") or []:
+        for state in (container.get("state") or {}, container.get("lastState") or {}):
+            terminated = state.get("terminated")
+            if terminated and terminated.get("exitCode", 0) != 0:
+                code = int(terminated["exitCode"])
+                signal = code - 128 if code > 128 else None
+                what = (f"killed by {_SIGNALS.get(signal, f'signal {signal}')} (exit code {code})" if signal
+                        else f"exited with code {code}")
+                tail = (terminated.get("message") or "").strip().splitlines()[-3:]
+                return (WorkerPhase.FAILED, -signal if signal else code, what + (": " + " | ".join(tail) if tail else ""),
+                        _timestamp(terminated.get("finishedAt")))
+    if pod_phase == "Succeeded":
+        return WorkerPhase.SUCCEEDED, 0, None, None
+    if pod_phase == "Failed":
+        return WorkerPhase.FAILED, None, status.get("message") or status.get("reason") or "pod failed", None
+    if pod_phase == "Running":
+        return WorkerPhase.RUNNING, None, None, None
+    return WorkerPhase.PENDING, None, None, None

@@ -1,0 +1,93 @@
+"""Leader election through a coordination.k8s.io Lease: one operator acts, the others wait.
+
+The holder renews every pass; a Lease not renewed for ``duration`` seconds may be
+taken by anyone. Takeover and renewal are replaces carrying the Lease's
+``resourceVersion``, so two candidates racing for an expired Lease cannot both
+win: the API server accepts one write and answers the other 409.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import time
+
+import kubernetes
+from kubernetes.client.exceptions import ApiException
+
+from unbroken.errors import NotFoundError, StoreUnavailable
+from unbroken.kube.store import _api_call, _timestamp
+
+log = logging.getLogger("unbroken.kube.leader")
+
+
+def _micro(ts: float) -> str:
+    return datetime.datetime.fromtimestamp(ts, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class LeaderLease:
+    def __init__(self, api: kubernetes.client.ApiClient, namespace: str, name: str, identity: str, *, duration: float = 15.0) -> None:
+        self.leases = kubernetes.client.CoordinationV1Api(api)
+        self.namespace = namespace
+        self.name = name
+        self.identity = identity
+        self.duration = duration
+        self.leading = False
+
+    def hold(self, now: float | None = None) -> bool:
+        """Acquire or renew; True while this process leads. API trouble counts as not leading."""
+        now = time.time() if now is None else now
+        try:
+            leading = self._try(now)
+        except (ApiException, StoreUnavailable) as exc:
+            log.warning("leader lease %s/%s: %s", self.namespace, self.name, exc)
+            leading = False
+        if leading != self.leading:
+            log.info("leading" if leading else "not leading", extra={"identity": self.identity, "lease": self.name})
+        self.leading = leading
+        return leading
+
+    def _try(self, now: float) -> bool:
+        spec = {"holderIdentity": self.identity, "leaseDurationSeconds": int(self.duration), "renewTime": _micro(now)}
+        try:
+            response = _api_call(lambda: self.leases.read_namespaced_lease(self.name, self.namespace, _preload_content=False))
+        except NotFoundError:
+            body = {"metadata": {"name": self.name, "namespace": self.namespace},
+                    "spec": {**spec, "acquireTime": _micro(now), "leaseTransitions": 0}}
+            try:
+                _api_call(lambda: self.leases.create_namespaced_lease(self.namespace, body))
+            except ApiException as exc:
+                if exc.status == 409:
+                    return False  # someone else created it first
+                raise
+            return True
+        lease = json.loads(response.data)
+        current = lease.get("spec") or {}
+        holder = current.get("holderIdentity")
+        renewed = _timestamp(current.get("renewTime")) or 0.0
+        expired = now - renewed > float(current.get("leaseDurationSeconds") or self.duration)
+        if holder != self.identity and not expired:
+            return False
+        if holder != self.identity:
+            spec["acquireTime"] = _micro(now)
+            spec["leaseTransitions"] = int(current.get("leaseTransitions") or 0) + 1
+            log.warning("taking over the leader lease", extra={"previous": holder, "silent_s": round(now - renewed, 1)})
+        body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": lease["metadata"], "spec": {**current, **spec}}
+        try:
+            _api_call(lambda: self.leases.replace_namespaced_lease(self.name, self.namespace, body))
+        except ApiException as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True
+
+    def release(self) -> None:
+        """Give the lease up at shutdown, so a successor need not wait for it to expire."""
+        if not self.leading:
+            return
+        try:
+            self._try(0.0)  # renewed in 1970: expired for everyone
+        except (ApiException, StoreUnavailable):
+            pass
+        self.leading = False

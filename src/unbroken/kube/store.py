@@ -1,0 +1,451 @@
+"""``ClusterStore`` on a Kubernetes API: every method is one object read or write.
+
+| unbroken | Kubernetes |
+|---|---|
+| node | the Node: labels ``unbroken.dev/node-health-status``, ``deep-health-check-status``, ``fault-types``, ``fault-reasons``; annotations ``fault-details`` and ``node-state`` (the full record); the taint ``unbroken.dev/node-health-status=Unschedulable:NoSchedule`` while not Schedulable; the condition ``UnbrokenHealthy`` |
+| node lease (heartbeat) | Lease ``unbroken-node-<node>`` in the operator's namespace, renewed by the node agent; while no agent runs there, the kubelet vouches for the node: a Node whose ``Ready`` condition is not True reads as a lease that lapsed long ago |
+| job | an annotated PyTorchJob: ``unbroken.dev/job-state`` (phase, attempt, reason, times, version), mirrored for people in ``unbroken.dev/phase`` and ``unbroken.dev/restart-count`` |
+| event | a core/v1 Event on the node or the workload (``reportingComponent: unbroken.dev/operator``) |
+| cluster record | ConfigMap ``unbroken-cluster`` (key ``cluster.yaml``; status in ``status``) |
+
+Job names are ``<namespace>/<name>``. Versions: each record keeps its own
+counter in its annotation; a conditional write re-reads the object and sends
+its ``resourceVersion`` with the patch, so a write that raced another is refused
+by the API server (409) and retried against the fresh object, and only a
+change of unbroken's own counter is a :class:`StaleUpdate`. Kubelet status
+updates and label edits by others therefore never make the reconcilers' writes stale.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any, TypeVar
+
+import kubernetes
+import yaml
+from kubernetes.client.exceptions import ApiException
+from urllib3.exceptions import HTTPError
+
+from unbroken.config.cluster import ClusterConfig
+from unbroken.config.job import JobSpec, ResilienceSpec, RestartPolicy
+from unbroken.errors import ConfigError, NotFoundError, StoreUnavailable, UsageError
+from unbroken.kube import annotations as job_annotations
+from unbroken.kube import names
+from unbroken.kube.annotations import AnnotationError
+from unbroken.kube.workloads import PYTORCHJOB, PyTorchJobKind
+from unbroken.state.phases import JOB_TRANSITIONS, NODE_TRANSITIONS, DeepHealthStatus, JobPhase, NodeState, check_transition
+from unbroken.state.records import ClusterRecord, ClusterStatus, Event, EventType, Job, Node, WorkerProgress
+from unbroken.state.store import StaleUpdate
+from unbroken.state.updates import JobUpdate, NodeUpdate
+
+log = logging.getLogger("unbroken.kube.store")
+
+T = TypeVar("T")
+NO_HANG_TIMEOUT = 10.0 ** 9
+"""A job without ``hang-timeout-seconds`` has no hang detection (its ranks may not report progress)."""
+WRITE_RETRIES = 5
+FAULT_HISTORY = 10
+
+
+def _api_call(call: Callable[[], T]) -> T:
+    """API errors as the store's: 404 NotFoundError, unreachable or 5xx StoreUnavailable (retryable)."""
+    try:
+        return call()
+    except ApiException as exc:
+        if exc.status == 404:
+            raise NotFoundError(exc.reason or "not found") from None
+        if exc.status is None or exc.status >= 500 or exc.status == 429:
+            raise StoreUnavailable(f"Kubernetes API: {exc.status} {exc.reason}") from exc
+        raise
+    except (HTTPError, OSError) as exc:
+        raise StoreUnavailable(f"Kubernetes API unreachable: {exc}") from exc
+
+
+def _timestamp(text: str | None) -> float | None:
+    if not text:
+        return None
+    return datetime.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def _rfc3339(ts: float) -> str:
+    return datetime.datetime.fromtimestamp(ts, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass(frozen=True)
+class InvalidJob:
+    """A job that opted in with annotations that do not parse: left alone, warned about."""
+
+    name: str
+    problems: tuple[str, ...]
+
+
+class KubernetesStore:
+    """The cluster's state in the API server. ``namespace``: the operator's (leases, the cluster
+    ConfigMap); ``job_namespace``: where annotated jobs are watched (None: every namespace)."""
+
+    def __init__(self, api: kubernetes.client.ApiClient, namespace: str, *, job_namespace: str | None = None,
+                 workload: PyTorchJobKind = PYTORCHJOB) -> None:
+        self.api = api
+        self.namespace = namespace
+        self.job_namespace = job_namespace
+        self.workload = workload
+        self.core = kubernetes.client.CoreV1Api(api)
+        self.custom = kubernetes.client.CustomObjectsApi(api)
+        self.coordination = kubernetes.client.CoordinationV1Api(api)
+        self._uids: dict[tuple[str, str], str] = {}
+
+    # -- raw JSON access (dicts, not the client's models: records read annotations by key) ----
+
+    def _json(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        response = _api_call(lambda: call(*args, _preload_content=False, **kwargs))
+        return json.loads(response.data)
+
+    # -- the cluster object -------------------------------------------------------------
+
+    def cluster(self) -> ClusterRecord:
+        try:
+            cm = self._json(self.core.read_namespaced_config_map, names.CLUSTER_CONFIGMAP, self.namespace)
+        except NotFoundError:
+            raise UsageError(f"ConfigMap {self.namespace}/{names.CLUSTER_CONFIGMAP} not found: is unbroken installed "
+                             "(kubectl apply -k deploy/)?") from None
+        data = cm.get("data") or {}
+        try:
+            config = ClusterConfig.model_validate(yaml.safe_load(data.get("cluster.yaml", "")) or {})
+        except (ValueError, yaml.YAMLError) as exc:
+            raise ConfigError(f"ConfigMap {self.namespace}/{names.CLUSTER_CONFIGMAP} key cluster.yaml: {exc}") from None
+        return ClusterRecord(
+            name=config.ClusterName, config_json=config.model_dump_json(),
+            status=ClusterStatus(data.get("status", ClusterStatus.UP.value)),
+            created_at=_timestamp(cm["metadata"].get("creationTimestamp")) or 0.0,
+            controller_metrics=data.get("controller-metrics") or None,
+        )
+
+    def _patch_cluster(self, data: dict[str, str | None]) -> None:
+        _api_call(lambda: self.core.patch_namespaced_config_map(names.CLUSTER_CONFIGMAP, self.namespace, {"data": data}))
+
+    def set_cluster_status(self, status: ClusterStatus) -> None:
+        self._patch_cluster({"status": status.value})
+
+    def set_controller_metrics(self, address: str | None) -> None:
+        self._patch_cluster({"controller-metrics": address})
+
+    # -- nodes --------------------------------------------------------------------------
+
+    def add_node(self, node: Node) -> None:
+        raise UsageError("on Kubernetes, nodes join the cluster through the kubelet; unbroken does not create Node objects")
+
+    def get_node(self, name: str) -> Node:
+        obj = self._json(self.core.read_node, name)
+        return self._node(obj, self._leases().get(name))
+
+    def list_nodes(self) -> list[Node]:
+        leases = self._leases()
+        items = self._json(self.core.list_node)["items"]
+        return sorted((self._node(obj, leases.get(obj["metadata"]["name"])) for obj in items), key=lambda n: n.name)
+
+    def _leases(self) -> dict[str, float]:
+        items = self._json(self.coordination.list_namespaced_lease, self.namespace)["items"]
+        renewed: dict[str, float] = {}
+        for lease in items:
+            name = lease["metadata"]["name"]
+            at = _timestamp((lease.get("spec") or {}).get("renewTime"))
+            if name.startswith(names.LEASE_PREFIX) and at is not None:
+                renewed[name.removeprefix(names.LEASE_PREFIX)] = at
+        return renewed
+
+    def _node(self, obj: dict[str, Any], lease: float | None) -> Node:
+        meta = obj["metadata"]
+        labels = meta.get("labels") or {}
+        saved = json.loads((meta.get("annotations") or {}).get(names.NODE_STATE, "{}") or "{}")
+        ready: dict[str, Any] = next((c for c in (obj.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), {})
+        if ready.get("status") != "True":
+            heartbeat: float | None = 0.0  # the node lifecycle controller gave up on it: lost
+        else:
+            heartbeat = lease if lease is not None else time.time()  # no agent yet: the kubelet vouches
+        address = next((a["address"] for a in (obj.get("status") or {}).get("addresses") or [] if a.get("type") == "InternalIP"),
+                       meta["name"])
+        default_state = NodeState.UNSCHEDULABLE if (obj.get("spec") or {}).get("unschedulable") else NodeState.SCHEDULABLE
+        return Node(
+            name=meta["name"],
+            group=labels.get(f"{names.PREFIX}/instance-group", "default"),
+            instance_type=labels.get("node.kubernetes.io/instance-type", "unknown"),
+            state=NodeState(saved.get("state", default_state.value)),
+            deep_health=DeepHealthStatus(saved.get("deep_health", labels.get(names.DEEP_HEALTH_CHECK_STATUS,
+                                                                               DeepHealthStatus.NOT_RUN.value))),
+            address=address,
+            fault_type=saved.get("fault_type"),
+            fault_reason=saved.get("fault_reason"),
+            heartbeat_at=heartbeat,
+            registered_at=saved.get("registered_at") or _timestamp(meta.get("creationTimestamp")),
+            state_changed_at=saved.get("state_changed_at") or _timestamp(meta.get("creationTimestamp")) or 0.0,
+            reboots=saved.get("reboots", 0),
+            replaced_by=saved.get("replaced_by"),
+            recovery_requested=saved.get("recovery_requested", False),
+            metrics_address=saved.get("metrics_address"),
+            version=saved.get("version", 0),
+        )
+
+    def update_node(self, name: str, update: NodeUpdate, *, expect_version: int | None = None) -> Node:
+        changes = update.changes()
+        for _ in range(WRITE_RETRIES):
+            obj = self._json(self.core.read_node, name)
+            current = self._node(obj, None)
+            _check_version(f"node {name}", current.version, expect_version)
+            if "state" in changes:
+                check_transition(f"node {name}", NODE_TRANSITIONS, current.state, changes["state"])
+                if changes["state"] != current.state:
+                    changes["state_changed_at"] = time.time()
+            new = replace(current, **changes, version=current.version + 1)
+            try:
+                body = self._node_patch(obj, current, new)
+                _api_call(lambda body=body: self.core.patch_node(name, body))  # type: ignore[misc]
+            except ApiException as exc:
+                if exc.status == 409:
+                    continue  # someone else wrote the Node (kubelet, kubectl label): decide on the fresh one
+                raise
+            self._set_condition(name, new)
+            return replace(new, heartbeat_at=self._leases().get(name, new.heartbeat_at))
+        raise StoreUnavailable(f"node {name}: {WRITE_RETRIES} conflicting writes in a row")
+
+    def _node_patch(self, obj: dict[str, Any], current: Node, new: Node) -> dict[str, Any]:
+        meta = obj["metadata"]
+        record = {k: v for k, v in asdict(new).items() if k not in ("name", "heartbeat_at", "address", "group", "instance_type")}
+        annotations_patch: dict[str, str | None] = {names.NODE_STATE: json.dumps(record, sort_keys=True)}
+        if new.fault_type and (new.fault_type, new.fault_reason) != (current.fault_type, current.fault_reason):
+            history = json.loads((meta.get("annotations") or {}).get(names.FAULT_DETAILS, "[]") or "[]")
+            history.append({"time": _rfc3339(time.time()), "type": new.fault_type, "message": new.fault_reason or ""})
+            annotations_patch[names.FAULT_DETAILS] = json.dumps(history[-FAULT_HISTORY:])
+        faulty = new.state not in (NodeState.SCHEDULABLE, NodeState.UNSCHEDULABLE, NodeState.JOINING)
+        labels: dict[str, str | None] = {
+            names.NODE_HEALTH_STATUS: new.state.health_status_label,
+            names.DEEP_HEALTH_CHECK_STATUS: None if new.deep_health is DeepHealthStatus.NOT_RUN else new.deep_health.value,
+            names.FAULT_TYPES: names.label_value(new.fault_type) or None if faulty else None,
+            names.FAULT_REASONS: names.label_value(new.fault_reason) or None if faulty else None,
+        }
+        others = [t for t in (obj.get("spec") or {}).get("taints") or [] if t.get("key") != names.TAINT_KEY]
+        ours = [] if new.state is NodeState.SCHEDULABLE else [
+            {"key": names.TAINT_KEY, "value": names.TAINT_VALUE, "effect": names.TAINT_EFFECT}]
+        return {
+            "metadata": {"labels": labels, "annotations": annotations_patch, "resourceVersion": meta["resourceVersion"]},
+            "spec": {"taints": others + ours},
+        }
+
+    def _set_condition(self, name: str, node: Node) -> None:
+        """``UnbrokenHealthy``: what external repair acts on. A separate write (nodes/status);
+        re-applied on the node's next change if it fails."""
+        healthy = node.state in (NodeState.SCHEDULABLE, NodeState.UNSCHEDULABLE, NodeState.JOINING)
+        now = _rfc3339(time.time())
+        condition = {
+            "type": names.CONDITION_TYPE, "status": "True" if healthy else "False",
+            "reason": "Healthy" if healthy else condition_reason(node.fault_type),
+            "message": (node.fault_reason or node.state.value)[:1024],
+            "lastHeartbeatTime": now, "lastTransitionTime": now,
+        }
+        try:
+            _api_call(lambda: self.core.patch_node_status(name, {"status": {"conditions": [condition]}}))
+        except (ApiException, StoreUnavailable) as exc:
+            log.warning("node %s: condition %s not written: %s", name, names.CONDITION_TYPE, exc)
+
+    def renew_lease(self, node: str, *, at: float, progress: Sequence[WorkerProgress] = ()) -> None:
+        """One write: the Lease's renewTime, and the ranks' progress in its annotation."""
+        stamp = datetime.datetime.fromtimestamp(at, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        body = {
+            "metadata": {"name": names.LEASE_PREFIX + node, "namespace": self.namespace,
+                         "labels": {"app.kubernetes.io/managed-by": names.COMPONENT},
+                         "annotations": {names.LEASE_PROGRESS: json.dumps([asdict(p) for p in progress])}},
+            "spec": {"holderIdentity": node, "leaseDurationSeconds": 10, "renewTime": stamp},
+        }
+        try:
+            _api_call(lambda: self.coordination.patch_namespaced_lease(names.LEASE_PREFIX + node, self.namespace, body))
+        except NotFoundError:
+            _api_call(lambda: self.coordination.create_namespaced_lease(self.namespace, body))
+
+    # -- jobs ---------------------------------------------------------------------------
+
+    def _workloads(self) -> list[dict[str, Any]]:
+        kind = self.workload
+        if self.job_namespace:
+            listing = self._json(self.custom.list_namespaced_custom_object, kind.group, kind.version, self.job_namespace, kind.plural)
+        else:
+            listing = self._json(self.custom.list_cluster_custom_object, kind.group, kind.version, kind.plural)
+        items = listing["items"]
+        for obj in items:
+            meta = obj["metadata"]
+            self._uids[(meta["namespace"], meta["name"])] = meta.get("uid", "")
+        return items
+
+    def _workload(self, name: str) -> dict[str, Any]:
+        namespace, _, short = name.partition("/")
+        kind = self.workload
+        obj = self._json(self.custom.get_namespaced_custom_object, kind.group, kind.version, namespace, kind.plural, short)
+        self._uids[(namespace, short)] = obj["metadata"].get("uid", "")
+        return obj
+
+    def add_job(self, job: Job) -> None:
+        raise UsageError("on Kubernetes a job is a PyTorchJob with the unbroken.dev/enable-job-auto-resume annotation: "
+                         "kubectl apply it (unbroken k8s render prints one)")
+
+    def get_job(self, name: str) -> Job:
+        obj = self._workload(name)
+        job = self._job(obj)
+        if job is None:
+            raise NotFoundError(f"job {name} is not managed by unbroken (no {names.AUTO_RESUME}: \"true\")")
+        return job
+
+    def list_jobs(self) -> list[Job]:
+        jobs = []
+        for obj in self._workloads():
+            try:
+                job = self._job(obj)
+            except AnnotationError:
+                continue  # left alone; invalid_jobs() reports it
+            if job is not None:
+                jobs.append(job)
+        return sorted(jobs, key=lambda j: (j.created_at, j.name))
+
+    def invalid_jobs(self) -> list[InvalidJob]:
+        """Jobs that opted in with annotations that do not parse."""
+        invalid = []
+        for obj in self._workloads():
+            try:
+                job_annotations.parse(obj["metadata"].get("annotations"))
+            except AnnotationError as exc:
+                invalid.append(InvalidJob(_job_name(obj), tuple(exc.problems)))
+        return invalid
+
+    def workload_object(self, name: str) -> dict[str, Any]:
+        """The job's workload object as the API server has it (for the backend)."""
+        return self._workload(name)
+
+    def _job(self, obj: dict[str, Any]) -> Job | None:
+        meta = obj["metadata"]
+        settings = job_annotations.parse(meta.get("annotations"))
+        if settings is None:
+            return None
+        spec = JobSpec.model_validate({
+            "name": meta["name"],
+            "nodes": max(1, self.workload.node_count(obj)),
+            "procs_per_node": self.workload.procs_per_node(obj),
+            "command": [f"{self.workload.kind} {meta['namespace']}/{meta['name']}"],
+            "resilience": ResilienceSpec(
+                auto_resume=True, max_retry=settings.max_retry, restart_policy=RestartPolicy.ON_FAILURE,
+                hang_timeout=settings.hang_timeout or NO_HANG_TIMEOUT, startup_timeout=NO_HANG_TIMEOUT,
+                require_deep_health_passed=settings.require_deep_health_passed,
+            ).model_dump(),
+        }, context={"trusted": True})
+        saved = json.loads((meta.get("annotations") or {}).get(names.JOB_STATE, "{}") or "{}")
+        created = _timestamp(meta.get("creationTimestamp")) or 0.0
+        return Job(
+            name=_job_name(obj), spec_json=spec.model_dump_json(),
+            phase=JobPhase(saved.get("phase", JobPhase.PENDING.value)),
+            attempt=saved.get("attempt", 0), reason=saved.get("reason"), created_at=created,
+            started_at=saved.get("started_at"), ended_at=saved.get("ended_at"),
+            phase_changed_at=saved.get("phase_changed_at", created),
+            cancel_requested=saved.get("cancel_requested", False),
+            nodes=tuple(saved.get("nodes", ())), version=saved.get("version", 0),
+        )
+
+    def update_job(self, name: str, update: JobUpdate, *, expect_version: int | None = None) -> Job:
+        changes = update.changes()
+        namespace, _, short = name.partition("/")
+        kind = self.workload
+        for _ in range(WRITE_RETRIES):
+            obj = self._workload(name)
+            current = self._job(obj)
+            if current is None:
+                raise NotFoundError(f"job {name} is no longer managed by unbroken")
+            _check_version(f"job {name}", current.version, expect_version)
+            if "phase" in changes:
+                check_transition(f"job {name}", JOB_TRANSITIONS, current.phase, changes["phase"])
+                if changes["phase"] != current.phase:
+                    changes["phase_changed_at"] = time.time()
+            new = replace(current, **changes, version=current.version + 1)
+            state = {k: v for k, v in asdict(new).items() if k not in ("name", "spec_json", "created_at")}
+            patch = {"metadata": {"resourceVersion": obj["metadata"]["resourceVersion"], "annotations": {
+                names.JOB_STATE: json.dumps(state, sort_keys=True),
+                names.JOB_PHASE: new.phase.value,
+                names.RESTART_COUNT: str(new.attempt),
+            }}}
+            try:
+                _api_call(lambda patch=patch: self.custom.patch_namespaced_custom_object(  # type: ignore[misc]
+                    kind.group, kind.version, namespace, kind.plural, short, patch))
+            except ApiException as exc:
+                if exc.status == 409:
+                    continue
+                raise
+            return new
+        raise StoreUnavailable(f"job {name}: {WRITE_RETRIES} conflicting writes in a row")
+
+    # -- events -------------------------------------------------------------------------
+
+    def _involved(self, object_kind: str, object_name: str) -> tuple[str, dict[str, Any]]:
+        if object_kind == "Job":
+            namespace, _, short = object_name.partition("/")
+            uid = self._uids.get((namespace, short), "")
+            return namespace, {"apiVersion": self.workload.api_version, "kind": self.workload.kind,
+                               "name": short, "namespace": namespace, "uid": uid}
+        if object_kind == "Node":
+            return "default", {"apiVersion": "v1", "kind": "Node", "name": object_name}
+        return self.namespace, {"kind": object_kind, "name": object_name, "namespace": self.namespace}
+
+    def add_event(self, object_kind: str, object_name: str, reason: str, message: str, *,
+                  type: EventType = EventType.NORMAL) -> Event:
+        ts = time.time()
+        namespace, involved = self._involved(object_kind, object_name)
+        stamp = _rfc3339(ts)
+        body = {
+            "metadata": {"name": f"{involved['name']}.{uuid.uuid4().hex[:16]}", "namespace": namespace,
+                         "labels": {"app.kubernetes.io/managed-by": names.COMPONENT},
+                         "annotations": {f"{names.PREFIX}/time": repr(ts), f"{names.PREFIX}/object": f"{object_kind}/{object_name}"}},
+            "involvedObject": involved, "reason": reason, "message": message[:1024], "type": type.value,
+            "source": {"component": names.COMPONENT}, "reportingComponent": f"{names.PREFIX}/operator",
+            "reportingInstance": names.COMPONENT, "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1,
+        }
+        _api_call(lambda: self.core.create_namespaced_event(namespace, body))
+        return Event(ts=ts, object_kind=object_kind, object_name=object_name, type=type, reason=reason, message=message)
+
+    def list_events(self, *, object_kind: str | None = None, object_name: str | None = None,
+                    reason: str | None = None) -> list[Event]:
+        items = self._json(self.core.list_event_for_all_namespaces,
+                           label_selector=f"app.kubernetes.io/managed-by={names.COMPONENT}")["items"]
+        events = []
+        for item in items:
+            annotations_ = item["metadata"].get("annotations") or {}
+            kind, _, name = annotations_.get(f"{names.PREFIX}/object", "/").partition("/")
+            if (object_kind and kind != object_kind) or (object_name and name != object_name) or (reason and item.get("reason") != reason):
+                continue
+            events.append(Event(ts=float(annotations_.get(f"{names.PREFIX}/time", 0.0)), object_kind=kind, object_name=name,
+                                type=EventType(item.get("type", "Normal")), reason=item.get("reason", ""),
+                                message=item.get("message", "")))
+        return sorted(events, key=lambda e: e.ts)
+
+
+def _job_name(obj: dict[str, Any]) -> str:
+    return f"{obj['metadata']['namespace']}/{obj['metadata']['name']}"
+
+
+def _check_version(what: str, current: int, expected: int | None) -> None:
+    if expected is not None and current != expected:
+        raise StaleUpdate(f"{what} changed since it was read (version {expected} → {current})")
+
+
+_CONDITION_REASONS = {"DeepHealthCheckFailed": "DeepHealthCheckFailed", "NodeLost": "NodeLost"}
+
+
+def condition_reason(fault_type: str | None) -> str:
+    """A CamelCase reason for the node condition (``Xid79`` → ``NvidiaXID79Error``)."""
+    if not fault_type:
+        return "Unhealthy"
+    if fault_type.lower().startswith("xid") and fault_type[3:].isdigit():
+        return f"NvidiaXID{fault_type[3:]}Error"
+    cleaned = "".join(part[:1].upper() + part[1:] for part in names.label_value(fault_type).replace(".", "_").split("_") if part)
+    return _CONDITION_REASONS.get(fault_type, cleaned or "Unhealthy")
+
+
+__all__ = ["InvalidJob", "KubernetesStore", "condition_reason"]

@@ -1,0 +1,1 @@
+"""``unbroken operator``: the controller on Kubernetes (kopf watches, the shared reconcilers)."""

@@ -1,0 +1,168 @@
+"""The operator process: ``unbroken operator --namespace unbroken-system``.
+
+kopf keeps watches open on Nodes, the jobs' pods and PyTorchJobs (reconnecting,
+resuming from resourceVersions); every event only wakes the reconcile loop. The
+loop is the local controller's: the same :class:`NodeReconciler` and
+:class:`JobReconciler` over the Kubernetes store and backend, a full
+level-triggered pass on every wake-up and at least every ``RESYNC_SECONDS``, so
+a missed or coalesced event costs a second, not a decision. Only the holder of
+the Lease ``unbroken-operator`` acts; a killed operator's successor takes over
+when the Lease expires and carries on from what the objects' annotations say.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import kopf
+import kubernetes
+from prometheus_client import CollectorRegistry
+
+from unbroken import logs, metrics
+from unbroken.controller.job_reconciler import JobReconciler
+from unbroken.controller.metrics import ClusterCollector
+from unbroken.controller.node_reconciler import NodeReconciler
+from unbroken.errors import UnbrokenError
+from unbroken.kube import names
+from unbroken.kube.client import api_client
+from unbroken.kube.leader import LeaderLease
+from unbroken.kube.store import KubernetesStore
+from unbroken.kube.workloads import PYTORCHJOB
+from unbroken.runtime import Runtime, open_kubernetes
+from unbroken.state.records import EventType
+
+log = logging.getLogger("unbroken.operator")
+
+RESYNC_SECONDS = 1.0
+"""A full pass at least this often, events or not (a lease going stale makes no event)."""
+SILENT_AFTER_SECONDS = 3.0
+"""A node whose unbroken Lease is this much overdue is a suspect (agents renew every second)."""
+
+
+class Operator:
+    def __init__(self, runtime: Runtime, leader: LeaderLease) -> None:
+        self.runtime = runtime
+        self.leader = leader
+        self.wake = threading.Event()
+        self.stopping = threading.Event()
+        self.nodes = NodeReconciler(runtime.cluster, runtime.backend, runtime.config)
+        self.jobs = JobReconciler(runtime.cluster, runtime.backend, silent_after=SILENT_AFTER_SECONDS)
+
+    @property
+    def store(self) -> KubernetesStore:
+        assert isinstance(self.runtime.cluster, KubernetesStore)
+        return self.runtime.cluster
+
+    def run(self) -> None:
+        try:
+            while not self.stopping.is_set():
+                self.wake.wait(RESYNC_SECONDS)
+                self.wake.clear()
+                self.reconcile_once()
+        finally:
+            self.leader.release()
+
+    def reconcile_once(self) -> None:
+        now = self.runtime.clock()
+        try:
+            if not self.leader.hold(now):
+                return
+            self.warn_invalid()
+            self.nodes.reconcile_all(now)
+            self.jobs.reconcile_all(now)
+        except Exception:  # noqa: BLE001 - the loop must outlive one bad pass (an API hiccup); it is logged
+            log.exception("reconcile pass failed; retrying")
+            self.stopping.wait(1.0)
+
+    def warn_invalid(self) -> None:
+        """A job that opted in with a bad annotation: one Warning Event per distinct problem, job untouched."""
+        for invalid in self.store.invalid_jobs():
+            message = "; ".join(invalid.problems) + "; unbroken leaves this job alone until it is fixed"
+            seen = self.store.list_events(object_kind="Job", object_name=invalid.name, reason="InvalidAnnotation")
+            if not any(e.message == message for e in seen):
+                self.store.add_event("Job", invalid.name, "InvalidAnnotation", message, type=EventType.WARNING)
+
+
+def _connection(api: kubernetes.client.ApiClient) -> kopf.ConnectionInfo:
+    """kopf logs in with exactly what our client was configured with (kubeconfig + context, or in-cluster)."""
+    config = api.configuration
+    authorization = config.get_api_key_with_prefix("authorization") or ""
+    scheme, _, token = authorization.partition(" ")
+    return kopf.ConnectionInfo(
+        server=config.host, scheme=scheme or None, token=token or None, ca_path=config.ssl_ca_cert,
+        certificate_path=config.cert_file, private_key_path=config.key_file, insecure=not config.verify_ssl,
+        username=config.username or None, password=config.password or None,
+    )
+
+
+def _registry(operator: Operator, api: kubernetes.client.ApiClient) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+
+    def wake(**_: Any) -> None:
+        operator.wake.set()
+
+    kopf.on.login(registry=registry)(lambda **_: _connection(api))
+    kopf.on.event("", "v1", "nodes", registry=registry)(wake)
+    kopf.on.event("", "v1", "pods", labels={PYTORCHJOB.job_name_label: kopf.PRESENT}, registry=registry)(wake)
+    kopf.on.event(PYTORCHJOB.group, PYTORCHJOB.version, PYTORCHJOB.plural, registry=registry)(wake)
+
+    @kopf.on.startup(registry=registry)
+    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        settings.posting.enabled = False  # our Events are the reconcilers'; kopf's own would be noise
+        settings.watching.server_timeout = 60
+        settings.networking.request_timeout = 30
+
+    return registry
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="unbroken operator", description=__doc__.split("\n")[0])
+    parser.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE", "unbroken-system"),
+                        help="where unbroken is installed (its ConfigMaps and Leases)")
+    parser.add_argument("--job-namespace", default=None, help="watch jobs in this namespace only (default: all)")
+    parser.add_argument("--kubeconfig", type=Path, default=None)
+    parser.add_argument("--context", default=None)
+    parser.add_argument("--metrics-port", type=int, default=None, help="serve /metrics here (default: the cluster file's)")
+    parser.add_argument("--metrics-host", default="0.0.0.0")
+    parser.add_argument("--identity", default=os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}",
+                        help="this replica's name in the leader Lease")
+    args = parser.parse_args(argv)
+    logs.setup(component="operator")
+    try:
+        api = api_client(args.kubeconfig, args.context)
+        runtime = open_kubernetes(api, args.namespace, job_namespace=args.job_namespace)
+    except UnbrokenError as exc:
+        log.error("cannot start: %s", exc)
+        return 2
+    operator = Operator(runtime, LeaderLease(api, args.namespace, names.LEADER_LEASE, args.identity))
+    endpoint = None
+    if runtime.config.Metrics.Enabled:
+        registry = CollectorRegistry()
+        registry.register(ClusterCollector(runtime.cluster, runtime.backend, runtime.catalog, runtime.clock))
+        endpoint = metrics.serve(registry, args.metrics_host,
+                                 args.metrics_port if args.metrics_port is not None else runtime.config.Metrics.ControllerPort)
+        log.info("serving metrics", extra={"address": endpoint.address})
+    loop = threading.Thread(target=operator.run, name="reconcile", daemon=True)
+    loop.start()
+    log.info("operator started", extra={"namespace": args.namespace, "identity": args.identity})
+    try:
+        kopf.run(registry=_registry(operator, api), standalone=True, clusterwide=args.job_namespace is None,
+                 namespaces=[args.job_namespace] if args.job_namespace else (), )
+    finally:
+        operator.stopping.set()
+        operator.wake.set()
+        loop.join(timeout=10)
+        if endpoint is not None:
+            endpoint.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
