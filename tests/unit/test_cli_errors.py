@@ -231,7 +231,7 @@ def test_top_level_help_lists_the_groups(tmp_path: Path) -> None:
 
     assert result.returncode == 0
     names = commands_in_help(result.stdout)
-    assert sorted(names) == ["chaos", "check", "ckpt", "cluster", "dashboard", "demo", "job", "node", "validate"]
+    assert sorted(names) == ["chaos", "check", "ckpt", "cluster", "dashboard", "demo", "job", "node", "operator", "validate"]
 
 
 @pytest.mark.parametrize(
@@ -276,3 +276,12 @@ def test_cluster_up_with_no_nodes_at_all_is_refused(tmp_path: Path) -> None:
     line = one_line_error(run_cli("cluster", "up", "-f", str(empty), "--dir", str(target), check=False), ConfigError.exit_code)
     assert "a local cluster needs at least one node" in line
     assert not (target / "state.db").exists()
+
+
+def test_operator_help_and_a_missing_kubeconfig(tmp_path: Path) -> None:
+    helped = run_cli("operator", "--help", cluster_dir=tmp_path / "unused")
+    assert helped.returncode == 0 and "--kubeconfig" in helped.stdout and "--namespace" in helped.stdout
+    missing = run_cli("operator", "--kubeconfig", str(tmp_path / "nope"), cluster_dir=tmp_path / "unused", check=False)
+    assert missing.returncode == 2
+    assert f"kubeconfig {tmp_path / 'nope'} does not exist" in missing.stdout + missing.stderr
+    assert "Traceback" not in missing.stdout + missing.stderr
