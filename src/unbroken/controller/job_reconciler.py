@@ -53,8 +53,11 @@ class JobReconciler:
             # Placed, but the launch never happened (the controller died in between): launch it now.
             self.backend.launch_attempt(job, job.attempt, [nodes[n] for n in job.nodes if n in nodes])
             workers = self.backend.observe_attempt(job.name, job.attempt)
+        # The job's own current workers do not make a node busy for it: on Kubernetes a job that
+        # is adopted already has pods (placed by the scheduler) before its first decision.
+        taken = busy - {w.node for w in workers}
         free = [n.name for n in nodes.values()
-                if n.name not in busy and job_decisions.eligible(n, spec, now, self.silent_after)]
+                if n.name not in taken and job_decisions.eligible(n, spec, now, self.silent_after)]
         decision = job_decisions.decide(now, job, spec, workers, nodes, free, silent_after=self.silent_after)
         if decision.action is not Action.WAIT:
             log.info("job %s: %s: %s", job.name, decision.action.value, decision.reason, extra={"job": job.name})

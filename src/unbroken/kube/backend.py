@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import time
 from collections.abc import Sequence
@@ -198,6 +199,22 @@ def _attempt(pod: dict[str, Any]) -> int:
     return int(value) if value.isdigit() else 0
 
 
+_ROOT_CAUSE = re.compile(r"(Signal \d+ \(\w+\) received by PID \d+|exitcode\s*:\s*-?\d+.*|\w+(Error|Exception): .+)")
+
+
+def _what_failed(log_tail: str) -> str:
+    """The telling line of the log tail the kubelet kept: torchrun's root cause ("Signal 9 (SIGKILL)
+    received by PID 812"), else the last exception, else the last lines."""
+    lines = [line.strip() for line in log_tail.splitlines() if line.strip() and not set(line.strip()) <= set("=-_ ")]
+    for line in reversed(lines):
+        if (found := _ROOT_CAUSE.search(line)) is not None and "Signal" in found.group(0):
+            return found.group(0)
+    for line in reversed(lines):
+        if (found := _ROOT_CAUSE.search(line)) is not None:
+            return found.group(0)[:300]
+    return " | ".join(lines[-2:])[:300]
+
+
 def _pod_phase(status: dict[str, Any]) -> tuple[WorkerPhase, int | None, str | None, float | None]:
     """(phase, exit code, message, ended) of a pod's main container. Exit codes the kubelet reports
     as 128 + N for a signal are returned as -N, as the local backend reports a signal."""
@@ -210,8 +227,8 @@ def _pod_phase(status: dict[str, Any]) -> tuple[WorkerPhase, int | None, str | N
                 signal = code - 128 if code > 128 else None
                 what = (f"killed by {_SIGNALS.get(signal, f'signal {signal}')} (exit code {code})" if signal
                         else f"exited with code {code}")
-                tail = (terminated.get("message") or "").strip().splitlines()[-3:]
-                return (WorkerPhase.FAILED, -signal if signal else code, what + (": " + " | ".join(tail) if tail else ""),
+                detail = _what_failed(terminated.get("message") or "")
+                return (WorkerPhase.FAILED, -signal if signal else code, what + (f": {detail}" if detail else ""),
                         _timestamp(terminated.get("finishedAt")))
     if pod_phase == "Succeeded":
         return WorkerPhase.SUCCEEDED, 0, None, None
