@@ -90,6 +90,16 @@ class Operator:
                 self.store.add_event("Job", invalid.name, "InvalidAnnotation", message, type=EventType.WARNING)
 
 
+class _KopfInternals(logging.Filter):
+    """kopf's per-object log records carry its settings object (queues inside: not JSON, and the
+    JSON formatter fails on it); keep the object reference, drop the internals."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        for attribute in ("settings", "k8s_skip"):
+            record.__dict__.pop(attribute, None)
+        return True
+
+
 def _connection(api: kubernetes.client.ApiClient) -> kopf.ConnectionInfo:
     """kopf logs in with exactly what our client was configured with (kubeconfig + context, or in-cluster)."""
     config = api.configuration
@@ -135,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="this replica's name in the leader Lease")
     args = parser.parse_args(argv)
     logs.setup(component="operator")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_KopfInternals())
     try:
         api = api_client(args.kubeconfig, args.context)
         runtime = open_kubernetes(api, args.namespace, job_namespace=args.job_namespace)
