@@ -217,6 +217,9 @@ def test_annotation_parsing() -> None:
 
 def test_condition_reasons() -> None:
     assert condition_reason("Xid79") == "NvidiaXID79Error"
+    assert condition_reason("FaultyInstance", "kernel_log.xid: NVRM: Xid (PCI:0000:b9:00): 79, pid=1, GPU has fallen off the bus") \
+        == "NvidiaXID79Error"
+    assert condition_reason("FaultyInstance", "join checks failed: gpu.stress below threshold") == "DeepHealthCheckFailed"
     assert condition_reason("DeepHealthCheckFailed") == "DeepHealthCheckFailed"
     assert condition_reason("NodeLost") == "NodeLost"
     assert condition_reason("kernel deadlock") == "KernelDeadlock"

@@ -80,6 +80,15 @@ def operator_command(ctx: typer.Context) -> None:
     raise typer.Exit(operator_main(list(ctx.args)))
 
 
+@app.command("agent", context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, add_help_option=False)
+def agent_command(ctx: typer.Context) -> None:
+    """The node agent on Kubernetes (runs in the unbroken-agent DaemonSet): heartbeats, kernel-log faults on its Node.
+    `unbroken agent --kubernetes --help` lists its options."""
+    from unbroken.agent.kubernetes import main as agent_main
+
+    raise typer.Exit(agent_main(list(ctx.args)))
+
+
 def run() -> None:
     """Typer handles usage errors (exit 2) and --help; our own errors end here as one line."""
     try:

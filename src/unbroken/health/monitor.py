@@ -43,12 +43,12 @@ def finding_result(node: str, finding: Finding) -> CheckResult:
 
 class HealthMonitor:
     def __init__(self, store: ClusterStore, jobs_on: events.JobsOn, layout: ClusterLayout, node: str, cluster: ClusterConfig,
-                 stopping: threading.Event, metrics: AgentMetrics | None = None) -> None:
+                 stopping: threading.Event, metrics: AgentMetrics | None = None, source: LineSource | None = None) -> None:
         self.store, self.jobs_on, self.layout, self.node, self.cluster, self.stopping = store, jobs_on, layout, node, cluster, stopping
         self.metrics = metrics
         self.settings = cluster.Health
         # Opened now, in the agent's start-up: the source starts at "now" and later lines are ours.
-        self.source: LineSource = open_source(self.settings.KernelLogSource, layout.kernel_log(node))
+        self.source: LineSource = source or open_source(self.settings.KernelLogSource, layout.kernel_log(node))
         self.watch = KernelLogWatch(self.settings)
         self._last: dict[str, Status] = {}
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -243,7 +244,7 @@ class KubernetesStore:
         now = _rfc3339(time.time())
         condition = {
             "type": names.CONDITION_TYPE, "status": "True" if healthy else "False",
-            "reason": "Healthy" if healthy else condition_reason(node.fault_type),
+            "reason": "Healthy" if healthy else condition_reason(node.fault_type, node.fault_reason),
             "message": (node.fault_reason or node.state.value)[:1024],
             "lastHeartbeatTime": now, "lastTransitionTime": now,
         }
@@ -435,17 +436,21 @@ def _check_version(what: str, current: int, expected: int | None) -> None:
         raise StaleUpdate(f"{what} changed since it was read (version {expected} → {current})")
 
 
-_CONDITION_REASONS = {"DeepHealthCheckFailed": "DeepHealthCheckFailed", "NodeLost": "NodeLost"}
+_XID = re.compile(r"\bXid\s*\(?(?:PCI:[0-9a-fA-F:.]+\)?:?)?\s*(\d+)", re.IGNORECASE)
 
 
-def condition_reason(fault_type: str | None) -> str:
-    """A CamelCase reason for the node condition (``Xid79`` → ``NvidiaXID79Error``)."""
+def condition_reason(fault_type: str | None, fault_reason: str | None = None) -> str:
+    """A CamelCase reason for the node condition: ``NvidiaXID79Error`` for an Xid (whatever fault type
+    it was filed under), ``DeepHealthCheckFailed`` for failed join checks, ``NodeLost``, else the type."""
+    text = f"{fault_type or ''} {fault_reason or ''}"
+    if (xid := _XID.search(text)) is not None:
+        return f"NvidiaXID{xid.group(1)}Error"
+    if (fault_reason or "").startswith("join checks failed"):
+        return "DeepHealthCheckFailed"
     if not fault_type:
         return "Unhealthy"
-    if fault_type.lower().startswith("xid") and fault_type[3:].isdigit():
-        return f"NvidiaXID{fault_type[3:]}Error"
     cleaned = "".join(part[:1].upper() + part[1:] for part in names.label_value(fault_type).replace(".", "_").split("_") if part)
-    return _CONDITION_REASONS.get(fault_type, cleaned or "Unhealthy")
+    return cleaned or "Unhealthy"
 
 
 __all__ = ["InvalidJob", "KubernetesStore", "condition_reason"]

@@ -1,0 +1,124 @@
+"""The node agent on Kubernetes: ``unbroken agent --kubernetes --node $(NODE_NAME)`` (the DaemonSet).
+
+The same parts as the local agent, minus what the kubelet does there: no
+worker runner (pods are the kubelet's), no registration (the Node exists). It
+renews its Lease ``unbroken-node-<node>`` once a second with the ranks' progress
+(the operator's heartbeat for the node: a lapsed Lease is a lost node), watches
+the kernel log (``/dev/kmsg`` on a real node, ``--kernel-log``) and applies
+faults to its own Node through the store (an Xid 79 → labels, taint, condition
+in one write), and serves ``/metrics``.
+
+Not here yet: join checks (deep health check Jobs are the operator's to run),
+continuous checks and the checkpoint memory tier (docs/kubernetes.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from unbroken import logs, metrics
+from unbroken.agent.progress import ProgressBook
+from unbroken.channel import AgentReceiver, agent_socket
+from unbroken.config.health import KernelLogSource
+from unbroken.errors import StoreUnavailable, UnbrokenError
+from unbroken.health.kernel_log.sources import LineSource, open_source
+from unbroken.health.monitor import HealthMonitor
+from unbroken.kube.client import api_client
+from unbroken.metrics import AgentMetrics
+from unbroken.runtime import Runtime, open_kubernetes
+
+log = logging.getLogger("unbroken.agent.kubernetes")
+
+RECEIVE_SECONDS = 0.1
+
+
+def kernel_log_source(spec: str) -> LineSource:
+    """``/dev/kmsg``, ``journald``, or a file that lines are appended to."""
+    if spec == "/dev/kmsg":
+        return open_source(KernelLogSource.KMSG, Path(spec))
+    if spec == "journald":
+        return open_source(KernelLogSource.JOURNALD, Path(spec))
+    return open_source(KernelLogSource.FILE, Path(spec))
+
+
+class KubernetesAgent:
+    def __init__(self, runtime: Runtime, node: str, socket_dir: Path, kernel_log: str) -> None:
+        self.runtime = runtime
+        self.store = runtime.cluster
+        self.node = node
+        self.socket_dir = socket_dir
+        self.kernel_log = kernel_log
+        self.metrics = AgentMetrics()
+        self.book = ProgressBook(self.metrics)
+        self.stopping = threading.Event()
+
+    def run(self, metrics_host: str, metrics_port: int | None) -> None:
+        self.socket_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        receiver = AgentReceiver(agent_socket(self.socket_dir))
+        self.store.renew_lease(self.node, at=time.time())
+        HealthMonitor(self.store, self._jobs_on, self.runtime.layout, self.node, self.runtime.config, self.stopping, self.metrics,
+                      source=kernel_log_source(self.kernel_log)).start()
+        endpoint = metrics.serve(self.metrics.registry, metrics_host, metrics_port or 0) if metrics_port is not None else None
+        log.info("agent started", extra={"node": self.node, "kernel_log": self.kernel_log, "socket": str(receiver.path),
+                                         "metrics": endpoint.address if endpoint else None})
+        interval = self.runtime.config.Local.HeartbeatIntervalSeconds
+        next_renewal = time.monotonic() + interval
+        try:
+            while not self.stopping.wait(RECEIVE_SECONDS):
+                self.book.apply(receiver.drain())
+                if time.monotonic() >= next_renewal:
+                    next_renewal += interval
+                    try:
+                        self.store.renew_lease(self.node, at=time.time(), progress=self.book.take_dirty())
+                    except StoreUnavailable:
+                        log.exception("lease renewal failed; retrying", extra={"node": self.node})
+        finally:
+            receiver.close()
+            if endpoint is not None:
+                endpoint.close()
+
+    def _jobs_on(self, node: str) -> list[str]:
+        """Jobs with pods on this node (named in fault Events)."""
+        return sorted({w.job for w in self.runtime.backend.active_workers() if w.node == node})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="unbroken agent", description="the unbroken node agent on Kubernetes (DaemonSet)")
+    parser.add_argument("--kubernetes", action="store_true", required=True, help="run against the Kubernetes API")
+    parser.add_argument("--node", default=os.environ.get("NODE_NAME"), help="this node's name (downward API: spec.nodeName)")
+    parser.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE", "unbroken-system"))
+    parser.add_argument("--kubeconfig", type=Path, default=None)
+    parser.add_argument("--context", default=None)
+    parser.add_argument("--kernel-log", default=os.environ.get("UNBROKEN_KERNEL_LOG", "/dev/kmsg"),
+                        help="/dev/kmsg, journald, or a file (default: $UNBROKEN_KERNEL_LOG or /dev/kmsg)")
+    parser.add_argument("--socket-dir", type=Path,
+                        default=Path(os.environ.get("UNBROKEN_AGENT_SOCKET", "/var/run/unbroken/agent.sock")).parent,
+                        help="where ranks find the agent's socket (a hostPath the training pods mount)")
+    parser.add_argument("--metrics-port", type=int, default=None)
+    parser.add_argument("--metrics-host", default="0.0.0.0")
+    parser.add_argument("--state-dir", type=Path, default=Path("/var/lib/unbroken"))
+    args = parser.parse_args(argv)
+    logs.setup(component="agent", node=args.node)
+    if not args.node:
+        log.error("no node name: pass --node or set NODE_NAME (the DaemonSet sets it from spec.nodeName)")
+        return 2
+    try:
+        runtime = open_kubernetes(api_client(args.kubeconfig, args.context), args.namespace, state_dir=args.state_dir)
+        agent = KubernetesAgent(runtime, args.node, args.socket_dir, args.kernel_log)
+    except UnbrokenError as exc:
+        log.error("cannot start: %s", exc)
+        return 2
+    signal.signal(signal.SIGTERM, lambda *_: agent.stopping.set())
+    agent.run(args.metrics_host, args.metrics_port)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
