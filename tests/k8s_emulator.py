@@ -38,6 +38,15 @@ What is real here
 * Finalizers: DELETE of an object with ``metadata.finalizers`` sets ``deletionTimestamp`` (MODIFIED);
   the write that removes the last finalizer deletes it (DELETED). Deleting a Namespace deletes the
   objects in it first (without a Terminating phase).
+* Graceful pod deletion (pods only, as a real server's pod strategy): DELETE of a pod bound to a node
+  (``spec.nodeName``) and not Succeeded/Failed, with a grace period > 0 (``gracePeriodSeconds`` from the
+  DeleteOptions body, else the query, else ``spec.terminationGracePeriodSeconds``, else 30), does not
+  remove it: it sets ``deletionTimestamp`` (now + grace) and ``deletionGracePeriodSeconds`` (MODIFIED) and
+  the pod stays, "Terminating", until its kubelet confirms with a DELETE with ``gracePeriodSeconds=0``
+  (then it goes, or waits for its finalizers). A DELETE with grace 0 (force) removes it at once; so does
+  any DELETE of an unbound or finished pod. A second graceful DELETE may shorten the grace period,
+  never extend it. There is no kubelet here: a bound pod deleted gracefully stays Terminating for good
+  unless a test confirms it -- or runs ``tests/k8s_kubelet.py``, which does.
 * Namespaced resources need an existing Namespace (404 otherwise); ``default``, ``kube-system``,
   ``kube-public`` and ``kube-node-lease`` exist from the start. Cluster-scoped resources (nodes,
   namespaces, CRDs) ignore ``metadata.namespace``.
@@ -84,7 +93,8 @@ What clients (operator/agent code and tests) must live with
 ------------------------------------------------------------
 * No controllers, no scheduler, no kubelet, no garbage collector: Jobs/Deployments/DaemonSets/JobSets/
   PyTorchJobs/TrainJobs create no pods; ``ownerReferences`` cascade nothing; pod phases, node conditions
-  and Lease expiry change only when a client writes them. Tests play those roles.
+  and Lease expiry change only when a client writes them. Tests play those roles (``tests/k8s_kubelet.py``
+  plays a scheduler, a kubelet running pods as local processes, and the Job and PyTorchJob controllers).
 * No admission, no defaulting, no schema validation: any JSON is stored as sent (no ``spec.nodeName``
   checks, no container defaults, no CRD OpenAPI pruning, no ``fieldValidation``); field selectors accept
   any path (a real server rejects unsupported fields with 400).
@@ -445,8 +455,36 @@ def _without_meta_status(obj: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in obj.items() if k not in ("metadata", "status")}
 
 
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+def _now(plus_seconds: float = 0) -> str:
+    moment = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=plus_seconds)
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _grace_period(params: Any, options: dict[str, Any]) -> int | None:
+    """DeleteOptions.gracePeriodSeconds: from the body when it has one (as a real server decodes it), else the query."""
+    value = options.get("gracePeriodSeconds")
+    if value is None:
+        value = params.get("gracePeriodSeconds") if params else None
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"invalid gracePeriodSeconds {value!r}") from None
+
+
+def _pod_grace_period(pod: dict[str, Any], requested: int | None) -> int:
+    """The grace period a real API server gives a pod's deletion (its pod strategy's CheckGracefulDelete):
+    the requested one, else ``spec.terminationGracePeriodSeconds`` (defaulted to 30 by a real server on create,
+    and so here); 0 -- deleted at once -- when the pod is bound to no node or already Succeeded/Failed;
+    a negative request means 1 s."""
+    spec, status = pod.get("spec") or {}, pod.get("status") or {}
+    if requested is None:
+        default = spec.get("terminationGracePeriodSeconds")
+        requested = 30 if default is None else int(default)
+    if not spec.get("nodeName") or status.get("phase") in ("Succeeded", "Failed"):
+        return 0
+    return 1 if requested < 0 else requested
 
 
 # --------------------------------------------------------------------------------------------------
@@ -874,7 +912,7 @@ def _make_handler_class() -> type:
             rv = self._next_rv()
             meta["resourceVersion"] = str(rv)
             self._store(resource, new)
-            if meta.get("deletionTimestamp") and not meta.get("finalizers"):
+            if meta.get("deletionTimestamp") and not meta.get("finalizers") and not meta.get("deletionGracePeriodSeconds"):
                 entry = self._entry(resource, meta.get("namespace"), meta["name"])
                 entry.delete()
                 await self._emit(rv, resource, "DELETED", new, old)
@@ -892,27 +930,39 @@ def _make_handler_class() -> type:
             for key in ("uid", "resourceVersion"):
                 if preconditions.get(key) and preconditions[key] != meta.get(key):
                     raise error(409, "Conflict", f"Precondition failed: {key} in precondition: {preconditions[key]}, {key} in object meta: {meta.get(key)}")
-            return await self._delete(resource, entry)
+            return await self._delete(resource, entry, self._requested_grace(request))
+
+        @staticmethod
+        def _requested_grace(request: Any) -> int | None:
+            try:
+                return _grace_period(request.params, request.data if isinstance(request.data, dict) else {})
+            except ValueError as e:
+                raise error(400, "BadRequest", str(e)) from None
 
         async def _delete_collection(self, request: Any, resource: Resource) -> dict[str, Any]:
             matches = self._matcher(request)
+            grace = self._requested_grace(request)
             victims = [o for o in self._live(resource) if matches(o)]
             items = []
             for obj in victims:
                 entry = self._entry(resource, obj["metadata"].get("namespace"), obj["metadata"]["name"])
                 if entry is not None:
-                    items.append(await self._delete(resource, entry))
+                    items.append(await self._delete(resource, entry, grace))
             return {"apiVersion": resource.api_version, "kind": f"{resource.kind}List", "metadata": {"resourceVersion": str(self._rv)}, "items": items}
 
-        async def _delete(self, resource: Resource, entry: Any) -> dict[str, Any]:
+        async def _delete(self, resource: Resource, entry: Any, grace: int | None = None) -> dict[str, Any]:
             old = entry.raw
             obj = copy.deepcopy(old)
             meta = obj["metadata"]
+            if resource.kind == "Pod" and resource.group == "":
+                grace = _pod_grace_period(old, grace)
+                if grace > 0:
+                    return await self._start_graceful_deletion(resource, obj, old, grace)
             if meta.get("finalizers"):
-                if meta.get("deletionTimestamp"):
-                    return obj  # already terminating
+                if meta.get("deletionTimestamp") and not meta.get("deletionGracePeriodSeconds"):
+                    return obj  # already terminating, held by its finalizers only
                 rv = self._next_rv()
-                meta.update(deletionTimestamp=_now(), deletionGracePeriodSeconds=0, resourceVersion=str(rv))
+                meta.update(deletionTimestamp=meta.get("deletionTimestamp") or _now(), deletionGracePeriodSeconds=0, resourceVersion=str(rv))
                 self._store(resource, obj)
                 await self._emit(rv, resource, "MODIFIED", obj, old)
                 return obj
@@ -921,12 +971,26 @@ def _make_handler_class() -> type:
                     if other.namespaced:
                         for child in list(self._live(other)):
                             if child["metadata"].get("namespace") == meta["name"]:
-                                await self._delete(other, self._entry(other, meta["name"], child["metadata"]["name"]))
+                                await self._delete(other, self._entry(other, meta["name"], child["metadata"]["name"]), 0)
             rv = self._next_rv()
             meta["resourceVersion"] = str(rv)
             self._store(resource, obj)
             entry.delete()
             await self._emit(rv, resource, "DELETED", obj, old)
+            return obj
+
+        async def _start_graceful_deletion(self, resource: Resource, obj: dict[str, Any], old: dict[str, Any], grace: int) -> dict[str, Any]:
+            """A bound pod's graceful deletion: mark it (MODIFIED) and keep it until its kubelet confirms with grace 0.
+
+            A second graceful delete may shorten the grace period, never extend it (as in a real API server).
+            """
+            meta = obj["metadata"]
+            if meta.get("deletionTimestamp") and grace >= int(meta.get("deletionGracePeriodSeconds") or 0):
+                return obj
+            rv = self._next_rv()
+            meta.update(deletionTimestamp=_now(grace), deletionGracePeriodSeconds=grace, resourceVersion=str(rv))
+            self._store(resource, obj)
+            await self._emit(rv, resource, "MODIFIED", obj, old)
             return obj
 
     return Handler

@@ -187,6 +187,68 @@ def test_pods_status_subresource_and_finalizers(api: kubernetes.client.ApiClient
     assert caught.value.status == 404
 
 
+def test_graceful_pod_deletion_waits_for_the_kubelet(api: kubernetes.client.ApiClient, namespace: str) -> None:
+    """Emulated as a real API server's pod strategy: a bound pod deleted with a grace period only gets a
+    deletionTimestamp (MODIFIED) and stays until a grace-0 DELETE confirms it; a second delete may shorten the
+    grace, never extend it; unbound or finished pods, and force deletes, go at once; finalizers still hold."""
+    core = kubernetes.client.CoreV1Api(api)
+
+    def pod(name: str, **spec: Any) -> dict[str, Any]:
+        return {"metadata": {"name": name}, "spec": {"containers": CONTAINERS, **spec}}
+
+    def gone(name: str) -> bool:
+        try:
+            core.read_namespaced_pod(name, namespace)
+        except ApiException as e:
+            return e.status == 404
+        return False
+
+    core.create_namespaced_pod(namespace, pod("bound", nodeName="n1", terminationGracePeriodSeconds=5))
+    since = core.list_namespaced_pod(namespace).metadata.resource_version
+    core.delete_namespaced_pod("bound", namespace)
+    terminating = core.read_namespaced_pod("bound", namespace)
+    assert terminating.metadata.deletion_grace_period_seconds == 5
+    deadline = terminating.metadata.deletion_timestamp - datetime.datetime.now(datetime.UTC)
+    assert 3 < deadline.total_seconds() <= 6  # a real server sets it to now + grace
+    core.delete_namespaced_pod("bound", namespace, grace_period_seconds=60)  # does not extend
+    assert rv(core.read_namespaced_pod("bound", namespace)) == rv(terminating)
+    core.delete_namespaced_pod("bound", namespace, body={"gracePeriodSeconds": 2})  # shortens (DeleteOptions body)
+    assert core.read_namespaced_pod("bound", namespace).metadata.deletion_grace_period_seconds == 2
+    core.patch_namespaced_pod_status("bound", namespace, {"status": {"phase": "Running"}})  # the kubelet still writes
+    assert not gone("bound")
+    core.delete_namespaced_pod("bound", namespace, grace_period_seconds=0)  # the kubelet's confirmation
+    assert gone("bound")
+    events = [(e["type"], e["object"].metadata.deletion_grace_period_seconds)
+              for e in kubernetes.watch.Watch().stream(core.list_namespaced_pod, namespace, resource_version=since, timeout_seconds=1)]
+    assert events == [("MODIFIED", 5), ("MODIFIED", 2), ("MODIFIED", 2), ("DELETED", 2)]
+
+    core.create_namespaced_pod(namespace, pod("defaulted", nodeName="n1"))
+    core.delete_namespaced_pod("defaulted", namespace)
+    assert core.read_namespaced_pod("defaulted", namespace).metadata.deletion_grace_period_seconds == 30
+    core.delete_namespaced_pod("defaulted", namespace, body={"gracePeriodSeconds": 0})  # force, from the body
+    assert gone("defaulted")
+
+    core.create_namespaced_pod(namespace, pod("unbound"))
+    core.delete_namespaced_pod("unbound", namespace, grace_period_seconds=30)
+    assert gone("unbound")
+    core.create_namespaced_pod(namespace, pod("finished", nodeName="n1"))
+    core.patch_namespaced_pod_status("finished", namespace, {"status": {"phase": "Succeeded"}})
+    core.delete_namespaced_pod("finished", namespace)
+    assert gone("finished")
+
+    core.create_namespaced_pod(namespace, {**pod("held", nodeName="n1"), "metadata": {"name": "held", "finalizers": ["unbroken.dev/x"]}})
+    core.delete_namespaced_pod("held", namespace, grace_period_seconds=10)
+    core.delete_namespaced_pod("held", namespace, grace_period_seconds=0)
+    held = core.read_namespaced_pod("held", namespace)
+    assert held.metadata.deletion_timestamp is not None and held.metadata.deletion_grace_period_seconds == 0
+    core.patch_namespaced_pod("held", namespace, [{"op": "remove", "path": "/metadata/finalizers"}])
+    assert gone("held")
+
+    core.create_namespaced_config_map(namespace, {"metadata": {"name": "cm"}})  # other resources: deleted at once
+    core.delete_namespaced_config_map("cm", namespace, grace_period_seconds=30)
+    assert core.list_namespaced_config_map(namespace).items == []
+
+
 def test_watch_delivers_added_modified_deleted(api: kubernetes.client.ApiClient, namespace: str) -> None:
     """Emulated: a chunked JSON-lines watch stream fed by the emulator's event log, with a label selector
     filtered server-side by the fixture; the stream ends after timeoutSeconds."""

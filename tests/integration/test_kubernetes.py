@@ -1,0 +1,410 @@
+"""unbroken on Kubernetes, end to end: the real operator process restarts real PyTorchJobs.
+
+What is real: ``unbroken operator`` (kopf watches + the shared reconcilers) as its own process
+talking HTTP to an API server; the training pods are real processes (torchrun, gloo, the MLP
+workload checkpointing to a shared directory); ``kill -9`` really kills a rank; ``kubectl`` is the
+real binary.
+
+What is emulated, and how (no kube-apiserver can run here):
+- the API server: kmock behind the Kubernetes REST conventions (tests/k8s_emulator.py);
+- the scheduler, the kubelet, Kubeflow's training-operator and the node lifecycle controller: the
+  test kubelet (tests/k8s_kubelet.py). It creates a PyTorchJob's pods with the env the real
+  operator sets (but MASTER_ADDR is 127.0.0.1 and MASTER_PORT a free port: every "node" is a set of
+  processes on this machine), binds them to nodes honouring taints, affinity and GPU counts, runs
+  each pod's command as a local process and writes its status from the real exit code; a "failed"
+  node is marked Ready=Unknown at once (the real controller waits ~40 s).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import kubernetes
+import psutil
+import pytest
+import yaml
+
+from k8s_emulator import Emulator, kubernetes_emulator
+from k8s_kubelet import TestKubelet
+from unbroken.kube import names
+from unbroken.kube.client import api_client
+
+pytestmark = pytest.mark.timeout(300)
+
+T = TypeVar("T")
+SYSTEM = "unbroken-system"
+JOBS = "training"
+NODES = ("gpu-a", "gpu-b", "gpu-c")
+
+
+def wait_for(condition: Callable[[], T], timeout: float, what: str, interval: float = 0.2) -> T:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval)  # polling the API for a condition, with a deadline
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+@dataclass
+class Cluster:
+    k8s: Emulator
+    kubeconfig: Path
+    api: kubernetes.client.ApiClient
+    kubelet: TestKubelet
+    workdir: Path
+    remediations: Path
+    operator: subprocess.Popen[bytes] | None = None
+
+    @property
+    def core(self) -> kubernetes.client.CoreV1Api:
+        return kubernetes.client.CoreV1Api(self.api)
+
+    @property
+    def custom(self) -> kubernetes.client.CustomObjectsApi:
+        return kubernetes.client.CustomObjectsApi(self.api)
+
+    def start_operator(self) -> subprocess.Popen[bytes]:
+        log = open(self.workdir / "operator.log", "ab")
+        self.operator = subprocess.Popen(
+            [sys.executable, "-m", "unbroken.operator", "--kubeconfig", str(self.kubeconfig), "--namespace", SYSTEM,
+             "--metrics-port", "0", "--metrics-host", "127.0.0.1", "--identity", f"operator-{uuid.uuid4().hex[:4]}"],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "KUBECONFIG": str(self.kubeconfig)})
+        return self.operator
+
+    def stop_operator(self, sig: int = signal.SIGTERM) -> None:
+        if self.operator is not None and self.operator.poll() is None:
+            self.operator.send_signal(sig)
+            try:
+                self.operator.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.operator.kill()
+                self.operator.wait()
+        self.operator = None
+
+    def job(self, name: str) -> dict[str, Any]:
+        return self.custom.get_namespaced_custom_object("kubeflow.org", "v1", JOBS, "pytorchjobs", name)
+
+    def annotations(self, name: str) -> dict[str, str]:
+        return self.job(name)["metadata"].get("annotations") or {}
+
+    def events(self, name: str) -> list[tuple[str, str, str]]:
+        """(type, reason, message) of the job's Events, oldest first (by unbroken's own time stamp)."""
+        items = self.core.list_namespaced_event(JOBS).items
+        mine = [e for e in items if e.involved_object.name == name]
+        mine.sort(key=lambda e: float((e.metadata.annotations or {}).get(f"{names.PREFIX}/time", 0)))
+        return [(e.type, e.reason, e.message) for e in mine]
+
+    def reasons(self, name: str) -> list[str]:
+        return [reason for _, reason, _ in self.events(name)]
+
+    def pods(self, name: str) -> list[Any]:
+        return self.core.list_namespaced_pod(JOBS, label_selector=f"training.kubeflow.org/job-name={name}").items
+
+    def operator_log(self) -> str:
+        return (self.workdir / "operator.log").read_text(errors="replace")
+
+
+def cluster_file(remediations: Path) -> str:
+    """Automatic recovery through the Command remediator: a script that appends "<action> <node>"
+    to ``remediations`` (argv ends with [action, node]); force-delete after 2 s, not 60."""
+    script = "import sys; open(sys.argv[1], 'a').write(sys.argv[2] + ' ' + sys.argv[3] + chr(10))"
+    return yaml.safe_dump({
+        "ClusterName": "k8s-test", "NodeRecovery": "Automatic",
+        "InstanceGroups": [{"InstanceGroupName": "gpu", "InstanceType": "cpu-dev", "InstanceCount": 0}],
+        "Kubernetes": {"Remediator": "Command", "RemediationCommand": [sys.executable, "-c", script, str(remediations)],
+                       "ForceDeleteGraceSeconds": 2},
+    })
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    with kubernetes_emulator(tmp_path / "api") as k8s:
+        kubeconfig = k8s.write_kubeconfig(tmp_path / "kubeconfig")
+        api = api_client(kubeconfig)
+        core = kubernetes.client.CoreV1Api(api)
+        for namespace in (SYSTEM, JOBS):
+            core.create_namespace({"metadata": {"name": namespace}})
+        remediations = tmp_path / "remediations.log"
+        remediations.touch()
+        core.create_namespaced_config_map(SYSTEM, {"metadata": {"name": names.CLUSTER_CONFIGMAP},
+                                                   "data": {"cluster.yaml": cluster_file(remediations)}})
+        with TestKubelet(kubeconfig, tmp_path / "kubelet") as kubelet:
+            for node in NODES:
+                kubelet.add_node(node, allocatable={"nvidia.com/gpu": "1"})
+            result = Cluster(k8s, kubeconfig, api, kubelet, tmp_path, remediations)
+            try:
+                yield result
+            finally:
+                result.stop_operator()
+            log = result.operator_log()
+            assert "reconcile pass failed" not in log and "Logging error" not in log, log[-3000:]
+
+
+def pytorchjob(name: str, checkpoints: Path, *, steps: int, step_time: float = 0.05, annotations: dict[str, str] | None = None,
+               nodes: int = 2) -> dict[str, Any]:
+    """A PyTorchJob as a user writes it: Master + Workers, torchrun reading training-operator's PET_* env."""
+    container = {
+        "name": "pytorch", "image": "unbroken:dev",
+        "command": [sys.executable, "-m", "torch.distributed.run", "-m", "unbroken.workloads.mlp",
+                    "--steps", str(steps), "--checkpoint-every", "10", "--step-time", str(step_time)],
+        "env": [{"name": "UNBROKEN_CHECKPOINT_DIR", "value": str(checkpoints)}],
+        "resources": {"limits": {"nvidia.com/gpu": 1}},
+    }
+    replica = {"replicas": 1, "restartPolicy": "OnFailure", "template": {"spec": {"containers": [container]}}}
+    specs = {"Master": replica}
+    if nodes > 1:
+        specs["Worker"] = {**replica, "replicas": nodes - 1}
+    return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
+            "metadata": {"name": name, "namespace": JOBS, "annotations": annotations or {}},
+            "spec": {"nprocPerNode": "1", "pytorchReplicaSpecs": specs}}
+
+
+def auto_resume(retries: int) -> dict[str, str]:
+    return {names.AUTO_RESUME: "true", names.MAX_RETRY: str(retries)}
+
+
+def submit(cluster: Cluster, body: dict[str, Any]) -> str:
+    cluster.custom.create_namespaced_custom_object("kubeflow.org", "v1", JOBS, "pytorchjobs", body)
+    return str(body["metadata"]["name"])
+
+
+def rank_process(cluster: Cluster, pod: str) -> psutil.Process:
+    """The rank under the pod's torchrun: the descendant whose environment says RANK."""
+    def find() -> psutil.Process | None:
+        pid = cluster.kubelet.pid_of(JOBS, pod)
+        if pid is None:
+            return None
+        try:
+            for child in psutil.Process(pid).children(recursive=True):
+                if "RANK" in child.environ() and "unbroken.workloads.mlp" in " ".join(child.cmdline()):
+                    return child
+        except psutil.Error:
+            return None
+        return None
+    return wait_for(find, 60, f"a rank process in pod {pod}")
+
+
+def checkpoint_steps(checkpoints: Path) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in checkpoints.glob("step-*") if p.name.split("-")[1].isdigit()) \
+        if checkpoints.exists() else []
+
+
+def rank_log(cluster: Cluster, pod: str) -> str:
+    path = cluster.kubelet.log_path(JOBS, pod)
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def test_a_rank_killed_restarts_the_job_which_resumes_from_its_checkpoint(cluster: Cluster, tmp_path: Path) -> None:
+    cluster.start_operator()
+    checkpoints = tmp_path / "ckpt"
+    name = submit(cluster, pytorchjob("llm", checkpoints, steps=400, annotations=auto_resume(2)))
+    wait_for(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Running", 60, "the operator to adopt the job")
+    wait_for(lambda: any(s >= 20 for s in checkpoint_steps(checkpoints)), 120, "a checkpoint at step 20")
+
+    rank_process(cluster, f"{name}-worker-0").send_signal(signal.SIGKILL)
+
+    wait_for(lambda: cluster.annotations(name).get(names.RESTART_COUNT) == "1", 30, "restart-count 1 on the PyTorchJob")
+    reasons = wait_for(lambda: (r := cluster.reasons(name)).count("JobScheduled") >= 2 and r, 60, "attempt 1 scheduled")
+    assert reasons[:3] == ["JobScheduled", "JobRestarting", "JobScheduled"], reasons
+    restarting = next(m for _, r, m in cluster.events(name) if r == "JobRestarting")
+    assert "restart 1 of 2" in restarting, restarting
+
+    # The workload's controller recreated the pods for attempt 1; they resume from the checkpoint.
+    def resumed() -> bool:
+        pods = cluster.pods(name)
+        return bool(pods) and all((p.metadata.annotations or {}).get(names.ATTEMPT) == "1" for p in pods) \
+            and "resumed at step" in rank_log(cluster, f"{name}-master-0")
+    wait_for(resumed, 120, "attempt 1's pods to resume from a checkpoint")
+    wait_for(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Succeeded", 180, "the job to finish")
+    assert cluster.annotations(name)[names.RESTART_COUNT] == "1"
+    assert cluster.reasons(name)[-1] == "JobSucceeded"
+
+
+def test_a_spent_retry_budget_fails_the_job_with_the_reason(cluster: Cluster, tmp_path: Path) -> None:
+    cluster.start_operator()
+    name = submit(cluster, pytorchjob("budget", tmp_path / "ckpt", steps=2000, annotations=auto_resume(0)))
+    wait_for(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Running", 60, "the operator to adopt the job")
+    rank_process(cluster, f"{name}-master-0").send_signal(signal.SIGKILL)
+
+    wait_for(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Failed", 30, "the job to fail")
+    failed = next(m for _, r, m in cluster.events(name) if r == "JobFailed")
+    assert "max_retry 0 restarts used" in failed and "SIGKILL" in failed, failed
+    assert cluster.job(name)["spec"]["runPolicy"]["suspend"] is True  # its pods are stopped
+    wait_for(lambda: not cluster.pods(name), 30, "its pods to be gone")
+    assert cluster.annotations(name)[names.RESTART_COUNT] == "0"
+
+
+def test_jobs_without_the_annotation_or_with_a_bad_one_are_left_alone(cluster: Cluster, tmp_path: Path) -> None:
+    cluster.start_operator()
+    plain = submit(cluster, pytorchjob("plain", tmp_path / "plain", steps=2000, nodes=1))
+    bad = submit(cluster, pytorchjob("bad", tmp_path / "bad", steps=2000, nodes=1,
+                                     annotations={names.AUTO_RESUME: "true", names.MAX_RETRY: "many"}))
+    warning = wait_for(lambda: [e for e in cluster.events(bad) if e[1] == "InvalidAnnotation"], 30, "a warning on the bad job")
+    kind, _, message = warning[0]
+    assert kind == "Warning"
+    assert f'annotation {names.MAX_RETRY}: "many" is not a whole number (valid: 0 to 1000)' in message
+    # A crash in either is nobody's business but the workload's own controller's (OnFailure: restart in place).
+    for name in (plain, bad):
+        rank_process(cluster, f"{name}-master-0").send_signal(signal.SIGKILL)
+    wait_for(lambda: all(p.status.container_statuses and p.status.container_statuses[0].restart_count >= 1
+                         for n in (plain, bad) for p in cluster.pods(n)), 30, "the kubelet to restart both in place")
+    for name in (plain, bad):
+        annotations = cluster.annotations(name)
+        assert not [k for k in annotations if k.startswith(names.PREFIX) and k not in (names.AUTO_RESUME, names.MAX_RETRY)]
+        assert not (cluster.job(name)["spec"].get("runPolicy") or {}).get("suspend")
+    assert cluster.events(plain) == []
+    assert len([e for e in cluster.events(bad) if e[1] == "InvalidAnnotation"]) == 1  # warned once, not every pass
+
+
+def test_a_lost_node_is_remediated_and_its_stuck_pods_force_deleted_so_the_job_resumes_elsewhere(
+        cluster: Cluster, tmp_path: Path) -> None:
+    cluster.start_operator()
+    checkpoints = tmp_path / "ckpt"
+    name = submit(cluster, pytorchjob("lost", checkpoints, steps=400, annotations=auto_resume(3)))
+    wait_for(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Running", 60, "the operator to adopt the job")
+    wait_for(lambda: any(s >= 10 for s in checkpoint_steps(checkpoints)), 120, "a checkpoint")
+    worker = cluster.core.read_namespaced_pod(f"{name}-worker-0", JOBS)
+    dead = worker.spec.node_name
+
+    cluster.kubelet.fail_node(dead)
+
+    node = wait_for(lambda: (n := cluster.core.read_node(dead)).metadata.labels.get(names.NODE_HEALTH_STATUS) ==
+                    "UnschedulablePendingReplacement" and n, 30, "the lost node's label")
+    assert node.metadata.labels[names.FAULT_TYPES] == "NodeLost"
+    assert any(t.key == names.TAINT_KEY for t in node.spec.taints or [])
+    assert next(c for c in node.status.conditions if c.type == names.CONDITION_TYPE).status == "False"
+    wait_for(lambda: f"Replace {dead}" in cluster.remediations.read_text(), 30, "the Command remediator to be called")
+    assert node.spec.unschedulable or cluster.core.read_node(dead).spec.unschedulable  # cordoned
+
+    wait_for(lambda: "PodForceDeleted" in cluster.reasons(name), 60, "the stuck pod to be force-deleted")
+    def resumed_elsewhere() -> bool:
+        pods = cluster.pods(name)
+        return len(pods) == 2 and all(p.spec.node_name and p.spec.node_name != dead for p in pods) \
+            and all((p.metadata.annotations or {}).get(names.ATTEMPT) == "1" for p in pods)
+    wait_for(resumed_elsewhere, 60, "attempt 1 on the two healthy nodes")
+    wait_for(lambda: "resumed at step" in rank_log(cluster, f"{name}-master-0"), 120, "the resume from the checkpoint")
+    restarting = next(m for _, r, m in cluster.events(name) if r == "JobRestarting")
+    assert dead in restarting, restarting
+
+
+def test_an_operator_killed_mid_job_loses_no_restart_and_doubles_none(cluster: Cluster, tmp_path: Path) -> None:
+    cluster.start_operator()
+    checkpoints = tmp_path / "ckpt"
+    name = submit(cluster, pytorchjob("durable", checkpoints, steps=600, annotations=auto_resume(3)))
+    wait_for(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Running", 60, "the operator to adopt the job")
+    wait_for(lambda: any(s >= 10 for s in checkpoint_steps(checkpoints)), 120, "a checkpoint")
+    rank_process(cluster, f"{name}-worker-0").send_signal(signal.SIGKILL)
+    wait_for(lambda: cluster.annotations(name).get(names.RESTART_COUNT) == "1", 30, "the first restart")
+
+    cluster.stop_operator(signal.SIGKILL)  # no goodbye: its leader lease must expire
+    wait_for(lambda: all((p.metadata.annotations or {}).get(names.ATTEMPT) == "1" and p.status.phase == "Running"
+                         for p in cluster.pods(name)) and len(cluster.pods(name)) == 2, 120, "attempt 1 running")
+    cluster.start_operator()
+    # While the new operator takes over, kill again: exactly one more restart.
+    time_killed = time.time()
+    rank_process(cluster, f"{name}-master-0").send_signal(signal.SIGKILL)
+    wait_for(lambda: cluster.annotations(name).get(names.RESTART_COUNT) == "2", 60, "the second restart")
+    wait_for(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Running", 60, "attempt 2 running")
+    assert cluster.reasons(name).count("JobRestarting") == 2
+    assert cluster.annotations(name)[names.RESTART_COUNT] == "2"
+    assert time.time() - time_killed < 60
+
+
+def start_agents(cluster: Cluster) -> dict[str, subprocess.Popen[bytes]]:
+    """One ``unbroken agent --kubernetes`` process per node (the DaemonSet's pods), each tailing its
+    node's kernel log file (``/dev/kmsg`` on a real node) and renewing its Lease."""
+    agents = {}
+    for node in NODES:
+        node_dir = cluster.kubelet.node_dir(node)
+        (node_dir / "kmsg.log").touch()
+        log = open(cluster.workdir / f"agent-{node}.log", "ab")
+        agents[node] = subprocess.Popen(
+            [sys.executable, "-m", "unbroken.agent.kubernetes", "--kubernetes", "--node", node, "--kubeconfig", str(cluster.kubeconfig),
+             "--namespace", SYSTEM, "--kernel-log", str(node_dir / "kmsg.log"), "--socket-dir", str(node_dir / "run"),
+             "--state-dir", str(node_dir / "state")],
+            stdout=log, stderr=subprocess.STDOUT)
+    leases = kubernetes.client.CoordinationV1Api(cluster.api)
+    wait_for(lambda: {f"{names.LEASE_PREFIX}{n}" for n in NODES} <= {l.metadata.name for l in leases.list_namespaced_lease(SYSTEM).items},
+             30, "every agent's Lease")
+    return agents
+
+
+def stop_agents(agents: dict[str, subprocess.Popen[bytes]]) -> None:
+    for proc in agents.values():
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def test_an_xid_79_in_a_nodes_kernel_log_takes_it_out_and_the_job_resumes_on_other_nodes(cluster: Cluster, tmp_path: Path) -> None:
+    from unbroken.health.chaos import xid_line
+
+    agents = start_agents(cluster)
+    try:
+        cluster.start_operator()
+        checkpoints = tmp_path / "ckpt"
+        name = submit(cluster, pytorchjob("xid", checkpoints, steps=400, annotations=auto_resume(3)))
+        wait_for(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Running", 60, "the operator to adopt the job")
+        wait_for(lambda: any(s >= 10 for s in checkpoint_steps(checkpoints)), 120, "a checkpoint")
+        faulty = cluster.core.read_namespaced_pod(f"{name}-worker-0", JOBS).spec.node_name
+
+        with open(cluster.kubelet.node_dir(faulty) / "kmsg.log", "a") as kmsg:
+            kmsg.write(xid_line(79, "PCI:0000:b9:00") + "\n")
+        written = time.monotonic()
+        node = wait_for(lambda: (n := cluster.core.read_node(faulty)).metadata.labels.get(names.NODE_HEALTH_STATUS)
+                        == "UnschedulablePendingReplacement" and n, 10, "the Xid to reach the node's labels", interval=0.05)
+        assert time.monotonic() - written < 2.0, "the label must flip within 2 s of the kernel log line"
+        assert node.metadata.labels[names.FAULT_TYPES] == "FaultyInstance"  # HyperPod's fault type for an Xid 79
+        assert "Xid" in node.metadata.labels[names.FAULT_REASONS], node.metadata.labels
+        condition = next(c for c in node.status.conditions if c.type == names.CONDITION_TYPE)
+        assert (condition.status, condition.reason) == ("False", "NvidiaXID79Error")
+        assert any(t.key == names.TAINT_KEY for t in node.spec.taints or [])
+
+        def resumed_elsewhere() -> bool:
+            pods = cluster.pods(name)
+            return len(pods) == 2 and all(p.spec.node_name and p.spec.node_name != faulty for p in pods) \
+                and all((p.metadata.annotations or {}).get(names.ATTEMPT) == "1" for p in pods)
+        wait_for(resumed_elsewhere, 60, "attempt 1 off the faulty node")
+        wait_for(lambda: "resumed at step" in rank_log(cluster, f"{name}-master-0"), 120, "the resume from the checkpoint")
+        assert cluster.annotations(name)[names.RESTART_COUNT] == "1"
+        events = [(r, m) for _, r, m in cluster.events(name) if r in ("JobScheduled", "JobRestarting")]
+        assert [r for r, _ in events] == ["JobScheduled", "JobRestarting", "JobScheduled"], events
+        assert faulty in events[1][1] and "Xid" in events[1][1], events[1]
+    finally:
+        stop_agents(agents)
+
+
+def test_a_node_whose_agent_stops_renewing_its_lease_is_lost_and_the_job_moves(cluster: Cluster, tmp_path: Path) -> None:
+    agents = start_agents(cluster)
+    try:
+        cluster.start_operator()
+        checkpoints = tmp_path / "ckpt"
+        name = submit(cluster, pytorchjob("lease", checkpoints, steps=400, annotations=auto_resume(3)))
+        wait_for(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Running", 60, "the operator to adopt the job")
+        wait_for(lambda: any(s >= 10 for s in checkpoint_steps(checkpoints)), 120, "a checkpoint")
+        silent = cluster.core.read_namespaced_pod(f"{name}-master-0", JOBS).spec.node_name
+
+        agents[silent].kill()  # the kubelet is fine; unbroken's agent on the node is gone
+
+        node = wait_for(lambda: (n := cluster.core.read_node(silent)).metadata.labels.get(names.FAULT_TYPES) == "NodeLost" and n,
+                        30, "the node to be declared lost")
+        assert node.metadata.labels[names.NODE_HEALTH_STATUS] == "UnschedulablePendingReplacement"
+        wait_for(lambda: all(p.spec.node_name != silent for p in cluster.pods(name)) and len(cluster.pods(name)) == 2
+                 and all((p.metadata.annotations or {}).get(names.ATTEMPT) == "1" for p in cluster.pods(name)),
+                 60, "attempt 1 off the silent node")
+        wait_for(lambda: "resumed at step" in rank_log(cluster, f"{name}-master-0"), 120, "the resume from the checkpoint")
+        restarting = next(m for _, r, m in cluster.events(name) if r == "JobRestarting")
+        assert silent in restarting and "heartbeat lost" in restarting, restarting
+    finally:
+        stop_agents(agents)
