@@ -63,8 +63,12 @@ class KubernetesAgent:
         self.socket_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         receiver = AgentReceiver(agent_socket(self.socket_dir))
         self.store.renew_lease(self.node, at=time.time())
-        HealthMonitor(self.store, self._jobs_on, self.runtime.layout, self.node, self.runtime.config, self.stopping, self.metrics,
-                      source=kernel_log_source(self.kernel_log)).start()
+        if self.kernel_log == "none":
+            log.warning("the kernel log is not watched (no Xid detection): set UNBROKEN_KERNEL_LOG or --kernel-log "
+                        "(deploy/overlays/gpu sets /dev/kmsg)", extra={"node": self.node})
+        else:
+            HealthMonitor(self.store, self._jobs_on, self.runtime.layout, self.node, self.runtime.config, self.stopping,
+                          self.metrics, source=kernel_log_source(self.kernel_log)).start()
         endpoint = metrics.serve(self.metrics.registry, metrics_host, metrics_port or 0) if metrics_port is not None else None
         log.info("agent started", extra={"node": self.node, "kernel_log": self.kernel_log, "socket": str(receiver.path),
                                          "metrics": endpoint.address if endpoint else None})
@@ -96,8 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE", "unbroken-system"))
     parser.add_argument("--kubeconfig", type=Path, default=None)
     parser.add_argument("--context", default=None)
-    parser.add_argument("--kernel-log", default=os.environ.get("UNBROKEN_KERNEL_LOG", "/dev/kmsg"),
-                        help="/dev/kmsg, journald, or a file (default: $UNBROKEN_KERNEL_LOG or /dev/kmsg)")
+    parser.add_argument("--kernel-log", default=os.environ.get("UNBROKEN_KERNEL_LOG", "none"),
+                        help="/dev/kmsg, journald, a file, or none (default: $UNBROKEN_KERNEL_LOG, else none: the base "
+                             "DaemonSet mounts no kernel log; the gpu overlay sets /dev/kmsg)")
     parser.add_argument("--socket-dir", type=Path,
                         default=Path(os.environ.get("UNBROKEN_AGENT_SOCKET", "/var/run/unbroken/agent.sock")).parent,
                         help="where ranks find the agent's socket (a hostPath the training pods mount)")
