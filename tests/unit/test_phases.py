@@ -58,6 +58,7 @@ def test_worker_phase_values_are_stable():
 
 def test_other_persisted_enums_are_stable():
     assert {s.name: s.value for s in DeepHealthStatus} == {
+        "NOT_RUN": "NotRun",
         "IN_PROGRESS": "InProgress",
         "PASSED": "Passed",
         "FAILED": "Failed",

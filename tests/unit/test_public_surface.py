@@ -13,6 +13,9 @@ from unbroken.checkpoint import dcp
 from unbroken.cli.main import app
 
 CLI = {
+    # agent and operator hand their arguments to their own parsers (argparse: `unbroken operator --help`)
+    "agent": [],
+    "operator": [],
     "chaos hang-worker": ["--dir", "--node", "--rank", "JOB"],
     "chaos kill-controller": ["--dir"],
     "chaos kill-node": ["--dir", "NODE"],
