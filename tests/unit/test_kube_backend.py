@@ -67,3 +67,15 @@ def test_pod_phases_without_failures() -> None:
 def test_what_failed_falls_back_to_the_last_lines() -> None:
     assert _what_failed("starting\nstep 10\nbye\n") == "step 10 | bye"
     assert _what_failed("") == ""
+
+
+def test_node_ranks_follow_training_operators_rank() -> None:
+    from unbroken.kube.workloads import PYTORCHJOB
+
+    def pod(kind: str, index: int) -> dict:
+        return {"metadata": {"labels": {PYTORCHJOB.replica_type_label: kind, PYTORCHJOB.replica_index_label: str(index)}}}
+
+    assert PYTORCHJOB.node_rank(pod("master", 0), masterless=False) == 0
+    assert PYTORCHJOB.node_rank(pod("worker", 0), masterless=False) == 1
+    assert PYTORCHJOB.node_rank(pod("worker", 2), masterless=False) == 3
+    assert PYTORCHJOB.node_rank(pod("worker", 0), masterless=True) == 0  # a Worker-only job: worker 0 is rank 0

@@ -29,7 +29,8 @@ from typing import Any, Protocol
 
 from unbroken.errors import BackendError, NotFoundError
 from unbroken.kube import names
-from unbroken.kube.store import KubernetesStore, _api_call, _timestamp
+from unbroken.kube.api import call, parse_time
+from unbroken.kube.store import KubernetesStore
 from unbroken.state.phases import WorkerPhase
 from unbroken.state.records import Desired, EventType, Job, Node, Worker
 
@@ -47,14 +48,14 @@ class Remediator(Protocol):
 
 class ConditionRemediator:
     """The default: the node's ``UnbrokenHealthy=False`` condition (written with its state) is the
-    request; cordon it and evict unbroken's pods; external repair (EKS node auto repair, Cluster
-    API MachineHealthCheck, medik8s) reboots or replaces the machine."""
+    request; cordon the node (the backend has evicted unbroken's pods); external repair (EKS node
+    auto repair, Cluster API MachineHealthCheck, medik8s) reboots or replaces the machine."""
 
     def __init__(self, store: KubernetesStore) -> None:
         self.store = store
 
     def remediate(self, node: Node, action: str) -> None:
-        _api_call(lambda: self.store.core.patch_node(node.name, {"spec": {"unschedulable": True}}))
+        call(lambda: self.store.core.patch_node(node.name, {"spec": {"unschedulable": True}}))
 
 
 class CommandRemediator:
@@ -109,14 +110,14 @@ class KubernetesBackend:
         obj = self.store.workload_object(job.name)
         patch = self.kind.launch_patch(obj, attempt, require_deep_health=job.spec().resilience.require_deep_health_passed)
         kind = self.kind
-        _api_call(lambda: self.store.custom.patch_namespaced_custom_object(kind.group, kind.version, namespace, kind.plural, short, patch))
+        call(lambda: self.store.custom.patch_namespaced_custom_object(kind.group, kind.version, namespace, kind.plural, short, patch))
         return f"{short}-master-0 (the workload's controller sets MASTER_ADDR/MASTER_PORT)"
 
     def stop_attempt(self, job: str, attempt: int) -> None:
         namespace, _, short = job.partition("/")
         kind = self.kind
         try:
-            _api_call(lambda: self.store.custom.patch_namespaced_custom_object(
+            call(lambda: self.store.custom.patch_namespaced_custom_object(
                 kind.group, kind.version, namespace, kind.plural, short, kind.suspend_patch(True)))
         except NotFoundError:
             return  # the job was deleted: its pods go with it
@@ -125,24 +126,20 @@ class KubernetesBackend:
                 self._delete(pod, grace=None)
 
     def observe_attempt(self, job: str, attempt: int) -> list[Worker]:
-        return [self._worker(job, pod) for pod in self._job_pods(job)
-                if _attempt(pod) == attempt and (pod.get("spec") or {}).get("nodeName")]
+        return [w for w in self._workers(job, self._job_pods(job)) if w.attempt == attempt]
 
     def active_workers(self) -> list[Worker]:
         managed = {j.name for j in self.store.list_jobs()}
-        workers = []
+        by_job: dict[str, list[dict[str, Any]]] = {}
         for pod in self._pods(label_selector=self.kind.job_name_label):
             job = f"{pod['metadata']['namespace']}/{pod['metadata']['labels'][self.kind.job_name_label]}"
-            if job in managed and (pod.get("spec") or {}).get("nodeName"):
-                worker = self._worker(job, pod)
-                if not worker.phase.is_terminal:
-                    workers.append(worker)
-        return workers
+            if job in managed:
+                by_job.setdefault(job, []).append(pod)
+        return [w for job, pods in by_job.items() for w in self._workers(job, pods) if not w.phase.is_terminal]
 
     def worker_history(self, job: str) -> list[Worker]:
         """The pods that still exist (the API server keeps no deleted pods; the job's Events tell the rest)."""
-        return sorted((self._worker(job, pod) for pod in self._job_pods(job) if (pod.get("spec") or {}).get("nodeName")),
-                      key=lambda w: (w.attempt, w.node_rank))
+        return sorted(self._workers(job, self._job_pods(job)), key=lambda w: (w.attempt, w.node_rank))
 
     def progress_history(self, job: str) -> list[tuple[int, float, int]]:
         return []  # ranks' progress is not sampled on Kubernetes yet (docs/kubernetes.md)
@@ -151,7 +148,7 @@ class KubernetesBackend:
         now = time.time()
         for pod in self._pods(field_selector=f"spec.nodeName={node.name}", label_selector=self.kind.job_name_label):
             meta = pod["metadata"]
-            deleting = _timestamp(meta.get("deletionTimestamp"))
+            deleting = parse_time(meta.get("deletionTimestamp"))
             if deleting is None:
                 self._delete(pod, grace=None)
             elif now - deleting >= self.force_delete_after:
@@ -177,18 +174,23 @@ class KubernetesBackend:
     def _delete(self, pod: dict[str, Any], *, grace: int | None) -> None:
         meta = pod["metadata"]
         try:
-            _api_call(lambda: self.store.core.delete_namespaced_pod(meta["name"], meta["namespace"], grace_period_seconds=grace))
+            call(lambda: self.store.core.delete_namespaced_pod(meta["name"], meta["namespace"], grace_period_seconds=grace))
         except NotFoundError:
             pass
 
-    def _worker(self, job: str, pod: dict[str, Any]) -> Worker:
+    def _workers(self, job: str, pods: list[dict[str, Any]]) -> list[Worker]:
+        """One worker per pod of ``job`` bound to a node (a pod not yet scheduled is on no node to watch)."""
+        masterless = not any(self.kind.is_master(pod) for pod in pods)
+        return [self._worker(job, pod, masterless) for pod in pods if (pod.get("spec") or {}).get("nodeName")]
+
+    def _worker(self, job: str, pod: dict[str, Any], masterless: bool) -> Worker:
         meta, spec, status = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
         phase, exit_code, message, ended = _pod_phase(status)
         return Worker(
-            job=job, attempt=_attempt(pod), node=spec.get("nodeName", ""), node_rank=self.kind.node_rank(pod),
+            job=job, attempt=_attempt(pod), node=spec["nodeName"], node_rank=self.kind.node_rank(pod, masterless=masterless),
             desired=Desired.STOP if meta.get("deletionTimestamp") else Desired.RUN, phase=phase,
             rdzv_endpoint=f"{meta['labels'].get(self.kind.job_name_label, '')}-master-0",
-            created_at=_timestamp(meta.get("creationTimestamp")) or 0.0, started_at=_timestamp(status.get("startTime")),
+            created_at=parse_time(meta.get("creationTimestamp")) or 0.0, started_at=parse_time(status.get("startTime")),
             ended_at=ended, exit_code=exit_code, message=f"pod {meta['name']}: {message}" if message else None,
         )
 
@@ -229,7 +231,7 @@ def _pod_phase(status: dict[str, Any]) -> tuple[WorkerPhase, int | None, str | N
                         else f"exited with code {code}")
                 detail = _what_failed(terminated.get("message") or "")
                 return (WorkerPhase.FAILED, -signal if signal else code, what + (f": {detail}" if detail else ""),
-                        _timestamp(terminated.get("finishedAt")))
+                        parse_time(terminated.get("finishedAt")))
     if pod_phase == "Succeeded":
         return WorkerPhase.SUCCEEDED, 0, None, None
     if pod_phase == "Failed":

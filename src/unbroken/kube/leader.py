@@ -8,22 +8,15 @@ win: the API server accepts one write and answers the other 409.
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import time
 
 import kubernetes
-from kubernetes.client.exceptions import ApiException
-
 from unbroken.errors import NotFoundError, StoreUnavailable
-from unbroken.kube.store import _api_call, _timestamp
+from unbroken.kube.api import ApiConflict, call, format_time, parse_time
 
 log = logging.getLogger("unbroken.kube.leader")
-
-
-def _micro(ts: float) -> str:
-    return datetime.datetime.fromtimestamp(ts, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 class LeaderLease:
@@ -40,7 +33,7 @@ class LeaderLease:
         now = time.time() if now is None else now
         try:
             leading = self._try(now)
-        except (ApiException, StoreUnavailable) as exc:
+        except (ApiConflict, StoreUnavailable) as exc:
             log.warning("leader lease %s/%s: %s", self.namespace, self.name, exc)
             leading = False
         if leading != self.leading:
@@ -49,37 +42,33 @@ class LeaderLease:
         return leading
 
     def _try(self, now: float) -> bool:
-        spec = {"holderIdentity": self.identity, "leaseDurationSeconds": int(self.duration), "renewTime": _micro(now)}
+        spec = {"holderIdentity": self.identity, "leaseDurationSeconds": int(self.duration), "renewTime": format_time(now, micro=True)}
         try:
-            response = _api_call(lambda: self.leases.read_namespaced_lease(self.name, self.namespace, _preload_content=False))
+            response = call(lambda: self.leases.read_namespaced_lease(self.name, self.namespace, _preload_content=False))
         except NotFoundError:
             body = {"metadata": {"name": self.name, "namespace": self.namespace},
-                    "spec": {**spec, "acquireTime": _micro(now), "leaseTransitions": 0}}
+                    "spec": {**spec, "acquireTime": format_time(now, micro=True), "leaseTransitions": 0}}
             try:
-                _api_call(lambda: self.leases.create_namespaced_lease(self.namespace, body))
-            except ApiException as exc:
-                if exc.status == 409:
-                    return False  # someone else created it first
-                raise
+                call(lambda: self.leases.create_namespaced_lease(self.namespace, body))
+            except ApiConflict:
+                return False  # someone else created it first
             return True
         lease = json.loads(response.data)
         current = lease.get("spec") or {}
         holder = current.get("holderIdentity")
-        renewed = _timestamp(current.get("renewTime")) or 0.0
+        renewed = parse_time(current.get("renewTime")) or 0.0
         expired = now - renewed > float(current.get("leaseDurationSeconds") or self.duration)
         if holder != self.identity and not expired:
             return False
         if holder != self.identity:
-            spec["acquireTime"] = _micro(now)
+            spec["acquireTime"] = format_time(now, micro=True)
             spec["leaseTransitions"] = int(current.get("leaseTransitions") or 0) + 1
             log.warning("taking over the leader lease", extra={"previous": holder, "silent_s": round(now - renewed, 1)})
         body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": lease["metadata"], "spec": {**current, **spec}}
         try:
-            _api_call(lambda: self.leases.replace_namespaced_lease(self.name, self.namespace, body))
-        except ApiException as exc:
-            if exc.status == 409:
-                return False
-            raise
+            call(lambda: self.leases.replace_namespaced_lease(self.name, self.namespace, body))
+        except ApiConflict:
+            return False  # another candidate wrote it first
         return True
 
     def release(self) -> None:
@@ -88,6 +77,6 @@ class LeaderLease:
             return
         try:
             self._try(0.0)  # renewed in 1970: expired for everyone
-        except (ApiException, StoreUnavailable):
+        except (ApiConflict, StoreUnavailable):
             pass
         self.leading = False

@@ -18,7 +18,6 @@ updates and label edits by others therefore never make the reconcilers' writes s
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import re
@@ -30,19 +29,18 @@ from typing import Any, TypeVar
 
 import kubernetes
 import yaml
-from kubernetes.client.exceptions import ApiException
-from urllib3.exceptions import HTTPError
 
 from unbroken.config.cluster import ClusterConfig
 from unbroken.config.job import JobSpec, ResilienceSpec, RestartPolicy
 from unbroken.errors import ConfigError, NotFoundError, StoreUnavailable, UsageError
 from unbroken.kube import annotations as job_annotations
 from unbroken.kube import names
+from unbroken.kube.api import ApiConflict, call, format_time, parse_time
 from unbroken.kube.annotations import AnnotationError
 from unbroken.kube.workloads import PYTORCHJOB, PyTorchJobKind
 from unbroken.state.phases import JOB_TRANSITIONS, NODE_TRANSITIONS, DeepHealthStatus, JobPhase, NodeState, check_transition
 from unbroken.state.records import ClusterRecord, ClusterStatus, Event, EventType, Job, Node, WorkerProgress
-from unbroken.state.store import StaleUpdate
+from unbroken.state.store import check_version
 from unbroken.state.updates import JobUpdate, NodeUpdate
 
 log = logging.getLogger("unbroken.kube.store")
@@ -52,30 +50,6 @@ NO_HANG_TIMEOUT = 10.0 ** 9
 """A job without ``hang-timeout-seconds`` has no hang detection (its ranks may not report progress)."""
 WRITE_RETRIES = 5
 FAULT_HISTORY = 10
-
-
-def _api_call(call: Callable[[], T]) -> T:
-    """API errors as the store's: 404 NotFoundError, unreachable or 5xx StoreUnavailable (retryable)."""
-    try:
-        return call()
-    except ApiException as exc:
-        if exc.status == 404:
-            raise NotFoundError(exc.reason or "not found") from None
-        if exc.status is None or exc.status >= 500 or exc.status == 429:
-            raise StoreUnavailable(f"Kubernetes API: {exc.status} {exc.reason}") from exc
-        raise
-    except (HTTPError, OSError) as exc:
-        raise StoreUnavailable(f"Kubernetes API unreachable: {exc}") from exc
-
-
-def _timestamp(text: str | None) -> float | None:
-    if not text:
-        return None
-    return datetime.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-
-
-def _rfc3339(ts: float) -> str:
-    return datetime.datetime.fromtimestamp(ts, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass(frozen=True)
@@ -103,8 +77,8 @@ class KubernetesStore:
 
     # -- raw JSON access (dicts, not the client's models: records read annotations by key) ----
 
-    def _json(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        response = _api_call(lambda: call(*args, _preload_content=False, **kwargs))
+    def _json(self, request: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        response = call(lambda: request(*args, _preload_content=False, **kwargs))
         return json.loads(response.data)
 
     # -- the cluster object -------------------------------------------------------------
@@ -123,12 +97,12 @@ class KubernetesStore:
         return ClusterRecord(
             name=config.ClusterName, config_json=config.model_dump_json(),
             status=ClusterStatus(data.get("status", ClusterStatus.UP.value)),
-            created_at=_timestamp(cm["metadata"].get("creationTimestamp")) or 0.0,
+            created_at=parse_time(cm["metadata"].get("creationTimestamp")) or 0.0,
             controller_metrics=data.get("controller-metrics") or None,
         )
 
     def _patch_cluster(self, data: dict[str, str | None]) -> None:
-        _api_call(lambda: self.core.patch_namespaced_config_map(names.CLUSTER_CONFIGMAP, self.namespace, {"data": data}))
+        call(lambda: self.core.patch_namespaced_config_map(names.CLUSTER_CONFIGMAP, self.namespace, {"data": data}))
 
     def set_cluster_status(self, status: ClusterStatus) -> None:
         self._patch_cluster({"status": status.value})
@@ -142,20 +116,27 @@ class KubernetesStore:
         raise UsageError("on Kubernetes, nodes join the cluster through the kubelet; unbroken does not create Node objects")
 
     def get_node(self, name: str) -> Node:
-        obj = self._json(self.core.read_node, name)
-        return self._node(obj, self._leases().get(name))
+        return self._node(self._json(self.core.read_node, name), self._lease(name))
 
     def list_nodes(self) -> list[Node]:
         leases = self._leases()
         items = self._json(self.core.list_node)["items"]
         return sorted((self._node(obj, leases.get(obj["metadata"]["name"])) for obj in items), key=lambda n: n.name)
 
+    def _lease(self, node: str) -> float | None:
+        """When ``node``'s agent last renewed its Lease (None: no agent has run there)."""
+        try:
+            lease = self._json(self.coordination.read_namespaced_lease, names.LEASE_PREFIX + node, self.namespace)
+        except NotFoundError:
+            return None
+        return parse_time((lease.get("spec") or {}).get("renewTime"))
+
     def _leases(self) -> dict[str, float]:
         items = self._json(self.coordination.list_namespaced_lease, self.namespace)["items"]
         renewed: dict[str, float] = {}
         for lease in items:
             name = lease["metadata"]["name"]
-            at = _timestamp((lease.get("spec") or {}).get("renewTime"))
+            at = parse_time((lease.get("spec") or {}).get("renewTime"))
             if name.startswith(names.LEASE_PREFIX) and at is not None:
                 renewed[name.removeprefix(names.LEASE_PREFIX)] = at
         return renewed
@@ -183,8 +164,8 @@ class KubernetesStore:
             fault_type=saved.get("fault_type"),
             fault_reason=saved.get("fault_reason"),
             heartbeat_at=heartbeat,
-            registered_at=saved.get("registered_at") or _timestamp(meta.get("creationTimestamp")),
-            state_changed_at=saved.get("state_changed_at") or _timestamp(meta.get("creationTimestamp")) or 0.0,
+            registered_at=saved.get("registered_at") or parse_time(meta.get("creationTimestamp")),
+            state_changed_at=saved.get("state_changed_at") or parse_time(meta.get("creationTimestamp")) or 0.0,
             reboots=saved.get("reboots", 0),
             replaced_by=saved.get("replaced_by"),
             recovery_requested=saved.get("recovery_requested", False),
@@ -193,26 +174,18 @@ class KubernetesStore:
         )
 
     def update_node(self, name: str, update: NodeUpdate, *, expect_version: int | None = None) -> Node:
-        changes = update.changes()
-        for _ in range(WRITE_RETRIES):
+        lease = self._lease(name)  # not part of the write; read once for the record returned
+
+        def attempt() -> Node:
             obj = self._json(self.core.read_node, name)
-            current = self._node(obj, None)
-            _check_version(f"node {name}", current.version, expect_version)
-            if "state" in changes:
-                check_transition(f"node {name}", NODE_TRANSITIONS, current.state, changes["state"])
-                if changes["state"] != current.state:
-                    changes["state_changed_at"] = time.time()
-            new = replace(current, **changes, version=current.version + 1)
-            try:
-                body = self._node_patch(obj, current, new)
-                _api_call(lambda body=body: self.core.patch_node(name, body))  # type: ignore[misc]
-            except ApiException as exc:
-                if exc.status == 409:
-                    continue  # someone else wrote the Node (kubelet, kubectl label): decide on the fresh one
-                raise
-            self._set_condition(name, new)
-            return replace(new, heartbeat_at=self._leases().get(name, new.heartbeat_at))
-        raise StoreUnavailable(f"node {name}: {WRITE_RETRIES} conflicting writes in a row")
+            current = self._node(obj, lease)
+            new = _updated(f"node {name}", current, update, expect_version, "state", NODE_TRANSITIONS, "state_changed_at")
+            call(lambda: self.core.patch_node(name, self._node_patch(obj, current, new)))
+            return new
+
+        new = _retry_conflicts(f"node {name}", attempt)
+        self._set_condition(name, new)
+        return new
 
     def _node_patch(self, obj: dict[str, Any], current: Node, new: Node) -> dict[str, Any]:
         meta = obj["metadata"]
@@ -220,7 +193,7 @@ class KubernetesStore:
         annotations_patch: dict[str, str | None] = {names.NODE_STATE: json.dumps(record, sort_keys=True)}
         if new.fault_type and (new.fault_type, new.fault_reason) != (current.fault_type, current.fault_reason):
             history = json.loads((meta.get("annotations") or {}).get(names.FAULT_DETAILS, "[]") or "[]")
-            history.append({"time": _rfc3339(time.time()), "type": new.fault_type, "message": new.fault_reason or ""})
+            history.append({"time": format_time(time.time()), "type": new.fault_type, "message": new.fault_reason or ""})
             annotations_patch[names.FAULT_DETAILS] = json.dumps(history[-FAULT_HISTORY:])
         faulty = new.state not in (NodeState.SCHEDULABLE, NodeState.UNSCHEDULABLE, NodeState.JOINING)
         labels: dict[str, str | None] = {
@@ -241,7 +214,7 @@ class KubernetesStore:
         """``UnbrokenHealthy``: what external repair acts on. A separate write (nodes/status);
         re-applied on the node's next change if it fails."""
         healthy = node.state in (NodeState.SCHEDULABLE, NodeState.UNSCHEDULABLE, NodeState.JOINING)
-        now = _rfc3339(time.time())
+        now = format_time(time.time())
         condition = {
             "type": names.CONDITION_TYPE, "status": "True" if healthy else "False",
             "reason": "Healthy" if healthy else condition_reason(node.fault_type, node.fault_reason),
@@ -249,13 +222,13 @@ class KubernetesStore:
             "lastHeartbeatTime": now, "lastTransitionTime": now,
         }
         try:
-            _api_call(lambda: self.core.patch_node_status(name, {"status": {"conditions": [condition]}}))
-        except (ApiException, StoreUnavailable) as exc:
+            call(lambda: self.core.patch_node_status(name, {"status": {"conditions": [condition]}}))
+        except (ApiConflict, StoreUnavailable) as exc:
             log.warning("node %s: condition %s not written: %s", name, names.CONDITION_TYPE, exc)
 
     def renew_lease(self, node: str, *, at: float, progress: Sequence[WorkerProgress] = ()) -> None:
         """One write: the Lease's renewTime, and the ranks' progress in its annotation."""
-        stamp = datetime.datetime.fromtimestamp(at, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        stamp = format_time(at, micro=True)
         body = {
             "metadata": {"name": names.LEASE_PREFIX + node, "namespace": self.namespace,
                          "labels": {"app.kubernetes.io/managed-by": names.COMPONENT},
@@ -263,9 +236,9 @@ class KubernetesStore:
             "spec": {"holderIdentity": node, "leaseDurationSeconds": 10, "renewTime": stamp},
         }
         try:
-            _api_call(lambda: self.coordination.patch_namespaced_lease(names.LEASE_PREFIX + node, self.namespace, body))
+            call(lambda: self.coordination.patch_namespaced_lease(names.LEASE_PREFIX + node, self.namespace, body))
         except NotFoundError:
-            _api_call(lambda: self.coordination.create_namespaced_lease(self.namespace, body))
+            call(lambda: self.coordination.create_namespaced_lease(self.namespace, body))
 
     # -- jobs ---------------------------------------------------------------------------
 
@@ -341,7 +314,7 @@ class KubernetesStore:
             ).model_dump(),
         }, context={"trusted": True})
         saved = json.loads((meta.get("annotations") or {}).get(names.JOB_STATE, "{}") or "{}")
-        created = _timestamp(meta.get("creationTimestamp")) or 0.0
+        created = parse_time(meta.get("creationTimestamp")) or 0.0
         return Job(
             name=_job_name(obj), spec_json=spec.model_dump_json(),
             phase=JobPhase(saved.get("phase", JobPhase.PENDING.value)),
@@ -353,35 +326,25 @@ class KubernetesStore:
         )
 
     def update_job(self, name: str, update: JobUpdate, *, expect_version: int | None = None) -> Job:
-        changes = update.changes()
         namespace, _, short = name.partition("/")
         kind = self.workload
-        for _ in range(WRITE_RETRIES):
+
+        def attempt() -> Job:
             obj = self._workload(name)
             current = self._job(obj)
             if current is None:
                 raise NotFoundError(f"job {name} is no longer managed by unbroken")
-            _check_version(f"job {name}", current.version, expect_version)
-            if "phase" in changes:
-                check_transition(f"job {name}", JOB_TRANSITIONS, current.phase, changes["phase"])
-                if changes["phase"] != current.phase:
-                    changes["phase_changed_at"] = time.time()
-            new = replace(current, **changes, version=current.version + 1)
+            new = _updated(f"job {name}", current, update, expect_version, "phase", JOB_TRANSITIONS, "phase_changed_at")
             state = {k: v for k, v in asdict(new).items() if k not in ("name", "spec_json", "created_at")}
             patch = {"metadata": {"resourceVersion": obj["metadata"]["resourceVersion"], "annotations": {
                 names.JOB_STATE: json.dumps(state, sort_keys=True),
                 names.JOB_PHASE: new.phase.value,
                 names.RESTART_COUNT: str(new.attempt),
             }}}
-            try:
-                _api_call(lambda patch=patch: self.custom.patch_namespaced_custom_object(  # type: ignore[misc]
-                    kind.group, kind.version, namespace, kind.plural, short, patch))
-            except ApiException as exc:
-                if exc.status == 409:
-                    continue
-                raise
+            call(lambda: self.custom.patch_namespaced_custom_object(kind.group, kind.version, namespace, kind.plural, short, patch))
             return new
-        raise StoreUnavailable(f"job {name}: {WRITE_RETRIES} conflicting writes in a row")
+
+        return _retry_conflicts(f"job {name}", attempt)
 
     # -- events -------------------------------------------------------------------------
 
@@ -399,7 +362,7 @@ class KubernetesStore:
                   type: EventType = EventType.NORMAL) -> Event:
         ts = time.time()
         namespace, involved = self._involved(object_kind, object_name)
-        stamp = _rfc3339(ts)
+        stamp = format_time(ts)
         body = {
             "metadata": {"name": f"{involved['name']}.{uuid.uuid4().hex[:16]}", "namespace": namespace,
                          "labels": {"app.kubernetes.io/managed-by": names.COMPONENT},
@@ -408,13 +371,19 @@ class KubernetesStore:
             "source": {"component": names.COMPONENT}, "reportingComponent": f"{names.PREFIX}/operator",
             "reportingInstance": names.COMPONENT, "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1,
         }
-        _api_call(lambda: self.core.create_namespaced_event(namespace, body))
+        call(lambda: self.core.create_namespaced_event(namespace, body))
         return Event(ts=ts, object_kind=object_kind, object_name=object_name, type=type, reason=reason, message=message)
 
     def list_events(self, *, object_kind: str | None = None, object_name: str | None = None,
                     reason: str | None = None) -> list[Event]:
-        items = self._json(self.core.list_event_for_all_namespaces,
-                           label_selector=f"app.kubernetes.io/managed-by={names.COMPONENT}")["items"]
+        selector = f"app.kubernetes.io/managed-by={names.COMPONENT}"
+        if object_kind and object_name:
+            # The reconcilers ask for one object's events several times a pass: let the server filter.
+            namespace, involved = self._involved(object_kind, object_name)
+            items = self._json(self.core.list_namespaced_event, namespace, label_selector=selector,
+                               field_selector=f"involvedObject.name={involved['name']}")["items"]
+        else:
+            items = self._json(self.core.list_event_for_all_namespaces, label_selector=selector)["items"]
         events = []
         for item in items:
             annotations_ = item["metadata"].get("annotations") or {}
@@ -431,9 +400,31 @@ def _job_name(obj: dict[str, Any]) -> str:
     return f"{obj['metadata']['namespace']}/{obj['metadata']['name']}"
 
 
-def _check_version(what: str, current: int, expected: int | None) -> None:
-    if expected is not None and current != expected:
-        raise StaleUpdate(f"{what} changed since it was read (version {expected} → {current})")
+R = TypeVar("R", Node, Job)
+
+
+def _updated(what: str, current: R, update: NodeUpdate | JobUpdate, expect_version: int | None, lifecycle_field: str,
+             transitions: dict[Any, frozenset[Any]], changed_at_field: str) -> R:
+    """``current`` with ``update`` applied and its version bumped, as the SQLite store does it: the
+    version checked, a lifecycle change checked against its table and time-stamped."""
+    check_version(what, current.version, expect_version)
+    changes = update.changes()
+    if lifecycle_field in changes:
+        check_transition(what, transitions, getattr(current, lifecycle_field), changes[lifecycle_field])
+        if changes[lifecycle_field] != getattr(current, lifecycle_field):
+            changes[changed_at_field] = time.time()
+    return replace(current, **changes, version=current.version + 1)
+
+
+def _retry_conflicts(what: str, attempt: Callable[[], T]) -> T:
+    """Run a read-decide-write ``attempt`` again while the API server answers 409 (someone else —
+    the kubelet, kubectl label — wrote the object since it was read)."""
+    for _ in range(WRITE_RETRIES):
+        try:
+            return attempt()
+        except ApiConflict:
+            continue
+    raise StoreUnavailable(f"{what}: {WRITE_RETRIES} conflicting writes in a row")
 
 
 _XID = re.compile(r"\bXid\s*\(?(?:PCI:[0-9a-fA-F:.]+\)?:?)?\s*(\d+)", re.IGNORECASE)

@@ -93,11 +93,14 @@ class PyTorchJobKind:
     def pod_selector(self, name: str) -> str:
         return f"{self.job_name_label}={name}"
 
-    def node_rank(self, pod: dict[str, Any]) -> int:
-        """Master is node rank 0, worker i is i + 1 (training-operator's RANK for pods)."""
-        labels = pod.get("metadata", {}).get("labels") or {}
-        index = int(labels.get(self.replica_index_label, "0") or 0)
-        return index if labels.get(self.replica_type_label, "").lower() == "master" else index + 1
+    def is_master(self, pod: dict[str, Any]) -> bool:
+        return (pod.get("metadata", {}).get("labels") or {}).get(self.replica_type_label, "").lower() == "master"
+
+    def node_rank(self, pod: dict[str, Any], *, masterless: bool) -> int:
+        """training-operator's RANK for the pod: master 0, worker i is i + 1; in a job without a
+        master, worker i is i."""
+        index = int((pod.get("metadata", {}).get("labels") or {}).get(self.replica_index_label, "0") or 0)
+        return index if self.is_master(pod) or masterless else index + 1
 
 
 PYTORCHJOB = PyTorchJobKind()

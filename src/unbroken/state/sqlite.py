@@ -44,7 +44,7 @@ from unbroken.state.records import (
     Worker,
     WorkerProgress,
 )
-from unbroken.state.store import StaleUpdate
+from unbroken.state.store import StaleUpdate, check_version
 from unbroken.state.updates import JobUpdate, NodeUpdate, WorkerUpdate
 
 __all__ = ["SCHEMA_VERSION", "SqliteStore", "StaleUpdate"]
@@ -256,7 +256,7 @@ class SqliteStore:
         changes = update.changes()
         with self._transaction() as conn:
             current = self.get_node(name)
-            _check_version(f"node {name}", current.version, expect_version)
+            check_version(f"node {name}", current.version, expect_version)
             if "state" in changes:
                 check_transition(f"node {name}", NODE_TRANSITIONS, current.state, changes["state"])
                 if changes["state"] != current.state:
@@ -320,7 +320,7 @@ class SqliteStore:
         changes = update.changes()
         with self._transaction() as conn:
             current = self.get_job(name)
-            _check_version(f"job {name}", current.version, expect_version)
+            check_version(f"job {name}", current.version, expect_version)
             if "phase" in changes:
                 check_transition(f"job {name}", JOB_TRANSITIONS, current.phase, changes["phase"])
                 if changes["phase"] != current.phase:
@@ -476,11 +476,6 @@ class SqliteStore:
 
 def _statements(script: str) -> list[str]:
     return [s for s in (part.strip() for part in script.split(";")) if s]
-
-
-def _check_version(what: str, current: int, expected: int | None) -> None:
-    if expected is not None and current != expected:
-        raise StaleUpdate(f"{what} changed since it was read (version {current}, expected {expected})")
 
 
 def _update(conn: sqlite3.Connection, table: str, key: str, value: Any, changes: dict[str, Any]) -> None:

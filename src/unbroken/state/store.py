@@ -28,6 +28,12 @@ class StaleUpdate(ConflictError):
     """A conditional write found a newer version than the one the writer read. Re-read and decide again."""
 
 
+def check_version(what: str, current: int, expected: int | None) -> None:
+    """The conditional-write check every store makes: StaleUpdate unless ``expected`` is None or current."""
+    if expected is not None and current != expected:
+        raise StaleUpdate(f"{what} changed since it was read (version {current}, expected {expected})")
+
+
 class ClusterStore(Protocol):
     # the cluster object
     def cluster(self) -> ClusterRecord: ...

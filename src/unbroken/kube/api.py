@@ -1,0 +1,51 @@
+"""Calling the API server: its errors as unbroken's, and its time stamps.
+
+Every call of the Kubernetes backend goes through :func:`call`, so a 404 is a
+NotFoundError, a 409 an :class:`ApiConflict` (someone wrote the object since it
+was read: read again and decide again), and an unreachable or failing server
+StoreUnavailable, which the reconcile loops retry.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+from typing import TypeVar
+
+from kubernetes.client.exceptions import ApiException
+from urllib3.exceptions import HTTPError
+
+from unbroken.errors import ConflictError, NotFoundError, StoreUnavailable
+
+T = TypeVar("T")
+
+
+class ApiConflict(ConflictError):
+    """409: the object changed since it was read (a stale resourceVersion), or it exists already."""
+
+
+def call(request: Callable[[], T]) -> T:
+    try:
+        return request()
+    except ApiException as exc:
+        if exc.status == 404:
+            raise NotFoundError(exc.reason or "not found") from None
+        if exc.status == 409:
+            raise ApiConflict(exc.reason or "conflict") from None
+        if exc.status is None or exc.status >= 500 or exc.status == 429:
+            raise StoreUnavailable(f"Kubernetes API: {exc.status} {exc.reason}") from exc
+        raise
+    except (HTTPError, OSError) as exc:
+        raise StoreUnavailable(f"Kubernetes API unreachable: {exc}") from exc
+
+
+def parse_time(text: str | None) -> float | None:
+    """An RFC 3339 time stamp (``2026-11-24T10:00:00Z``, with or without microseconds) as epoch seconds."""
+    if not text:
+        return None
+    return datetime.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def format_time(ts: float, *, micro: bool = False) -> str:
+    """Epoch seconds as the API writes them: whole seconds (``Time``) or microseconds (``MicroTime``, Leases)."""
+    return datetime.datetime.fromtimestamp(ts, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ" if micro else "%Y-%m-%dT%H:%M:%SZ")
