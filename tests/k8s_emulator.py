@@ -142,6 +142,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+from processes import stop_process
 
 # --------------------------------------------------------------------------------------------------
 # The registry: what the emulator serves.
@@ -277,14 +278,7 @@ def kubernetes_emulator(workdir: Path, *, extra_resources: Iterable[Resource] = 
             raise AssertionError(f"the k8s emulator did not answer within {timeout:g} s:\n{log.read_text(errors='replace')}")
         yield Emulator(url=url, proc=proc, log=log, workdir=workdir)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGCONT)  # a paused server cannot die of SIGTERM until resumed
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from unbroken.waiting import wait_until
+from processes import stop_process
 
 
 class PromQLError(Exception):
@@ -97,10 +98,5 @@ def prometheus_server(workdir: Path) -> Iterator[Prometheus]:
         wait_until(ready, 60, "prometheus ready")
         yield server
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process)
         log.close()

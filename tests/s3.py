@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from processes import stop_process
 
 _RUNNING = re.compile(r"Running on (http://127\.0\.0\.1:\d+)")
 
@@ -83,14 +84,7 @@ def moto_server(log_dir: Path, timeout: float = 30.0) -> Iterator[MotoServer]:
             raise AssertionError(f"moto_server did not answer within {timeout:g} s:\n{log.read_text(errors='replace')}")
         yield MotoServer(endpoint, proc, log)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGCONT)  # a paused server cannot die of SIGTERM until resumed
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc)
 
 
 def empty_and_delete_bucket(client: object, bucket: str) -> None:

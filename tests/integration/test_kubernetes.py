@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -35,8 +35,10 @@ import yaml
 
 from k8s_emulator import Emulator, kubernetes_emulator
 from k8s_kubelet import TestKubelet
+from processes import stop_process
 from unbroken.kube import names
 from unbroken.kube.client import api_client
+from unbroken.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -44,16 +46,6 @@ T = TypeVar("T")
 SYSTEM = "unbroken-system"
 JOBS = "training"
 NODES = ("gpu-a", "gpu-b", "gpu-c")
-
-
-def wait_for(condition: Callable[[], T], timeout: float, what: str, interval: float = 0.2) -> T:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(interval)  # polling the API for a condition, with a deadline
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
 
 
 @dataclass
@@ -83,13 +75,8 @@ class Cluster:
         return self.operator
 
     def stop_operator(self, sig: int = signal.SIGTERM) -> None:
-        if self.operator is not None and self.operator.poll() is None:
-            self.operator.send_signal(sig)
-            try:
-                self.operator.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.operator.kill()
-                self.operator.wait()
+        if self.operator is not None:
+            stop_process(self.operator, sig=sig, timeout=15)
         self.operator = None
 
     def job(self, name: str) -> dict[str, Any]:
@@ -192,7 +179,7 @@ def rank_process(cluster: Cluster, pod: str) -> psutil.Process:
         except psutil.Error:
             return None
         return None
-    return wait_for(find, 60, f"a rank process in pod {pod}")
+    return wait_until(find, 60, f"a rank process in pod {pod}")
 
 
 def checkpoint_steps(checkpoints: Path) -> list[int]:
@@ -205,17 +192,33 @@ def rank_log(cluster: Cluster, pod: str) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
+def running_with_a_checkpoint(cluster: Cluster, body: dict[str, Any], checkpoints: Path, step: int = 10) -> str:
+    """Submit ``body``; return its name once the operator adopted it and its ranks saved ``step``."""
+    name = submit(cluster, body)
+    wait_until(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Running", 60, "the operator to adopt the job")
+    wait_until(lambda: any(s >= step for s in checkpoint_steps(checkpoints)), 120, f"a checkpoint at step {step}")
+    return name
+
+
+def wait_resumed_off(cluster: Cluster, name: str, node: str) -> None:
+    """Attempt 1 runs on two nodes other than ``node`` and has resumed from the checkpoint."""
+    def moved() -> bool:
+        pods = cluster.pods(name)
+        return len(pods) == 2 and all(p.spec.node_name and p.spec.node_name != node for p in pods) \
+            and all((p.metadata.annotations or {}).get(names.ATTEMPT) == "1" for p in pods)
+    wait_until(moved, 60, f"attempt 1 on nodes other than {node}")
+    wait_until(lambda: "resumed at step" in rank_log(cluster, f"{name}-master-0"), 120, "the resume from the checkpoint")
+
+
 def test_a_rank_killed_restarts_the_job_which_resumes_from_its_checkpoint(cluster: Cluster, tmp_path: Path) -> None:
     cluster.start_operator()
     checkpoints = tmp_path / "ckpt"
-    name = submit(cluster, pytorchjob("llm", checkpoints, steps=400, annotations=auto_resume(2)))
-    wait_for(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Running", 60, "the operator to adopt the job")
-    wait_for(lambda: any(s >= 20 for s in checkpoint_steps(checkpoints)), 120, "a checkpoint at step 20")
+    name = running_with_a_checkpoint(cluster, pytorchjob("llm", checkpoints, steps=400, annotations=auto_resume(2)), checkpoints, 20)
 
     rank_process(cluster, f"{name}-worker-0").send_signal(signal.SIGKILL)
 
-    wait_for(lambda: cluster.annotations(name).get(names.RESTART_COUNT) == "1", 30, "restart-count 1 on the PyTorchJob")
-    reasons = wait_for(lambda: (r := cluster.reasons(name)).count("JobScheduled") >= 2 and r, 60, "attempt 1 scheduled")
+    wait_until(lambda: cluster.annotations(name).get(names.RESTART_COUNT) == "1", 30, "restart-count 1 on the PyTorchJob")
+    reasons = wait_until(lambda: (r := cluster.reasons(name)).count("JobScheduled") >= 2 and r, 60, "attempt 1 scheduled")
     assert reasons[:3] == ["JobScheduled", "JobRestarting", "JobScheduled"], reasons
     restarting = next(m for _, r, m in cluster.events(name) if r == "JobRestarting")
     assert "restart 1 of 2" in restarting, restarting
@@ -225,8 +228,8 @@ def test_a_rank_killed_restarts_the_job_which_resumes_from_its_checkpoint(cluste
         pods = cluster.pods(name)
         return bool(pods) and all((p.metadata.annotations or {}).get(names.ATTEMPT) == "1" for p in pods) \
             and "resumed at step" in rank_log(cluster, f"{name}-master-0")
-    wait_for(resumed, 120, "attempt 1's pods to resume from a checkpoint")
-    wait_for(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Succeeded", 180, "the job to finish")
+    wait_until(resumed, 120, "attempt 1's pods to resume from a checkpoint")
+    wait_until(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Succeeded", 180, "the job to finish")
     assert cluster.annotations(name)[names.RESTART_COUNT] == "1"
     assert cluster.reasons(name)[-1] == "JobSucceeded"
 
@@ -234,14 +237,14 @@ def test_a_rank_killed_restarts_the_job_which_resumes_from_its_checkpoint(cluste
 def test_a_spent_retry_budget_fails_the_job_with_the_reason(cluster: Cluster, tmp_path: Path) -> None:
     cluster.start_operator()
     name = submit(cluster, pytorchjob("budget", tmp_path / "ckpt", steps=2000, annotations=auto_resume(0)))
-    wait_for(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Running", 60, "the operator to adopt the job")
+    wait_until(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Running", 60, "the operator to adopt the job")
     rank_process(cluster, f"{name}-master-0").send_signal(signal.SIGKILL)
 
-    wait_for(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Failed", 30, "the job to fail")
+    wait_until(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Failed", 30, "the job to fail")
     failed = next(m for _, r, m in cluster.events(name) if r == "JobFailed")
     assert "max_retry 0 restarts used" in failed and "SIGKILL" in failed, failed
     assert cluster.job(name)["spec"]["runPolicy"]["suspend"] is True  # its pods are stopped
-    wait_for(lambda: not cluster.pods(name), 30, "its pods to be gone")
+    wait_until(lambda: not cluster.pods(name), 30, "its pods to be gone")
     assert cluster.annotations(name)[names.RESTART_COUNT] == "0"
 
 
@@ -250,14 +253,14 @@ def test_jobs_without_the_annotation_or_with_a_bad_one_are_left_alone(cluster: C
     plain = submit(cluster, pytorchjob("plain", tmp_path / "plain", steps=2000, nodes=1))
     bad = submit(cluster, pytorchjob("bad", tmp_path / "bad", steps=2000, nodes=1,
                                      annotations={names.AUTO_RESUME: "true", names.MAX_RETRY: "many"}))
-    warning = wait_for(lambda: [e for e in cluster.events(bad) if e[1] == "InvalidAnnotation"], 30, "a warning on the bad job")
+    warning = wait_until(lambda: [e for e in cluster.events(bad) if e[1] == "InvalidAnnotation"], 30, "a warning on the bad job")
     kind, _, message = warning[0]
     assert kind == "Warning"
     assert f'annotation {names.MAX_RETRY}: "many" is not a whole number (valid: 0 to 1000)' in message
     # A crash in either is nobody's business but the workload's own controller's (OnFailure: restart in place).
     for name in (plain, bad):
         rank_process(cluster, f"{name}-master-0").send_signal(signal.SIGKILL)
-    wait_for(lambda: all(p.status.container_statuses and p.status.container_statuses[0].restart_count >= 1
+    wait_until(lambda: all(p.status.container_statuses and p.status.container_statuses[0].restart_count >= 1
                          for n in (plain, bad) for p in cluster.pods(n)), 30, "the kubelet to restart both in place")
     for name in (plain, bad):
         annotations = cluster.annotations(name)
@@ -271,29 +274,24 @@ def test_a_lost_node_is_remediated_and_its_stuck_pods_force_deleted_so_the_job_r
         cluster: Cluster, tmp_path: Path) -> None:
     cluster.start_operator()
     checkpoints = tmp_path / "ckpt"
-    name = submit(cluster, pytorchjob("lost", checkpoints, steps=400, annotations=auto_resume(3)))
-    wait_for(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Running", 60, "the operator to adopt the job")
-    wait_for(lambda: any(s >= 10 for s in checkpoint_steps(checkpoints)), 120, "a checkpoint")
+    name = running_with_a_checkpoint(cluster, pytorchjob("lost", checkpoints, steps=400, annotations=auto_resume(3)), checkpoints)
     worker = cluster.core.read_namespaced_pod(f"{name}-worker-0", JOBS)
     dead = worker.spec.node_name
 
     cluster.kubelet.fail_node(dead)
 
-    node = wait_for(lambda: (n := cluster.core.read_node(dead)).metadata.labels.get(names.NODE_HEALTH_STATUS) ==
+    node = wait_until(lambda: (n := cluster.core.read_node(dead)).metadata.labels.get(names.NODE_HEALTH_STATUS) ==
                     "UnschedulablePendingReplacement" and n, 30, "the lost node's label")
     assert node.metadata.labels[names.FAULT_TYPES] == "NodeLost"
     assert any(t.key == names.TAINT_KEY for t in node.spec.taints or [])
-    assert next(c for c in node.status.conditions if c.type == names.CONDITION_TYPE).status == "False"
-    wait_for(lambda: f"Replace {dead}" in cluster.remediations.read_text(), 30, "the Command remediator to be called")
+    # the condition is the write after the labels' (nodes/status)
+    wait_until(lambda: any(c.type == names.CONDITION_TYPE and c.status == "False"
+                           for c in cluster.core.read_node(dead).status.conditions or []), 10, "the UnbrokenHealthy=False condition")
+    wait_until(lambda: f"Replace {dead}" in cluster.remediations.read_text(), 30, "the Command remediator to be called")
     assert node.spec.unschedulable or cluster.core.read_node(dead).spec.unschedulable  # cordoned
 
-    wait_for(lambda: "PodForceDeleted" in cluster.reasons(name), 60, "the stuck pod to be force-deleted")
-    def resumed_elsewhere() -> bool:
-        pods = cluster.pods(name)
-        return len(pods) == 2 and all(p.spec.node_name and p.spec.node_name != dead for p in pods) \
-            and all((p.metadata.annotations or {}).get(names.ATTEMPT) == "1" for p in pods)
-    wait_for(resumed_elsewhere, 60, "attempt 1 on the two healthy nodes")
-    wait_for(lambda: "resumed at step" in rank_log(cluster, f"{name}-master-0"), 120, "the resume from the checkpoint")
+    wait_until(lambda: "PodForceDeleted" in cluster.reasons(name), 60, "the stuck pod to be force-deleted")
+    wait_resumed_off(cluster, name, dead)
     restarting = next(m for _, r, m in cluster.events(name) if r == "JobRestarting")
     assert dead in restarting, restarting
 
@@ -301,21 +299,19 @@ def test_a_lost_node_is_remediated_and_its_stuck_pods_force_deleted_so_the_job_r
 def test_an_operator_killed_mid_job_loses_no_restart_and_doubles_none(cluster: Cluster, tmp_path: Path) -> None:
     cluster.start_operator()
     checkpoints = tmp_path / "ckpt"
-    name = submit(cluster, pytorchjob("durable", checkpoints, steps=600, annotations=auto_resume(3)))
-    wait_for(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Running", 60, "the operator to adopt the job")
-    wait_for(lambda: any(s >= 10 for s in checkpoint_steps(checkpoints)), 120, "a checkpoint")
+    name = running_with_a_checkpoint(cluster, pytorchjob("durable", checkpoints, steps=600, annotations=auto_resume(3)), checkpoints)
     rank_process(cluster, f"{name}-worker-0").send_signal(signal.SIGKILL)
-    wait_for(lambda: cluster.annotations(name).get(names.RESTART_COUNT) == "1", 30, "the first restart")
+    wait_until(lambda: cluster.annotations(name).get(names.RESTART_COUNT) == "1", 30, "the first restart")
 
     cluster.stop_operator(signal.SIGKILL)  # no goodbye: its leader lease must expire
-    wait_for(lambda: all((p.metadata.annotations or {}).get(names.ATTEMPT) == "1" and p.status.phase == "Running"
+    wait_until(lambda: all((p.metadata.annotations or {}).get(names.ATTEMPT) == "1" and p.status.phase == "Running"
                          for p in cluster.pods(name)) and len(cluster.pods(name)) == 2, 120, "attempt 1 running")
     cluster.start_operator()
     # While the new operator takes over, kill again: exactly one more restart.
     time_killed = time.time()
     rank_process(cluster, f"{name}-master-0").send_signal(signal.SIGKILL)
-    wait_for(lambda: cluster.annotations(name).get(names.RESTART_COUNT) == "2", 60, "the second restart")
-    wait_for(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Running", 60, "attempt 2 running")
+    wait_until(lambda: cluster.annotations(name).get(names.RESTART_COUNT) == "2", 60, "the second restart")
+    wait_until(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Running", 60, "attempt 2 running")
     assert cluster.reasons(name).count("JobRestarting") == 2
     assert cluster.annotations(name)[names.RESTART_COUNT] == "2"
     assert time.time() - time_killed < 60
@@ -335,16 +331,14 @@ def start_agents(cluster: Cluster) -> dict[str, subprocess.Popen[bytes]]:
              "--state-dir", str(node_dir / "state")],
             stdout=log, stderr=subprocess.STDOUT)
     leases = kubernetes.client.CoordinationV1Api(cluster.api)
-    wait_for(lambda: {f"{names.LEASE_PREFIX}{n}" for n in NODES} <= {l.metadata.name for l in leases.list_namespaced_lease(SYSTEM).items},
+    wait_until(lambda: {f"{names.LEASE_PREFIX}{n}" for n in NODES} <= {l.metadata.name for l in leases.list_namespaced_lease(SYSTEM).items},
              30, "every agent's Lease")
     return agents
 
 
 def stop_agents(agents: dict[str, subprocess.Popen[bytes]]) -> None:
     for proc in agents.values():
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
+        stop_process(proc, sig=signal.SIGKILL)
 
 
 def test_an_xid_79_in_a_nodes_kernel_log_takes_it_out_and_the_job_resumes_on_other_nodes(cluster: Cluster, tmp_path: Path) -> None:
@@ -354,29 +348,26 @@ def test_an_xid_79_in_a_nodes_kernel_log_takes_it_out_and_the_job_resumes_on_oth
     try:
         cluster.start_operator()
         checkpoints = tmp_path / "ckpt"
-        name = submit(cluster, pytorchjob("xid", checkpoints, steps=400, annotations=auto_resume(3)))
-        wait_for(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Running", 60, "the operator to adopt the job")
-        wait_for(lambda: any(s >= 10 for s in checkpoint_steps(checkpoints)), 120, "a checkpoint")
+        name = running_with_a_checkpoint(cluster, pytorchjob("xid", checkpoints, steps=400, annotations=auto_resume(3)), checkpoints)
         faulty = cluster.core.read_namespaced_pod(f"{name}-worker-0", JOBS).spec.node_name
 
         with open(cluster.kubelet.node_dir(faulty) / "kmsg.log", "a") as kmsg:
             kmsg.write(xid_line(79, "PCI:0000:b9:00") + "\n")
         written = time.monotonic()
-        node = wait_for(lambda: (n := cluster.core.read_node(faulty)).metadata.labels.get(names.NODE_HEALTH_STATUS)
-                        == "UnschedulablePendingReplacement" and n, 10, "the Xid to reach the node's labels", interval=0.05)
-        assert time.monotonic() - written < 2.0, "the label must flip within 2 s of the kernel log line"
+        def taken_out() -> Any:
+            # The labels and taint are one write, the condition (nodes/status) the next: wait for both.
+            n = cluster.core.read_node(faulty)
+            flipped = n.metadata.labels.get(names.NODE_HEALTH_STATUS) == "UnschedulablePendingReplacement"
+            return flipped and any(c.type == names.CONDITION_TYPE for c in n.status.conditions or []) and n
+        node = wait_until(taken_out, 10, "the Xid to reach the node's labels and condition", interval=0.05)
+        assert time.monotonic() - written < 2.0, "label and condition must change within 2 s of the kernel log line"
         assert node.metadata.labels[names.FAULT_TYPES] == "FaultyInstance"  # HyperPod's fault type for an Xid 79
         assert "Xid" in node.metadata.labels[names.FAULT_REASONS], node.metadata.labels
         condition = next(c for c in node.status.conditions if c.type == names.CONDITION_TYPE)
         assert (condition.status, condition.reason) == ("False", "NvidiaXID79Error")
         assert any(t.key == names.TAINT_KEY for t in node.spec.taints or [])
 
-        def resumed_elsewhere() -> bool:
-            pods = cluster.pods(name)
-            return len(pods) == 2 and all(p.spec.node_name and p.spec.node_name != faulty for p in pods) \
-                and all((p.metadata.annotations or {}).get(names.ATTEMPT) == "1" for p in pods)
-        wait_for(resumed_elsewhere, 60, "attempt 1 off the faulty node")
-        wait_for(lambda: "resumed at step" in rank_log(cluster, f"{name}-master-0"), 120, "the resume from the checkpoint")
+        wait_resumed_off(cluster, name, faulty)
         assert cluster.annotations(name)[names.RESTART_COUNT] == "1"
         events = [(r, m) for _, r, m in cluster.events(name) if r in ("JobScheduled", "JobRestarting")]
         assert [r for r, _ in events] == ["JobScheduled", "JobRestarting", "JobScheduled"], events
@@ -390,20 +381,15 @@ def test_a_node_whose_agent_stops_renewing_its_lease_is_lost_and_the_job_moves(c
     try:
         cluster.start_operator()
         checkpoints = tmp_path / "ckpt"
-        name = submit(cluster, pytorchjob("lease", checkpoints, steps=400, annotations=auto_resume(3)))
-        wait_for(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Running", 60, "the operator to adopt the job")
-        wait_for(lambda: any(s >= 10 for s in checkpoint_steps(checkpoints)), 120, "a checkpoint")
+        name = running_with_a_checkpoint(cluster, pytorchjob("lease", checkpoints, steps=400, annotations=auto_resume(3)), checkpoints)
         silent = cluster.core.read_namespaced_pod(f"{name}-master-0", JOBS).spec.node_name
 
         agents[silent].kill()  # the kubelet is fine; unbroken's agent on the node is gone
 
-        node = wait_for(lambda: (n := cluster.core.read_node(silent)).metadata.labels.get(names.FAULT_TYPES) == "NodeLost" and n,
+        node = wait_until(lambda: (n := cluster.core.read_node(silent)).metadata.labels.get(names.FAULT_TYPES) == "NodeLost" and n,
                         30, "the node to be declared lost")
         assert node.metadata.labels[names.NODE_HEALTH_STATUS] == "UnschedulablePendingReplacement"
-        wait_for(lambda: all(p.spec.node_name != silent for p in cluster.pods(name)) and len(cluster.pods(name)) == 2
-                 and all((p.metadata.annotations or {}).get(names.ATTEMPT) == "1" for p in cluster.pods(name)),
-                 60, "attempt 1 off the silent node")
-        wait_for(lambda: "resumed at step" in rank_log(cluster, f"{name}-master-0"), 120, "the resume from the checkpoint")
+        wait_resumed_off(cluster, name, silent)
         restarting = next(m for _, r, m in cluster.events(name) if r == "JobRestarting")
         assert silent in restarting and "heartbeat lost" in restarting, restarting
     finally:

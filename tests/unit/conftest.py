@@ -1,4 +1,4 @@
-"""Fixtures for the checkpoint-tier tests: shared-memory folders, a loopback S3, small mounts."""
+"""Fixtures: shared-memory folders, a loopback S3, small mounts (checkpoint tiers); a Kubernetes API emulator per module."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 
 from unbroken.checkpoint import credentials
 from unbroken.checkpoint.credentials import Credentials
+from k8s_emulator import Emulator, kubernetes_emulator
 from s3 import CREDENTIALS, MotoServer, moto_server
 
 
@@ -90,3 +91,15 @@ def s3_bucket(moto: MotoServer, monkeypatch: pytest.MonkeyPatch) -> Bucket:
     name = f"ckpt-{uuid.uuid4().hex[:12]}"
     client.create_bucket(Bucket=name)
     return Bucket(name, moto, client)
+
+
+@pytest.fixture(scope="module")
+def k8s(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
+    """A Kubernetes API emulator (tests/k8s_emulator.py) shared by one test module."""
+    with kubernetes_emulator(tmp_path_factory.mktemp("k8s")) as emulator:
+        yield emulator
+
+
+@pytest.fixture(scope="module")
+def kubeconfig(k8s: Emulator) -> Path:
+    return k8s.write_kubeconfig(k8s.workdir / "kubeconfig")

@@ -24,7 +24,8 @@ import kubernetes
 import pytest
 from kubernetes.client.rest import ApiException
 
-from k8s_emulator import Emulator, kubernetes_emulator
+from processes import stop_process
+from unbroken.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -32,17 +33,6 @@ KUBECTL = shutil.which("kubectl")
 # The client's models refuse a PodSpec without containers (the emulator itself validates nothing).
 CONTAINERS = [{"name": "main", "image": "busybox"}]
 needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not on PATH")
-
-
-@pytest.fixture(scope="module")
-def k8s(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
-    with kubernetes_emulator(tmp_path_factory.mktemp("k8s")) as emulator:
-        yield emulator
-
-
-@pytest.fixture(scope="module")
-def kubeconfig(k8s: Emulator) -> Path:
-    return k8s.write_kubeconfig(k8s.workdir / "kubeconfig")
 
 
 @pytest.fixture(scope="module")
@@ -475,15 +465,6 @@ def labels(new, patch, **_):
 '''
 
 
-def wait_for(check: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if result := check():
-            return result
-        time.sleep(0.1)  # polling the API for the operator's effect; there is no event to wait on
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-
-
 def test_kopf_operator_watches_and_patches(api: kubernetes.client.ApiClient, kubeconfig: Path, namespace: str, tmp_path: Path) -> None:
     """Emulated: the API server only. A real ``kopf run --standalone -n NS`` process discovers resources, lists
     and watches pods (namespaced) and nodes (cluster-scoped, served even by a namespaced operator), patches
@@ -498,13 +479,13 @@ def test_kopf_operator_watches_and_patches(api: kubernetes.client.ApiClient, kub
     try:
         core.create_namespaced_pod(namespace, {"metadata": {"name": "p"}, "spec": {"containers": CONTAINERS}})
         core.create_node({"metadata": {"name": node, "labels": {"kopf-test": "yes"}}})
-        pod = wait_for(lambda: (p := core.read_namespaced_pod("p", namespace)).metadata.annotations and p, 20, "kopf to annotate the pod")
+        pod = wait_until(lambda: (p := core.read_namespaced_pod("p", namespace)).metadata.annotations and p, 20, "kopf to annotate the pod")
         assert pod.metadata.annotations["seen-by"] == "kopf"
         assert pod.metadata.finalizers == ["kopf.zalando.org/KopfFinalizerMarker"]
         assert pod.status.phase == "Pending"  # kopf wrote status through /status, which kept the phase
         assert core.read_namespaced_pod_status("p", namespace).to_dict()["status"]["phase"] == "Pending"
         core.patch_node(node, {"metadata": {"labels": {"b": "2"}}})
-        wait_for(lambda: (core.read_node(node).metadata.annotations or {}).get("labels-seen") == "b,kopf-test", 20, "kopf to see the node's labels")
+        wait_until(lambda: (core.read_node(node).metadata.annotations or {}).get("labels-seen") == "b,kopf-test", 20, "kopf to see the node's labels")
 
         core.delete_namespaced_pod("p", namespace)  # kopf's finalizer holds it until kopf's on.delete ran
 
@@ -515,13 +496,8 @@ def test_kopf_operator_watches_and_patches(api: kubernetes.client.ApiClient, kub
                 return e.status == 404
             return False
 
-        wait_for(gone, 20, "kopf to release its finalizer")
+        wait_until(gone, 20, "kopf to release its finalizer")
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         core.delete_node(node)
     assert "Traceback" not in log.read_text(), log.read_text()

@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -26,6 +26,7 @@ from kubernetes.client.rest import ApiException
 
 from k8s_emulator import kubernetes_emulator
 from k8s_kubelet import TestKubelet
+from unbroken.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -69,16 +70,6 @@ def live_children() -> dict[int, list[str]]:
             if child.status() != psutil.STATUS_ZOMBIE:
                 found[child.pid] = child.cmdline()
     return found
-
-
-def wait_for(check: Callable[[], T | None], timeout: float, what: str) -> T:
-    """Poll the API (or a file) for an effect of the kubelet's loop; there is no event to wait on."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if result := check():
-            return result
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
 
 
 def python(code: str) -> list[str]:
@@ -189,7 +180,7 @@ def test_scheduler_honours_taints_affinity_selectors_and_gpu_capacity(cluster: C
         return (pod_or_none(cluster, name).spec.node_name) or None
 
     schedulable = ("tolerant", "tolerates-all", "zoned", "terms-ored", "anywhere")
-    wait_for(lambda: all(node_of(n) for n in schedulable) and (node_of("gpu-1") or node_of("gpu-2")), 15, "the schedulable pods to be bound")
+    wait_until(lambda: all(node_of(n) for n in schedulable) and (node_of("gpu-1") or node_of("gpu-2")), 15, "the schedulable pods to be bound")
     assert {n: node_of(n) for n in schedulable} == {"tolerant": "node-a", "tolerates-all": "node-a", "zoned": "node-b", "terms-ored": "node-c",
                       "anywhere": "node-b"}  # the first node by name that fits: node-a is tainted
 
@@ -200,7 +191,7 @@ def test_scheduler_honours_taints_affinity_selectors_and_gpu_capacity(cluster: C
         assert scheduled is not None and scheduled.status == "False" and scheduled.reason == "Unschedulable", scheduled
         return scheduled.message
 
-    wait_for(lambda: all(pod_or_none(cluster, n).status.conditions for n in ("intolerant", "wrong-value")), 10, "PodScheduled=False")
+    wait_until(lambda: all(pod_or_none(cluster, n).status.conditions for n in ("intolerant", "wrong-value")), 10, "PodScheduled=False")
     assert "1 node(s) had untolerated taint {dedicated: infer}" in unschedulable("intolerant")
     assert "2 node(s) didn't match Pod's node affinity/selector" in unschedulable("intolerant")
     assert "untolerated taint" in unschedulable("wrong-value")
@@ -208,13 +199,13 @@ def test_scheduler_honours_taints_affinity_selectors_and_gpu_capacity(cluster: C
     gpu_pods = {"gpu-1": node_of("gpu-1"), "gpu-2": node_of("gpu-2")}
     assert set(gpu_pods.values()) == {"node-c", None}
     waiting = next(n for n, node in gpu_pods.items() if node is None)
-    wait_for(lambda: pod_or_none(cluster, waiting).status.conditions, 10, "PodScheduled=False on the second GPU pod")
+    wait_until(lambda: pod_or_none(cluster, waiting).status.conditions, 10, "PodScheduled=False on the second GPU pod")
     assert "Insufficient nvidia.com/gpu" in unschedulable(waiting)
     assert kubelet.pods_on("node-c") == sorted(["terms-ored", next(n for n, node in gpu_pods.items() if node)])
 
     running = next(n for n, node in gpu_pods.items() if node)  # the GPU is freed once its pod is gone
     core.delete_namespaced_pod(running, NS, grace_period_seconds=0)
-    assert wait_for(lambda: node_of(waiting), 10, "the waiting GPU pod to get the freed GPU") == "node-c"
+    assert wait_until(lambda: node_of(waiting), 10, "the waiting GPU pod to get the freed GPU") == "node-c"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -242,7 +233,7 @@ def test_pytorchjob_master_and_workers_get_ranks_and_succeed(cluster: Cluster) -
                      ports=[{"name": "pytorchjob-port", "containerPort": 23456}])
     create_pytorchjob(cluster, pytorchjob("train", master=main, workers=2, nprocPerNode="auto"))
 
-    status = wait_for(lambda: job_with(cluster, "train", "Running"), 20, "the job to run")
+    status = wait_until(lambda: job_with(cluster, "train", "Running"), 20, "the job to run")
     assert has_condition(status, "Created") and status["startTime"]
     assert status["replicaStatuses"] == {"Master": {"active": 1, "succeeded": 0, "failed": 0},
                                          "Worker": {"active": 2, "succeeded": 0, "failed": 0}}
@@ -266,7 +257,7 @@ def test_pytorchjob_master_and_workers_get_ranks_and_succeed(cluster: Cluster) -
         files = list(out.glob("*.json"))
         return {int(f.stem): json.loads(f.read_text()) for f in files} if len(files) == 3 else None
 
-    envs = wait_for(reports, 10, "every rank to report its environment")
+    envs = wait_until(reports, 10, "every rank to report its environment")
     ports = {env["MASTER_PORT"] for env in envs.values()}
     assert len(ports) == 1 and ports != {"23456"}, ports  # one free port chosen by the kubelet, not the template's
     for rank, env in envs.items():
@@ -278,10 +269,10 @@ def test_pytorchjob_master_and_workers_get_ranks_and_succeed(cluster: Cluster) -
     assert envs[0]["PATH"] == os.environ["PATH"]  # the test's own environment is inherited
 
     (out / "go").touch()
-    status = wait_for(lambda: job_with(cluster, "train", "Succeeded"), 20, "the job to succeed")
+    status = wait_until(lambda: job_with(cluster, "train", "Succeeded"), 20, "the job to succeed")
     assert condition(status, "Succeeded")["reason"] == "PyTorchJobSucceeded"
     assert has_condition(status, "Running", "False") and status["completionTime"]
-    wait_for(lambda: job_status(cluster, "train")["replicaStatuses"] == {"Master": {"active": 0, "succeeded": 1, "failed": 0},
+    wait_until(lambda: job_status(cluster, "train")["replicaStatuses"] == {"Master": {"active": 0, "succeeded": 1, "failed": 0},
                                                                           "Worker": {"active": 0, "succeeded": 2, "failed": 0}},
              10, "every replica to be counted as succeeded")
     assert {phase(cluster, n) for n in pods} == {"Succeeded"}
@@ -294,19 +285,19 @@ def test_a_failing_worker_fails_the_job_with_its_exit_code_and_log(cluster: Clus
     worker = container("import sys; print('loading shard 7'); print('boom: shard 7 is corrupt', file=sys.stderr); sys.exit(3)")
     create_pytorchjob(cluster, pytorchjob("bad", master=container(SLEEP), workers=1, worker=worker))
 
-    wait_for(lambda: phase(cluster, "bad-worker-0") == "Failed", 15, "the worker pod to fail")
+    wait_until(lambda: phase(cluster, "bad-worker-0") == "Failed", 15, "the worker pod to fail")
     terminated = cluster.core.read_namespaced_pod("bad-worker-0", NS).status.container_statuses[0].state.terminated
     assert terminated.exit_code == 3 and terminated.reason == "Error"
     assert "boom: shard 7 is corrupt" in terminated.message and "loading shard 7" in terminated.message
-    status = wait_for(lambda: job_with(cluster, "bad", "Failed"), 10, "the job to fail")
+    status = wait_until(lambda: job_with(cluster, "bad", "Failed"), 10, "the job to fail")
     failed = condition(status, "Failed")
     assert failed["reason"] == "PyTorchJobFailed" and "bad-worker-0" in failed["message"] and "exit code 3" in failed["message"]
     assert status["replicaStatuses"]["Worker"]["failed"] == 1 and status["completionTime"]
     assert "boom" in cluster.kubelet.log_path(NS, "bad-worker-0").read_text()
 
     cluster.core.delete_namespaced_pod("bad-worker-0", NS)  # a finished pod goes at once; a failed job recreates nothing
-    wait_for(lambda: pod_or_none(cluster, "bad-worker-0") is None, 5, "the failed pod to go")
-    wait_for(lambda: job_status(cluster, "bad")["replicaStatuses"]["Worker"]["failed"] == 0, 5, "the job's counts to follow")
+    wait_until(lambda: pod_or_none(cluster, "bad-worker-0") is None, 5, "the failed pod to go")
+    wait_until(lambda: job_status(cluster, "bad")["replicaStatuses"]["Worker"]["failed"] == 0, 5, "the job's counts to follow")
     assert pod_or_none(cluster, "bad-worker-0") is None
 
 
@@ -314,18 +305,18 @@ def test_on_failure_restarts_a_killed_process_after_a_back_off(cluster: Cluster)
     kubelet = cluster.kubelet
     kubelet.add_node("node-a")
     create_pytorchjob(cluster, pytorchjob("resilient", master=container(SLEEP), policy="OnFailure"))
-    first = wait_for(lambda: kubelet.pid_of(NS, "resilient-master-0"), 15, "the master's process")
-    wait_for(lambda: has_condition(job_status(cluster, "resilient"), "Running"), 10, "the job to run")
+    first = wait_until(lambda: kubelet.pid_of(NS, "resilient-master-0"), 15, "the master's process")
+    wait_until(lambda: has_condition(job_status(cluster, "resilient"), "Running"), 10, "the job to run")
 
     os.kill(first, signal.SIGKILL)
-    second = wait_for(lambda: (pid := kubelet.pid_of(NS, "resilient-master-0")) != first and pid, 10, "a restarted process")
+    second = wait_until(lambda: (pid := kubelet.pid_of(NS, "resilient-master-0")) != first and pid, 10, "a restarted process")
     assert alive(second) and not alive(first)
 
     def restarted() -> Any:
         status = cluster.core.read_namespaced_pod("resilient-master-0", NS).status.container_statuses[0]
         return status if status.restart_count == 1 and status.state.running else None
 
-    status = wait_for(restarted, 10, "the pod status to show the restart")
+    status = wait_until(restarted, 10, "the pod status to show the restart")
     assert status.last_state.terminated.exit_code == 137 and status.container_id == f"emulated://{second}"
     pod = cluster.core.read_namespaced_pod("resilient-master-0", NS)
     assert pod.status.phase == "Running"
@@ -345,9 +336,9 @@ def test_exit_code_policy_recreates_a_pod_killed_by_a_signal_and_fails_on_an_err
     create_pytorchjob(cluster, pytorchjob("flaky", master=container(flaky), policy="ExitCode"))
     create_pytorchjob(cluster, pytorchjob("broken", master=container("import sys; sys.exit(1)"), policy="ExitCode"))
 
-    wait_for(lambda: second.exists() and job_with(cluster, "flaky", "Running"), 15, "the recreated pod to run")
+    wait_until(lambda: second.exists() and job_with(cluster, "flaky", "Running"), 15, "the recreated pod to run")
     assert cluster.core.read_namespaced_pod("flaky-master-0", NS).spec.restart_policy == "Never"  # the operator's mapping
-    broken = wait_for(lambda: job_with(cluster, "broken", "Failed"), 15, "the broken job to fail")
+    broken = wait_until(lambda: job_with(cluster, "broken", "Failed"), 15, "the broken job to fail")
     assert "exit code 1" in condition(broken, "Failed")["message"]
     history: dict[str, list[Any]] = {}
     for _, pod in events_since(cluster, since):
@@ -365,10 +356,10 @@ def test_an_error_in_the_loop_is_recorded_once_and_the_loop_goes_on(cluster: Clu
     kubelet.add_node("node-a")
     template = {"spec": {"restartPolicy": "Always", "containers": [container(SLEEP, "main")]}}  # a real server refuses this Job
     cluster.batch.create_namespaced_job(NS, {"metadata": {"name": "invalid"}, "spec": {"template": template}})
-    wait_for(lambda: kubelet.errors, 10, "the error to be recorded")
+    wait_until(lambda: kubelet.errors, 10, "the error to be recorded")
     cluster.core.create_namespaced_pod(NS, {"metadata": {"name": "after"}, "spec": {"restartPolicy": "Never",
                                                                                   "containers": [container("pass", "main")]}})
-    wait_for(lambda: phase(cluster, "after") == "Succeeded", 15, "a pod to run after the error")
+    wait_until(lambda: phase(cluster, "after") == "Succeeded", 15, "a pod to run after the error")
     assert len(kubelet.errors) == 1 and "restartPolicy must be Never or OnFailure" in kubelet.errors[0], kubelet.errors
     assert cluster.core.list_namespaced_pod(NS, label_selector="job-name=invalid").items == []
     kubelet.errors.clear()  # expected here; the fixture asserts that there are none left
@@ -378,7 +369,7 @@ def test_suspend_terminates_the_pods_and_resume_recreates_them(cluster: Cluster)
     kubelet = cluster.kubelet
     kubelet.add_node("node-a")
     create_pytorchjob(cluster, pytorchjob("pausable", master=container(SLEEP), workers=1, policy="OnFailure"))
-    wait_for(lambda: has_condition(job_status(cluster, "pausable"), "Running"), 15, "the job to run")
+    wait_until(lambda: has_condition(job_status(cluster, "pausable"), "Running"), 15, "the job to run")
     names = ["pausable-master-0", "pausable-worker-0"]
     pids = [kubelet.pid_of(NS, n) for n in names]
     uids = {cluster.core.read_namespaced_pod(n, NS).metadata.uid for n in names}
@@ -386,7 +377,7 @@ def test_suspend_terminates_the_pods_and_resume_recreates_them(cluster: Cluster)
 
     patch = {"spec": {"runPolicy": {"suspend": True}}}
     cluster.custom.patch_namespaced_custom_object("kubeflow.org", "v1", NS, "pytorchjobs", "pausable", patch)
-    wait_for(lambda: cluster.core.list_namespaced_pod(NS).items == [], 15, "the pods to be gone")
+    wait_until(lambda: cluster.core.list_namespaced_pod(NS).items == [], 15, "the pods to be gone")
     assert not any(alive(pid) for pid in pids if pid)
     events = events_since(cluster, since)
     for name in names:
@@ -394,12 +385,12 @@ def test_suspend_terminates_the_pods_and_resume_recreates_them(cluster: Cluster)
         first_deleting = next(i for i, (_, obj) in enumerate(mine) if obj.metadata.deletion_timestamp)
         assert mine[first_deleting][0] == "MODIFIED" and mine[-1][0] == "DELETED"  # Terminating, then gone
         assert mine[-1][1].status.container_statuses[0].state.terminated.exit_code == 143  # SIGTERM
-    status = wait_for(lambda: job_with(cluster, "pausable", "Suspended"), 10, "Suspended")
+    status = wait_until(lambda: job_with(cluster, "pausable", "Suspended"), 10, "Suspended")
     assert has_condition(status, "Running", "False") and "startTime" not in status
 
     patch = {"spec": {"runPolicy": {"suspend": False}}}
     cluster.custom.patch_namespaced_custom_object("kubeflow.org", "v1", NS, "pytorchjobs", "pausable", patch)
-    status = wait_for(lambda: job_with(cluster, "pausable", "Running"), 15, "the job to run again")
+    status = wait_until(lambda: job_with(cluster, "pausable", "Running"), 15, "the job to run again")
     assert condition(status, "Suspended")["status"] == "False" and condition(status, "Suspended")["reason"] == "PyTorchJobResumed"
     assert status["startTime"]
     new_uids = {cluster.core.read_namespaced_pod(n, NS).metadata.uid for n in names}
@@ -417,21 +408,21 @@ def test_graceful_deletion_sigkills_a_process_that_ignores_sigterm(cluster: Clus
     cluster.core.create_namespaced_pod(NS, {"metadata": {"name": "stubborn"},
                                             "spec": {"terminationGracePeriodSeconds": 1, "containers": [container(stubborn, "main")]}})
     cluster.core.create_namespaced_pod(NS, {"metadata": {"name": "forced"}, "spec": {"containers": [container(SLEEP, "main")]}})
-    pid = wait_for(lambda: ready.exists() and kubelet.pid_of(NS, "stubborn"), 15, "the SIGTERM-ignoring process")
-    forced = wait_for(lambda: kubelet.pid_of(NS, "forced"), 15, "the other process")
+    pid = wait_until(lambda: ready.exists() and kubelet.pid_of(NS, "stubborn"), 15, "the SIGTERM-ignoring process")
+    forced = wait_until(lambda: kubelet.pid_of(NS, "forced"), 15, "the other process")
     since = cluster.core.list_namespaced_pod(NS).metadata.resource_version
 
     started = time.monotonic()
     cluster.core.delete_namespaced_pod("stubborn", NS)
     assert cluster.core.read_namespaced_pod("stubborn", NS).metadata.deletion_timestamp is not None  # Terminating
-    wait_for(lambda: pod_or_none(cluster, "stubborn") is None, 10, "the pod to be gone")
+    wait_until(lambda: pod_or_none(cluster, "stubborn") is None, 10, "the pod to be gone")
     assert time.monotonic() - started >= 1.0  # it took the grace period, not less
     assert not alive(pid)
     last = [obj for kind, obj in events_since(cluster, since) if obj.metadata.name == "stubborn"][-1]
     assert last.status.container_statuses[0].state.terminated.exit_code == 137 and last.status.phase == "Failed"
 
     cluster.core.delete_namespaced_pod("forced", NS, grace_period_seconds=0)  # gone from the API at once
-    wait_for(lambda: not alive(forced), 10, "the force-deleted pod's process to be killed")
+    wait_until(lambda: not alive(forced), 10, "the force-deleted pod's process to be killed")
 
 
 def test_a_failed_node_keeps_its_pods_terminating_until_force_deleted(cluster: Cluster) -> None:
@@ -440,7 +431,7 @@ def test_a_failed_node_keeps_its_pods_terminating_until_force_deleted(cluster: C
         kubelet.add_node(name, allocatable={"nvidia.com/gpu": "1"})
     main = container(SLEEP, **gpu())
     create_pytorchjob(cluster, pytorchjob("sturdy", master=main, workers=1, policy="OnFailure"))
-    wait_for(lambda: has_condition(job_status(cluster, "sturdy"), "Running"), 15, "the job to run")
+    wait_until(lambda: has_condition(job_status(cluster, "sturdy"), "Running"), 15, "the job to run")
     assert kubelet.pods_on("node-b") == ["sturdy-worker-0"]
     master_pid, worker_pid = kubelet.pid_of(NS, "sturdy-master-0"), kubelet.pid_of(NS, "sturdy-worker-0")
     assert worker_pid
@@ -461,9 +452,9 @@ def test_a_failed_node_keeps_its_pods_terminating_until_force_deleted(cluster: C
         time.sleep(0.1)
 
     core.delete_namespaced_pod("sturdy-worker-0", NS, grace_period_seconds=0)  # force
-    replacement = wait_for(lambda: (p := pod_or_none(cluster, "sturdy-worker-0")) and p.spec.node_name and p, 10, "a replacement worker")
+    replacement = wait_until(lambda: (p := pod_or_none(cluster, "sturdy-worker-0")) and p.spec.node_name and p, 10, "a replacement worker")
     assert replacement.spec.node_name == "node-c"  # not the failed node; node-a's GPU is taken
-    wait_for(lambda: kubelet.pid_of(NS, "sturdy-worker-0"), 10, "the replacement's process")
+    wait_until(lambda: kubelet.pid_of(NS, "sturdy-worker-0"), 10, "the replacement's process")
     assert kubelet.pid_of(NS, "sturdy-master-0") == master_pid  # the master never noticed
     job = job_status(cluster, "sturdy")
     assert has_condition(job, "Running") and not has_condition(job, "Failed")
@@ -487,14 +478,14 @@ def test_batch_jobs_complete_exhaust_their_backoff_and_time_out(cluster: Cluster
     job("indexed", report, completionMode="Indexed", completions=2, parallelism=2)
     job("doomed", "import sys; sys.exit(1)", backoffLimit=0)
     job("slow", SLEEP, activeDeadlineSeconds=1)
-    slow_pid = wait_for(lambda: next((cluster.kubelet.pid_of(NS, p.metadata.name) for p in cluster.core.list_namespaced_pod(
+    slow_pid = wait_until(lambda: next((cluster.kubelet.pid_of(NS, p.metadata.name) for p in cluster.core.list_namespaced_pod(
         NS, label_selector="job-name=slow").items), None), 15, "the slow job's process")
 
     def finished(name: str, kind: str) -> Any:
         status = cluster.batch.read_namespaced_job_status(name, NS).status
         return status if any(c.type == kind and c.status == "True" for c in status.conditions or []) else None
 
-    indexed = wait_for(lambda: finished("indexed", "Complete"), 15, "the indexed job to complete")
+    indexed = wait_until(lambda: finished("indexed", "Complete"), 15, "the indexed job to complete")
     assert (indexed.succeeded, indexed.failed, indexed.active, indexed.completed_indexes) == (2, 0, 0, "0-1")
     assert indexed.completion_time is not None
     assert sorted(p.name for p in out.iterdir()) == ["0", "1"]
@@ -505,15 +496,15 @@ def test_batch_jobs_complete_exhaust_their_backoff_and_time_out(cluster: Cluster
         assert pod.metadata.name.startswith(f"indexed-{index}-") and len(pod.metadata.name) == len("indexed-0-") + 5
         assert pod.metadata.labels["job-name"] == "indexed" and pod.metadata.owner_references[0].kind == "Job"
 
-    doomed = wait_for(lambda: finished("doomed", "Failed"), 15, "the job to run out of retries")
+    doomed = wait_until(lambda: finished("doomed", "Failed"), 15, "the job to run out of retries")
     reason = next(c.reason for c in doomed.conditions if c.type == "Failed")
     assert reason == "BackoffLimitExceeded" and doomed.failed == 1
     assert len(cluster.core.list_namespaced_pod(NS, label_selector="job-name=doomed").items) == 1  # no retry
 
-    slow = wait_for(lambda: finished("slow", "Failed"), 15, "the job to run out of time")
+    slow = wait_until(lambda: finished("slow", "Failed"), 15, "the job to run out of time")
     assert next(c.reason for c in slow.conditions if c.type == "Failed") == "DeadlineExceeded"
-    wait_for(lambda: not alive(slow_pid), 10, "the slow job's process to be killed")
-    wait_for(lambda: cluster.core.list_namespaced_pod(NS, label_selector="job-name=slow").items == [], 10, "its pod to go")
+    wait_until(lambda: not alive(slow_pid), 10, "the slow job's process to be killed")
+    wait_until(lambda: cluster.core.list_namespaced_pod(NS, label_selector="job-name=slow").items == [], 10, "its pod to go")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -538,7 +529,7 @@ def test_host_path_mounts_are_rewritten_into_the_node_directory(cluster: Cluster
         "restartPolicy": "Never", "nodeSelector": {"kubernetes.io/hostname": "node-b"}, "containers": [main],
         "volumes": [{"name": "run", "hostPath": {"path": "/var/run/unbroken", "type": "DirectoryOrCreate"}}]}})
 
-    wait_for(lambda: phase(cluster, "agent") == "Succeeded", 15, "the agent pod to finish")
+    wait_until(lambda: phase(cluster, "agent") == "Succeeded", 15, "the agent pod to finish")
     host_dir = kubelet.node_dir("node-b") / "var/run/unbroken"
     assert host_dir.is_dir()
     report = json.loads((host_dir / "report.json").read_text())  # argv rewritten too

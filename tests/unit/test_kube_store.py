@@ -10,13 +10,11 @@ import json
 import shutil
 import subprocess
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import kubernetes
 import pytest
 
-from k8s_emulator import Emulator, kubernetes_emulator
 from unbroken.errors import ConfigError, NotFoundError
 from unbroken.kube import annotations, names
 from unbroken.kube.annotations import AnnotationError
@@ -31,17 +29,6 @@ from unbroken.state.updates import JobUpdate, NodeUpdate
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parents[2]
 NAMESPACE = "unbroken-system"
-
-
-@pytest.fixture(scope="module")
-def k8s(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
-    with kubernetes_emulator(tmp_path_factory.mktemp("k8s")) as emulator:
-        yield emulator
-
-
-@pytest.fixture(scope="module")
-def kubeconfig(k8s: Emulator) -> Path:
-    return k8s.write_kubeconfig(k8s.workdir / "kubeconfig")
 
 
 @pytest.fixture(scope="module")
