@@ -104,10 +104,11 @@ def test_a_fault_writes_labels_taint_condition_and_details_and_kubectl_shows_the
     assert [c.type for c in obj.status.conditions].count("Ready") == 1  # merged by type, not replaced
     details = json.loads(obj.metadata.annotations[names.FAULT_DETAILS])
     assert details[-1]["type"] == "Xid79" and "fallen off the bus" in details[-1]["message"]
-    if shutil.which("kubectl"):
-        out = subprocess.run(["kubectl", "--kubeconfig", str(kubeconfig), "get", "nodes", name, "-L", names.NODE_HEALTH_STATUS,
-                              "-L", names.FAULT_TYPES], capture_output=True, text=True, timeout=30, check=True).stdout
-        assert "UnschedulablePendingReplacement" in out and "Xid79" in out, out
+    kubectl = shutil.which("kubectl")
+    assert kubectl, "this test reads the labels with the real kubectl (1.32 on the development machines); it is not on PATH"
+    out = subprocess.run([kubectl, "--kubeconfig", str(kubeconfig), "get", "nodes", name, "-L", names.NODE_HEALTH_STATUS,
+                          "-L", names.FAULT_TYPES], capture_output=True, text=True, timeout=30, check=True).stdout
+    assert "UnschedulablePendingReplacement" in out and "Xid79" in out, out
     # Retired keeps the label value of a replacement; an illegal move is refused and writes nothing.
     with pytest.raises(IllegalTransition):
         store.update_node(name, NodeUpdate(state=NodeState.SCHEDULABLE))
