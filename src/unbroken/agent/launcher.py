@@ -144,8 +144,13 @@ def describe_exit(code: int, log_dir: Path) -> tuple[int, str]:
     """
     text = _tail(log_dir / "torchrun.log")
     matches = _ROOT_CAUSE.findall(text)
+    # torchrun stops a failed rank's siblings with SIGTERM, and its "first observed failure" goes by
+    # one-second time stamps, so a sibling's SIGTERM can be named the root cause of a rank's own exit.
+    # Blame a rank that failed of its own accord when torchrun lists one; the root cause block
+    # comes last, so it is still preferred among those.
+    own = [m for m in matches if int(m[2]) != -signal.SIGTERM]
     if code != 0 and matches:
-        rank, local_rank, rank_code = matches[-1]
+        rank, local_rank, rank_code = (own or matches)[-1]
         error = _rank_error(log_dir, int(local_rank))
         detail = f": {error}" if error else ""
         return int(rank_code), f"rank {rank} (local rank {local_rank}) {_exit_words(int(rank_code))}{detail}"
