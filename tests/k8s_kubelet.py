@@ -17,7 +17,7 @@ is logged and kept in ``errors`` (404/409 answers from races with the test are o
 goes on. ``close()`` (the context exit; also run at interpreter exit) stops the thread and SIGKILLs every
 process group it started.
 
-For tests: ``add_node(name, labels=, allocatable=)``, ``fail_node(name)``, ``node_dir(name)``,
+For tests: ``add_node(name, labels=, allocatable=, taints=)``, ``fail_node(name)``, ``node_dir(name)``,
 ``pid_of(namespace, pod)`` (the running process, else None), ``log_path(namespace, pod)``,
 ``pods_on(node)`` (pod names bound to it), ``errors``, ``close()``.
 
@@ -624,8 +624,10 @@ class TestKubelet:
         path.mkdir(parents=True, exist_ok=True)
         return path
 
-    def add_node(self, name: str, *, labels: dict[str, str] | None = None, allocatable: dict[str, str] | None = None) -> None:
-        """Create a Ready Node (and its Lease) whose pods this kubelet runs."""
+    def add_node(self, name: str, *, labels: dict[str, str] | None = None, allocatable: dict[str, str] | None = None,
+                 taints: list[Obj] | None = None) -> None:
+        """Create a Ready Node (and its Lease) whose pods this kubelet runs; ``taints`` as a kubelet's
+        ``--register-with-taints`` gives them."""
         resources = {**DEFAULT_ALLOCATABLE, **(allocatable or {})}
         now = _now()
         conditions = [{"type": kind, "status": "False", "reason": reason, "message": message, "lastHeartbeatTime": now, "lastTransitionTime": now}
@@ -637,7 +639,7 @@ class TestKubelet:
         body = {"apiVersion": "v1", "kind": "Node",
                 "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
                                                       "kubernetes.io/arch": _arch(), **(labels or {})}},
-                "spec": {},
+                "spec": {"taints": list(taints)} if taints else {},
                 "status": {"capacity": resources, "allocatable": dict(resources), "conditions": conditions,
                            "addresses": [{"type": "InternalIP", "address": LOOPBACK}, {"type": "Hostname", "address": name}],
                            "nodeInfo": self._node_info(name)}}

@@ -108,9 +108,18 @@ def cluster_file(remediations: Path) -> str:
     script = "import sys; open(sys.argv[1], 'a').write(sys.argv[2] + ' ' + sys.argv[3] + chr(10))"
     return yaml.safe_dump({
         "ClusterName": "k8s-test", "NodeRecovery": "Automatic",
-        "InstanceGroups": [{"InstanceGroupName": "gpu", "InstanceType": "cpu-dev", "InstanceCount": 0}],
+        "InstanceGroups": [
+            {"InstanceGroupName": "gpu", "InstanceType": "cpu-dev", "InstanceCount": 0},
+            # for joining nodes: a healthy group, and one whose profile no CPU meets (the real matmul fails it)
+            {"InstanceGroupName": "checked", "InstanceType": "cpu-dev", "InstanceCount": 0,
+             "OnStartDeepHealthChecks": ["InstanceStress", "InstanceConnectivity"]},
+            {"InstanceGroupName": "slow", "InstanceType": "cpu-slow", "InstanceCount": 0, "OnStartDeepHealthChecks": ["InstanceStress"]},
+        ],
+        "Health": {"Profiles": {"cpu-slow": {"MatmulFloor": 1e9, "MemoryBandwidthFloorGBps": 0.5, "BusBwFloorGBps": 0.1}}},
         "Kubernetes": {"Remediator": "Command", "RemediationCommand": [sys.executable, "-c", script, str(remediations)],
-                       "ForceDeleteGraceSeconds": 2},
+                       "ForceDeleteGraceSeconds": 2,
+                       # the deep-check Jobs' pods run this machine's Python (the test kubelet ignores images)
+                       "DeepCheckCommand": [sys.executable, "-m", "unbroken.health.pod"], "DeepCheckStartSeconds": 30},
     })
 
 
@@ -394,3 +403,67 @@ def test_a_node_whose_agent_stops_renewing_its_lease_is_lost_and_the_job_moves(c
         assert silent in restarting and "heartbeat lost" in restarting, restarting
     finally:
         stop_agents(agents)
+
+
+STARTUP_TAINT = {"key": names.TAINT_KEY, "value": names.TAINT_VALUE, "effect": names.TAINT_EFFECT}
+
+
+def node_events(cluster: Cluster, node: str) -> list[tuple[str, str]]:
+    """(reason, message) of a node's Events, oldest first."""
+    items = [e for e in cluster.core.list_event_for_all_namespaces().items if e.involved_object.kind == "Node"
+             and e.involved_object.name == node]
+    items.sort(key=lambda e: float((e.metadata.annotations or {}).get(f"{names.PREFIX}/time", 0)))
+    return [(e.reason, e.message) for e in items]
+
+
+def check_jobs(cluster: Cluster, node: str) -> list[Any]:
+    jobs = kubernetes.client.BatchV1Api(cluster.api).list_namespaced_job(SYSTEM).items
+    return [j for j in jobs if (j.metadata.annotations or {}).get(f"{names.PREFIX}/check-node") == node]
+
+
+def test_a_joining_node_is_deep_checked_by_jobs_pinned_to_it_then_admitted_or_taken_out(cluster: Cluster) -> None:
+    """Done-when 1: nodes registered with the startup taint are checked by Jobs on them; the healthy one is
+    admitted (Passed, taint gone), the one a real matmul finds too slow is failed, tainted, conditioned and
+    handed to the Command remediator. Nodes that were there before are left as they are."""
+    cluster.start_operator()
+    cluster.kubelet.add_node("gpu-new", labels={f"{names.PREFIX}/instance-group": "checked"}, taints=[STARTUP_TAINT])
+    cluster.kubelet.add_node("gpu-slow", labels={"node.kubernetes.io/instance-type": "cpu-slow"}, taints=[STARTUP_TAINT])
+
+    def labels(node: str) -> dict[str, str]:
+        return cluster.core.read_node(node).metadata.labels or {}
+
+    wait_until(lambda: labels("gpu-new").get(names.DEEP_HEALTH_CHECK_STATUS) == "InProgress", 30, "gpu-new InProgress")
+    assert labels("gpu-new")[names.NODE_HEALTH_STATUS] == "Unschedulable"
+    stress = wait_until(lambda: check_jobs(cluster, "gpu-new") or None, 30, "the InstanceStress Job")[0]
+    assert stress.spec.backoff_limit == 0 and stress.spec.active_deadline_seconds > 30
+    assert stress.metadata.annotations[f"{names.PREFIX}/check-suite"] == "InstanceStress"
+    pod = stress.spec.template.spec
+    assert [t.key for t in pod.tolerations] == [names.TAINT_KEY]
+    term = pod.affinity.node_affinity.required_during_scheduling_ignored_during_execution.node_selector_terms[0]
+    assert (term.match_fields[0].key, term.match_fields[0].values) == ("metadata.name", ["gpu-new"])
+    wait_until(lambda: any(p.startswith(stress.metadata.name) for p in cluster.kubelet.pods_on("gpu-new")), 30,
+               "the check pod bound to gpu-new")
+
+    node = wait_until(lambda: (n := cluster.core.read_node("gpu-new")).metadata.labels.get(names.NODE_HEALTH_STATUS) == "Schedulable"
+                      and n, 240, "gpu-new admitted")
+    assert node.metadata.labels[names.DEEP_HEALTH_CHECK_STATUS] == "Passed"
+    assert not any(t.key == names.TAINT_KEY for t in node.spec.taints or []), node.spec.taints
+    suites = sorted(j.metadata.annotations[f"{names.PREFIX}/check-suite"] for j in check_jobs(cluster, "gpu-new"))
+    assert suites == ["InstanceConnectivity", "InstanceStress"]
+    reasons = [r for r, _ in node_events(cluster, "gpu-new")]
+    assert reasons == ["DeepHealthCheckStarted", "DeepHealthCheckStarted", "JoinChecksPassed", "NodeSchedulable"], reasons
+
+    slow = wait_until(lambda: (n := cluster.core.read_node("gpu-slow")).metadata.labels.get(names.DEEP_HEALTH_CHECK_STATUS) == "Failed"
+                      and n, 120, "gpu-slow Failed")
+    wait_until(lambda: labels("gpu-slow").get(names.NODE_HEALTH_STATUS) == "UnschedulablePendingReplacement", 30, "gpu-slow out")
+    assert any(t.key == names.TAINT_KEY for t in cluster.core.read_node("gpu-slow").spec.taints or [])
+    wait_until(lambda: any(c.type == names.CONDITION_TYPE and c.status == "False" and c.reason == "DeepHealthCheckFailed"
+                           for c in cluster.core.read_node("gpu-slow").status.conditions or []), 10, "the condition")
+    wait_until(lambda: "Replace gpu-slow" in cluster.remediations.read_text(), 30, "the Command remediator to be called")
+    failed = next(m for r, m in node_events(cluster, "gpu-slow") if r == "JoinChecksFailed")
+    assert "InstanceStress: stress.matmul: matmul below threshold" in failed, failed
+    assert slow.metadata.annotations[names.FAULT_DETAILS]
+
+    # the nodes that were there when unbroken started were never checked nor tainted
+    for old in NODES:
+        assert labels(old).get(names.DEEP_HEALTH_CHECK_STATUS) is None and not check_jobs(cluster, old)

@@ -47,11 +47,14 @@ def store(api: kubernetes.client.ApiClient) -> KubernetesStore:
     return KubernetesStore(api, NAMESPACE)
 
 
-def make_node(api: kubernetes.client.ApiClient, ready: str = "True") -> str:
+def make_node(api: kubernetes.client.ApiClient, ready: str = "True", *, startup_taint: bool = False) -> str:
     name = f"node-{uuid.uuid4().hex[:6]}"
+    taints = [{"key": "other.io/keep", "value": "x", "effect": "NoSchedule"}]
+    if startup_taint:
+        taints.append({"key": names.TAINT_KEY, "value": names.TAINT_VALUE, "effect": names.TAINT_EFFECT})
     kubernetes.client.CoreV1Api(api).create_node({
         "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
-        "spec": {"taints": [{"key": "other.io/keep", "value": "x", "effect": "NoSchedule"}]},
+        "spec": {"taints": taints},
         "status": {"conditions": [{"type": "Ready", "status": ready}], "addresses": [{"type": "InternalIP", "address": "10.0.0.7"}]},
     })
     return name
@@ -83,6 +86,17 @@ def test_a_fresh_node_reads_schedulable_never_checked_and_alive(api: kubernetes.
     assert node.heartbeat_at is not None and node.heartbeat_at > 1e9  # the kubelet vouches (Ready True, no agent lease)
     lost = store.get_node(make_node(api, ready="Unknown"))
     assert lost.heartbeat_at == 0.0  # NotReady: its lease reads as lapsed long ago
+
+
+def test_a_node_registered_with_the_startup_taint_is_joining_until_unbroken_admits_it(
+        api: kubernetes.client.ApiClient, store: KubernetesStore) -> None:
+    name = make_node(api, startup_taint=True)
+    assert store.get_node(name).state is NodeState.JOINING
+    store.update_node(name, NodeUpdate(deep_health=DeepHealthStatus.PASSED))
+    admitted = store.update_node(name, NodeUpdate(state=NodeState.SCHEDULABLE))
+    assert admitted.state is NodeState.SCHEDULABLE
+    taints = kubernetes.client.CoreV1Api(api).read_node(name).spec.taints
+    assert [t.key for t in taints] == ["other.io/keep"]  # the startup taint is ours to remove; others stay
 
 
 def test_a_fault_writes_labels_taint_condition_and_details_and_kubectl_shows_them(

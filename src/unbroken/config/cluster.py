@@ -101,6 +101,13 @@ class KubernetesSettings(_Strict):
     ForceDeleteGraceSeconds: float = Field(default=30.0, ge=0, le=3600)
     """A job pod on a lost node still Terminating after this long is force-deleted, so its
     workload's controller can create it again elsewhere."""
+    DeepCheckImage: str = "ghcr.io/unbroken-dev/unbroken"
+    """The image of the deep-check Jobs the operator runs on joining nodes (unbroken's own)."""
+    DeepCheckCommand: list[str] = Field(default_factory=lambda: ["python", "-m", "unbroken.health.pod"], min_length=1)
+    """What those Jobs' pods run; the suite and the check context come in their environment."""
+    DeepCheckStartSeconds: float = Field(default=300.0, ge=10, le=3600)
+    """Added to the suite's check timeouts for a deep-check Job's ``activeDeadlineSeconds``:
+    time to pull the image and start the pod on a fresh node."""
 
     @model_validator(mode="after")
     def _command_given(self) -> "KubernetesSettings":

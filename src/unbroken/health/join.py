@@ -60,15 +60,23 @@ def run_suite(suite: str, node: str, *, store: ClusterStore, jobs_on: events.Job
 
 
 def verdict(store: ClusterStore, jobs_on: events.JobsOn, node: str, results: list[CheckResult]) -> Verdict:
-    mine: list[CheckResult] = []
+    """Judge ``node`` and take out the peers a multi-node check blamed instead of it."""
     for result in results:
-        if not result.failed or result.action is FaultAction.NONE:
-            continue
-        if result.faulty_nodes and node not in result.faulty_nodes:
-            for other in result.faulty_nodes:  # the sweep blamed a peer, not us
-                events.apply_fault(store, jobs_on, other, result.action, f"{result.check}: {result.message}", source=result.check)
-            continue
-        mine.append(result)
+        for other in blamed_peers(node, result):
+            events.apply_fault(store, jobs_on, other, result.action, f"{result.check}: {result.message}", source=result.check)
+    return judge(node, results)
+
+
+def blamed_peers(node: str, result: CheckResult) -> tuple[str, ...]:
+    """The nodes ``result`` blames when it is not ``node`` itself (a sweep named a slow peer)."""
+    if not result.failed or result.action is FaultAction.NONE or not result.faulty_nodes or node in result.faulty_nodes:
+        return ()
+    return result.faulty_nodes
+
+
+def judge(node: str, results: list[CheckResult]) -> Verdict:
+    """Whether ``node`` passed: a failed check counts against it unless it blamed only other nodes."""
+    mine = [r for r in results if r.failed and r.action is not FaultAction.NONE and not blamed_peers(node, r)]
     if not mine:
         return Verdict(True, f"{len(results)} checks passed")
     action = worst([r.action for r in mine])

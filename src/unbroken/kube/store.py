@@ -152,7 +152,13 @@ class KubernetesStore:
             heartbeat = lease if lease is not None else time.time()  # no agent yet: the kubelet vouches
         address = next((a["address"] for a in (obj.get("status") or {}).get("addresses") or [] if a.get("type") == "InternalIP"),
                        meta["name"])
-        default_state = NodeState.UNSCHEDULABLE if (obj.get("spec") or {}).get("unschedulable") else NodeState.SCHEDULABLE
+        spec = obj.get("spec") or {}
+        if any(t.get("key") == names.TAINT_KEY for t in spec.get("taints") or []):
+            default_state = NodeState.JOINING  # registered with unbroken's startup taint: check it before it takes work
+        elif spec.get("unschedulable"):
+            default_state = NodeState.UNSCHEDULABLE
+        else:
+            default_state = NodeState.SCHEDULABLE
         return Node(
             name=meta["name"],
             group=labels.get(f"{names.PREFIX}/instance-group", "default"),

@@ -1,8 +1,9 @@
 """The operator process: ``unbroken operator --namespace unbroken-system``.
 
-kopf keeps watches open on Nodes, the jobs' pods and PyTorchJobs (reconnecting,
+kopf keeps watches open on Nodes, the jobs' pods, PyTorchJobs and the deep-check Jobs (reconnecting,
 resuming from resourceVersions); every event only wakes the reconcile loop. The
-loop is the local controller's: the same :class:`NodeReconciler` and
+loop runs joining nodes' deep checks (:class:`DeepCheckJobs`), then the local
+controller's: the same :class:`NodeReconciler` and
 :class:`JobReconciler` over the Kubernetes store and backend, a full
 level-triggered pass on every wake-up and at least every ``RESYNC_SECONDS``, so
 a missed or coalesced event costs a second, not a decision. Only the holder of
@@ -31,6 +32,8 @@ from unbroken.controller.metrics import ClusterCollector
 from unbroken.controller.node_reconciler import NodeReconciler
 from unbroken.errors import UnbrokenError
 from unbroken.kube import names
+from unbroken.operator import deep_checks
+from unbroken.operator.deep_checks import DeepCheckJobs
 from unbroken.kube.client import api_client
 from unbroken.kube.leader import LeaderLease
 from unbroken.kube.store import KubernetesStore
@@ -47,9 +50,10 @@ SILENT_AFTER_SECONDS = 3.0
 
 
 class Operator:
-    def __init__(self, runtime: Runtime, leader: LeaderLease) -> None:
+    def __init__(self, runtime: Runtime, leader: LeaderLease, deep_checks: DeepCheckJobs) -> None:
         self.runtime = runtime
         self.leader = leader
+        self.deep_checks = deep_checks
         self.wake = threading.Event()
         self.stopping = threading.Event()
         self.nodes = NodeReconciler(runtime.cluster, runtime.backend, runtime.config)
@@ -75,6 +79,7 @@ class Operator:
             if not self.leader.hold(now):
                 return
             self.warn_invalid()
+            self.deep_checks.reconcile(self.runtime.config)
             self.nodes.reconcile_all(now)
             self.jobs.reconcile_all(now)
         except Exception:  # noqa: BLE001 - the loop must outlive one bad pass (an API hiccup); it is logged
@@ -122,6 +127,7 @@ def _registry(operator: Operator, api: kubernetes.client.ApiClient) -> kopf.Oper
     kopf.on.event("", "v1", "nodes", registry=registry)(wake)
     kopf.on.event("", "v1", "pods", labels={PYTORCHJOB.job_name_label: kopf.PRESENT}, registry=registry)(wake)
     kopf.on.event(PYTORCHJOB.group, PYTORCHJOB.version, PYTORCHJOB.plural, registry=registry)(wake)
+    kopf.on.event("batch", "v1", "jobs", labels={deep_checks.COMPONENT_LABEL: deep_checks.COMPONENT}, registry=registry)(wake)
 
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
@@ -153,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     except UnbrokenError as exc:
         log.error("cannot start: %s", exc)
         return 2
-    operator = Operator(runtime, LeaderLease(api, args.namespace, names.LEADER_LEASE, args.identity))
+    operator = Operator(runtime, LeaderLease(api, args.namespace, names.LEADER_LEASE, args.identity),
+                        deep_checks.DeepCheckJobs(api, args.namespace, runtime.cluster))
     endpoint = None
     if runtime.config.Metrics.Enabled:
         registry = CollectorRegistry()

@@ -1,0 +1,92 @@
+"""Deep-check Jobs on join: the Job's shape (validated offline against the Kubernetes schema), its
+name, which group a node belongs to, and the verdict a pod leaves. The end-to-end run (real checks
+in pods on emulated nodes) is tests/integration/test_kubernetes.py."""
+
+from __future__ import annotations
+
+import json
+
+import kubernetes_validate
+import pytest
+
+from test_deploy_manifests import schema_version
+from unbroken.config.cluster import ClusterConfig, InstanceGroup
+from unbroken.health.pod import VERDICT_MARK, parse_verdict, verdict_record
+from unbroken.health.result import CheckResult, FaultAction, Status, Suite
+from unbroken.kube import names
+from unbroken.operator.deep_checks import DeepCheckJobs, group_of, job_name
+from unbroken.state.phases import DeepHealthStatus, NodeState
+from unbroken.state.records import Node
+
+CLUSTER = ClusterConfig(
+    ClusterName="k8s",
+    InstanceGroups=[
+        InstanceGroup(InstanceGroupName="gpu", InstanceType="p5.48xlarge", InstanceCount=0,
+                      OnStartDeepHealthChecks=["InstanceStress", "InstanceConnectivity"]),
+        InstanceGroup(InstanceGroupName="cpu", InstanceType="cpu-dev", InstanceCount=0),
+    ],
+)
+
+
+def node(name: str = "ip-10-0-1-17.ec2.internal", *, group: str = "default", instance_type: str = "p5.48xlarge", reboots: int = 0) -> Node:
+    return Node(name=name, group=group, instance_type=instance_type, state=NodeState.JOINING,
+                deep_health=DeepHealthStatus.NOT_RUN, registered_at=1_700_000_000.0, reboots=reboots)
+
+
+def test_a_node_belongs_to_its_labelled_group_else_to_the_group_of_its_instance_type() -> None:
+    assert group_of(CLUSTER, node(group="cpu")).InstanceGroupName == "cpu"  # type: ignore[union-attr]
+    assert group_of(CLUSTER, node(instance_type="p5.48xlarge")).InstanceGroupName == "gpu"  # type: ignore[union-attr]
+    assert group_of(CLUSTER, node(instance_type="m7i.large")) is None
+
+
+def test_job_names_fit_a_label_and_change_with_each_round_and_incarnation() -> None:
+    long = node("a" * 200 + ".compute.internal")
+    assert len(job_name(long, Suite.INSTANCE_CONNECTIVITY)) <= 63
+    first = job_name(node(), Suite.INSTANCE_STRESS)
+    assert first.startswith("unbroken-check-stress-ip-10-0-1-17.ec2.internal-")
+    assert job_name(node(reboots=1), Suite.INSTANCE_STRESS) != first  # back from a reboot: checked again
+    assert job_name(node(), Suite.INSTANCE_CONNECTIVITY) != first
+
+
+def test_the_job_is_pinned_tolerant_single_shot_and_valid_for_kubernetes() -> None:
+    jobs = DeepCheckJobs.__new__(DeepCheckJobs)  # the manifest needs no API connection
+    jobs.namespace = "unbroken-system"
+    group = CLUSTER.group("gpu")
+    body = jobs.job_manifest(CLUSTER, group, node(), Suite.INSTANCE_STRESS, "unbroken-check-stress-x-1234abcd")
+    assert kubernetes_validate.validate(body, schema_version(), strict=True)
+    spec = body["spec"]
+    assert spec["backoffLimit"] == 0
+    # the suite's check timeouts (devices 2 x 30, stress 2 x 120, storage 60) + the start allowance
+    assert spec["activeDeadlineSeconds"] == 360 + int(CLUSTER.Kubernetes.DeepCheckStartSeconds)
+    pod = spec["template"]["spec"]
+    assert pod["tolerations"] == [{"key": names.TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}]
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert terms == [{"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["ip-10-0-1-17.ec2.internal"]}]}]
+    container = pod["containers"][0]
+    assert container["resources"] == {"limits": {"nvidia.com/gpu": "8"}}  # a p5 profile: every GPU of the node
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    context = json.loads(env["UNBROKEN_CHECK_CONTEXT"])
+    assert (context["node"], context["instance_type"], env["UNBROKEN_CHECK_SUITE"]) == (
+        "ip-10-0-1-17.ec2.internal", "p5.48xlarge", "InstanceStress")
+
+
+def result(check: str, status: Status, *, action: FaultAction = FaultAction.REPLACE, faulty: tuple[str, ...] = ()) -> CheckResult:
+    return CheckResult(check, Suite.INSTANCE_STRESS, status, f"{check} said so", action=action, node="n1", faulty_nodes=faulty)
+
+
+def test_the_verdict_blames_the_node_unless_a_check_named_only_others() -> None:
+    passed = verdict_record("n1", [result("stress.matmul", Status.PASS), result("collective.allreduce", Status.FAIL, faulty=("n2",))])
+    assert (passed["passed"], passed["blamed"]) == (True, ["n2"])
+    failed = verdict_record("n1", [result("stress.matmul", Status.FAIL), result("devices.errors", Status.FAIL, action=FaultAction.REBOOT)])
+    assert (failed["passed"], failed["fault_type"]) == (False, "FaultyInstance")
+    assert failed["reason"] == "stress.matmul: stress.matmul said so; devices.errors: devices.errors said so"
+
+
+@pytest.mark.parametrize("text", ["", "Traceback (most recent call last):\n  killed", VERDICT_MARK + "{not json", VERDICT_MARK + "[1, 2]"])
+def test_a_pod_that_died_before_its_verdict_has_none(text: str) -> None:
+    assert parse_verdict(text) is None
+
+
+def test_the_verdict_is_the_last_marked_line_of_the_log_tail() -> None:
+    tail = "noise\n" + VERDICT_MARK + json.dumps({"passed": False, "reason": "x"}) + "\n"
+    assert parse_verdict(tail) == {"passed": False, "reason": "x"}
