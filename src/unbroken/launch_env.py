@@ -52,7 +52,7 @@ class LaunchEnv:
             cluster_dir=Path(cluster_dir) if cluster_dir else None,
             node=env.get(NODE) or os.uname().nodename,
             job=env.get(JOB) or env.get("TORCHELASTIC_RUN_ID") or "local",
-            attempt=int(env.get(ATTEMPT, "0")),
+            attempt=int(env.get(ATTEMPT) or "0"),  # empty: a pod whose attempt annotation is not set yet
             checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None,
             checkpoint_keep=int(env.get(CHECKPOINT_KEEP, "2")),
             checkpoint_tiers=env.get(CHECKPOINT_TIERS) or None,

@@ -17,10 +17,12 @@ What is emulated, and how (no kube-apiserver can run here):
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -38,6 +40,7 @@ from k8s_kubelet import TestKubelet
 from processes import stop_process
 from unbroken.kube import names
 from unbroken.kube.client import api_client
+from unbroken.kube.rank_env import AGENT_DIR, with_rank_env
 from unbroken.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(300)
@@ -135,7 +138,8 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
         remediations.touch()
         core.create_namespaced_config_map(SYSTEM, {"metadata": {"name": names.CLUSTER_CONFIGMAP},
                                                    "data": {"cluster.yaml": cluster_file(remediations)}})
-        with TestKubelet(kubeconfig, tmp_path / "kubelet") as kubelet:
+        # A short directory: a node's hostPath /var/run/unbroken/agent.sock must fit in a socket address (107 bytes).
+        with tempfile.TemporaryDirectory(prefix="k8s-", dir="/tmp") as nodes_root, TestKubelet(kubeconfig, Path(nodes_root)) as kubelet:
             for node in NODES:
                 kubelet.add_node(node, allocatable={"nvidia.com/gpu": "1"})
             result = Cluster(k8s, kubeconfig, api, kubelet, tmp_path, remediations)
@@ -148,8 +152,9 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
 
 
 def pytorchjob(name: str, checkpoints: Path, *, steps: int, step_time: float = 0.05, annotations: dict[str, str] | None = None,
-               nodes: int = 2) -> dict[str, Any]:
-    """A PyTorchJob as a user writes it: Master + Workers, torchrun reading training-operator's PET_* env."""
+               nodes: int = 2, report_progress: bool = False) -> dict[str, Any]:
+    """A PyTorchJob as a user writes it: Master + Workers, torchrun reading training-operator's PET_* env;
+    with ``report_progress``, its pods mount the node agent's socket and name their job (kube/rank_env.py)."""
     container = {
         "name": "pytorch", "image": "unbroken:dev",
         "command": [sys.executable, "-m", "torch.distributed.run", "-m", "unbroken.workloads.mlp",
@@ -157,7 +162,10 @@ def pytorchjob(name: str, checkpoints: Path, *, steps: int, step_time: float = 0
         "env": [{"name": "UNBROKEN_CHECKPOINT_DIR", "value": str(checkpoints)}],
         "resources": {"limits": {"nvidia.com/gpu": 1}},
     }
-    replica = {"replicas": 1, "restartPolicy": "OnFailure", "template": {"spec": {"containers": [container]}}}
+    template: dict[str, Any] = {"spec": {"containers": [container]}}
+    if report_progress:
+        template = with_rank_env(template, "training.kubeflow.org/job-name")
+    replica = {"replicas": 1, "restartPolicy": "OnFailure", "template": template}
     specs = {"Master": replica}
     if nodes > 1:
         specs["Worker"] = {**replica, "replicas": nodes - 1}
@@ -336,7 +344,7 @@ def start_agents(cluster: Cluster) -> dict[str, subprocess.Popen[bytes]]:
         log = open(cluster.workdir / f"agent-{node}.log", "ab")
         agents[node] = subprocess.Popen(
             [sys.executable, "-m", "unbroken.agent.kubernetes", "--kubernetes", "--node", node, "--kubeconfig", str(cluster.kubeconfig),
-             "--namespace", SYSTEM, "--kernel-log", str(node_dir / "kmsg.log"), "--socket-dir", str(node_dir / "run"),
+             "--namespace", SYSTEM, "--kernel-log", str(node_dir / "kmsg.log"), "--socket-dir", str(node_dir / AGENT_DIR.lstrip("/")),
              "--state-dir", str(node_dir / "state")],
             stdout=log, stderr=subprocess.STDOUT)
     leases = kubernetes.client.CoordinationV1Api(cluster.api)
@@ -467,3 +475,46 @@ def test_a_joining_node_is_deep_checked_by_jobs_pinned_to_it_then_admitted_or_ta
     # the nodes that were there when unbroken started were never checked nor tainted
     for old in NODES:
         assert labels(old).get(names.DEEP_HEALTH_CHECK_STATUS) is None and not check_jobs(cluster, old)
+
+
+def test_a_hung_rank_restarts_the_job_after_its_hang_timeout(cluster: Cluster, tmp_path: Path) -> None:
+    """Done-when 6: a rank stopped with SIGSTOP makes no progress; its node's agent keeps reporting the last
+    step in its Lease; the operator restarts the job after hang-timeout-seconds, and it resumes."""
+    agents = start_agents(cluster)
+    try:
+        cluster.start_operator()
+        checkpoints = tmp_path / "ckpt"
+        body = pytorchjob("hung", checkpoints, steps=3000, annotations={**auto_resume(2), names.HANG_TIMEOUT: "4"},
+                          report_progress=True)
+        for replica in body["spec"]["pytorchReplicaSpecs"].values():
+            # a stopped rank ignores SIGTERM: its pod goes at SIGKILL, after the grace period (default 30 s)
+            replica["template"]["spec"]["terminationGracePeriodSeconds"] = 5
+        name = running_with_a_checkpoint(cluster, body, checkpoints)
+        leases = kubernetes.client.CoordinationV1Api(cluster.api)
+
+        def reported_step(node: str) -> int | None:
+            lease = leases.read_namespaced_lease(f"{names.LEASE_PREFIX}{node}", SYSTEM)
+            reports = json.loads((lease.metadata.annotations or {}).get(names.LEASE_PROGRESS) or "[]")
+            mine = [r for r in reports if r["job"] == f"{JOBS}/{name}" and r["attempt"] == 0]
+            return mine[0]["last_step"] if mine else None
+
+        worker_node = cluster.core.read_namespaced_pod(f"{name}-worker-0", JOBS).spec.node_name
+        wait_until(lambda: (reported_step(worker_node) or 0) >= 10, 30, "the ranks' progress in the agent's Lease")
+
+        rank_process(cluster, f"{name}-worker-0").suspend()  # SIGSTOP: alive, silent
+        stopped_at = time.time()
+
+        wait_until(lambda: "JobRestarting" in cluster.reasons(name), 60, "the hang to restart the job")
+        waited = time.time() - stopped_at
+        restarting = next(m for _, r, m in cluster.events(name) if r == "JobRestarting")
+        assert "hang: no progress from a rank on" in restarting and "hang_timeout 4 s" in restarting, restarting
+        assert 4 <= waited < 15, waited  # not before the timeout; within a few passes after it
+        wait_until(lambda: cluster.annotations(name).get(names.RESTART_COUNT) == "1", 30, "restart-count 1")
+
+        def resumed() -> bool:
+            pods = cluster.pods(name)
+            return bool(pods) and all((p.metadata.annotations or {}).get(names.ATTEMPT) == "1" for p in pods) \
+                and "resumed at step" in rank_log(cluster, f"{name}-master-0")
+        wait_until(resumed, 120, "attempt 1 to resume from the checkpoint")
+    finally:
+        stop_agents(agents)

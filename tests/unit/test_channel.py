@@ -334,6 +334,18 @@ def test_taking_a_finished_workers_report_ends_it_and_keeps_the_others_news() ->
     assert book.take_dirty()[0].first_step == 2, "a worker taken out starts over"
 
 
+def test_the_current_report_repeats_a_silent_workers_last_step_and_forgets_older_attempts() -> None:
+    """What the Kubernetes agent writes into its Lease every renewal: a stopped rank's worker must keep
+    showing its last progress (the operator times the hang from it), not vanish once reported."""
+    book = ProgressBook()
+    book.apply([msg(MessageKind.PROGRESS, 0, 1.0, 4, job="a", attempt=0), msg(MessageKind.PROGRESS, 0, 2.0, 7, job="b")])
+    first = book.current()
+    assert [(r.job, r.attempt, r.last_step) for r in first] == [("a", 0, 4), ("b", 0, 7)]
+    assert book.current() == first, "no news: the same report again"
+    book.apply([msg(MessageKind.PROGRESS, 0, 9.0, 1, job="a", attempt=1)])
+    assert [(r.job, r.attempt, r.last_step) for r in book.current()] == [("a", 1, 1), ("b", 0, 7)]
+
+
 # -- the training API outside an agent --------------------------------------------------
 
 INIT = """

@@ -22,7 +22,7 @@ from unbroken.kube.client import api_client
 from unbroken.kube.leader import LeaderLease
 from unbroken.kube.store import KubernetesStore, condition_reason
 from unbroken.state.phases import DeepHealthStatus, IllegalTransition, JobPhase, NodeState
-from unbroken.state.records import EventType
+from unbroken.state.records import EventType, RankInfo, WorkerProgress
 from unbroken.state.store import StaleUpdate
 from unbroken.state.updates import JobUpdate, NodeUpdate
 
@@ -156,6 +156,16 @@ def test_lease_renewal_is_the_heartbeat(api: kubernetes.client.ApiClient, store:
     assert store.get_node(name).heartbeat_at == pytest.approx(1_700_000_000.5)
     store.renew_lease(name, at=1_700_000_003.25)
     assert store.get_node(name).heartbeat_at == pytest.approx(1_700_000_003.25)
+
+
+def test_the_ranks_progress_travels_in_the_agents_lease(api: kubernetes.client.ApiClient, store: KubernetesStore) -> None:
+    name = make_node(api)
+    report = WorkerProgress(job="ns/llama", attempt=2, ranks=(RankInfo(rank=0, local_rank=0, pid=7),), first_step=1,
+                            first_progress_at=10.0, last_step=40, last_progress_at=50.5)
+    store.renew_lease(name, at=1_700_000_000.0, progress=[report])
+    assert store.lease_progress()[("ns/llama", 2, name)] == report
+    store.renew_lease(name, at=1_700_000_001.0, progress=[])
+    assert ("ns/llama", 2, name) not in store.lease_progress()
 
 
 def test_only_annotated_jobs_are_jobs_and_their_state_lives_on_the_object(

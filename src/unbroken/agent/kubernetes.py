@@ -3,7 +3,8 @@
 The same parts as the local agent, minus what the kubelet does there: no
 worker runner (pods are the kubelet's), no registration (the Node exists). It
 renews its Lease ``unbroken-node-<node>`` once a second with the ranks' progress
-(the operator's heartbeat for the node: a lapsed Lease is a lost node), watches
+(the operator's heartbeat for the node: a lapsed Lease is a lost node; the
+progress, every job's latest attempt, is how the operator sees a hang), watches
 the kernel log (``/dev/kmsg`` on a real node, ``--kernel-log``) and applies
 faults to its own Node through the store (an Xid 79 → labels, taint, condition
 in one write), and serves ``/metrics``.
@@ -80,7 +81,7 @@ class KubernetesAgent:
                 if time.monotonic() >= next_renewal:
                     next_renewal += interval
                     try:
-                        self.store.renew_lease(self.node, at=time.time(), progress=self.book.take_dirty())
+                        self.store.renew_lease(self.node, at=time.time(), progress=self.book.current())
                     except StoreUnavailable:
                         log.exception("lease renewal failed; retrying", extra={"node": self.node})
         finally:

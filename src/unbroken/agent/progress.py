@@ -106,6 +106,18 @@ class ProgressBook:
                     progress.dirty = False
             return out
 
+    def current(self) -> list[WorkerProgress]:
+        """Every job's latest attempt on this node, news or not; older attempts are forgotten (their
+        ranks are gone). For a store that rewrites the whole report each renewal (a Lease annotation),
+        where a stopped rank must keep showing its last step, not vanish."""
+        with self._lock:
+            latest: dict[str, int] = {}
+            for job, attempt in self._workers:
+                latest[job] = max(attempt, latest.get(job, attempt))
+            for key in [k for k in self._workers if k[1] != latest[k[0]]]:
+                del self._workers[key]
+            return [progress.report(job, attempt) for (job, attempt), progress in sorted(self._workers.items())]
+
     def take(self, job: str, attempt: int) -> WorkerProgress | None:
         """The worker's report and its end in this book (it finished)."""
         with self._lock:

@@ -24,6 +24,7 @@ import os
 import re
 import subprocess
 import time
+from dataclasses import replace
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -32,7 +33,7 @@ from unbroken.kube import names
 from unbroken.kube.api import call, parse_time
 from unbroken.kube.store import KubernetesStore
 from unbroken.state.phases import WorkerPhase
-from unbroken.state.records import Desired, EventType, Job, Node, Worker
+from unbroken.state.records import Desired, EventType, Job, Node, Worker, WorkerProgress
 
 log = logging.getLogger("unbroken.kube.backend")
 
@@ -135,7 +136,8 @@ class KubernetesBackend:
             job = f"{pod['metadata']['namespace']}/{pod['metadata']['labels'][self.kind.job_name_label]}"
             if job in managed:
                 by_job.setdefault(job, []).append(pod)
-        return [w for job, pods in by_job.items() for w in self._workers(job, pods) if not w.phase.is_terminal]
+        progress = self.store.lease_progress() if by_job else {}
+        return [w for job, pods in by_job.items() for w in self._workers(job, pods, progress) if not w.phase.is_terminal]
 
     def worker_history(self, job: str) -> list[Worker]:
         """The pods that still exist (the API server keeps no deleted pods; the job's Events tell the rest)."""
@@ -178,10 +180,25 @@ class KubernetesBackend:
         except NotFoundError:
             pass
 
-    def _workers(self, job: str, pods: list[dict[str, Any]]) -> list[Worker]:
-        """One worker per pod of ``job`` bound to a node (a pod not yet scheduled is on no node to watch)."""
+    def _workers(self, job: str, pods: list[dict[str, Any]],
+                 progress: dict[tuple[str, int, str], WorkerProgress] | None = None) -> list[Worker]:
+        """One worker per pod of ``job`` bound to a node (a pod not yet scheduled is on no node to watch),
+        with the progress its node's agent reported for the job's ranks there (hang detection)."""
         masterless = not any(self.kind.is_master(pod) for pod in pods)
-        return [self._worker(job, pod, masterless) for pod in pods if (pod.get("spec") or {}).get("nodeName")]
+        bound = [pod for pod in pods if (pod.get("spec") or {}).get("nodeName")]
+        if progress is None:
+            progress = self.store.lease_progress() if bound else {}
+        workers = []
+        for pod in bound:
+            worker = self._worker(job, pod, masterless)
+            report = progress.get((job, worker.attempt, worker.node))
+            if report is not None:
+                worker = replace(worker, ranks=report.ranks, first_step=report.first_step,
+                                 first_progress_at=report.first_progress_at, last_step=report.last_step,
+                                 last_progress_at=report.last_progress_at, restored_step=report.restored_step,
+                                 checkpoint_stall_s=report.checkpoint_stall_s)
+            workers.append(worker)
+        return workers
 
     def _worker(self, job: str, pod: dict[str, Any], masterless: bool) -> Worker:
         meta, spec, status = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}

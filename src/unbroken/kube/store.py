@@ -39,7 +39,7 @@ from unbroken.kube.api import ApiConflict, call, format_time, parse_time
 from unbroken.kube.annotations import AnnotationError
 from unbroken.kube.workloads import PYTORCHJOB, PyTorchJobKind
 from unbroken.state.phases import JOB_TRANSITIONS, NODE_TRANSITIONS, DeepHealthStatus, JobPhase, NodeState, check_transition
-from unbroken.state.records import ClusterRecord, ClusterStatus, Event, EventType, Job, Node, WorkerProgress
+from unbroken.state.records import ClusterRecord, ClusterStatus, Event, EventType, Job, Node, RankInfo, WorkerProgress
 from unbroken.state.store import check_version
 from unbroken.state.updates import JobUpdate, NodeUpdate
 
@@ -140,6 +140,26 @@ class KubernetesStore:
             if name.startswith(names.LEASE_PREFIX) and at is not None:
                 renewed[name.removeprefix(names.LEASE_PREFIX)] = at
         return renewed
+
+    def lease_progress(self) -> dict[tuple[str, int, str], WorkerProgress]:
+        """What the node agents last reported of the ranks on their nodes, by (job, attempt, node):
+        each agent writes its jobs' latest attempts into its Lease every renewal."""
+        items = self._json(self.coordination.list_namespaced_lease, self.namespace)["items"]
+        found: dict[tuple[str, int, str], WorkerProgress] = {}
+        for lease in items:
+            name = lease["metadata"]["name"]
+            text = (lease["metadata"].get("annotations") or {}).get(names.LEASE_PROGRESS)
+            if not name.startswith(names.LEASE_PREFIX) or not text:
+                continue
+            node = name.removeprefix(names.LEASE_PREFIX)
+            try:
+                reports = [_progress(entry) for entry in json.loads(text)]
+            except (ValueError, TypeError, KeyError) as exc:
+                log.warning("Lease %s: unreadable %s annotation: %s", name, names.LEASE_PROGRESS, exc)
+                continue
+            for report in reports:
+                found[(report.job, report.attempt, node)] = report
+        return found
 
     def _node(self, obj: dict[str, Any], lease: float | None) -> Node:
         meta = obj["metadata"]
@@ -451,3 +471,8 @@ def condition_reason(fault_type: str | None, fault_reason: str | None = None) ->
 
 
 __all__ = ["InvalidJob", "KubernetesStore", "condition_reason"]
+
+
+def _progress(entry: dict[str, Any]) -> WorkerProgress:
+    ranks = tuple(RankInfo(**rank) for rank in entry.pop("ranks", None) or ())
+    return WorkerProgress(ranks=ranks, **entry)
