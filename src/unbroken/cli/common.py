@@ -6,10 +6,10 @@ import json
 import shutil
 import sys
 import time
-from dataclasses import asdict, is_dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -17,7 +17,11 @@ from rich.markup import escape
 from rich.table import Table
 
 from unbroken.layout import ClusterLayout, default_cluster_dir
-from unbroken.runtime import Runtime, open_local
+from unbroken.errors import UsageError
+from unbroken.runtime import Runtime, open_kubernetes, open_local
+
+if TYPE_CHECKING:
+    import kubernetes
 
 # Outside a terminal (pipes, CI logs) rich would wrap tables at 80 columns; $COLUMNS
 # or a width that fits a node table on one line reads better there.
@@ -42,8 +46,44 @@ def layout_for(directory: Path | None) -> ClusterLayout:
     return ClusterLayout.at(directory or default_cluster_dir())
 
 
+@dataclass(frozen=True)
+class KubernetesTarget:
+    """The cluster the root options name: ``unbroken --kubeconfig F --context C node list``."""
+
+    kubeconfig: Path | None = None
+    context: str | None = None
+    namespace: str = "unbroken-system"
+    """Where unbroken is installed (its ConfigMap and Leases)."""
+
+
+BACKEND_ENV = "UNBROKEN_BACKEND"
+_kubernetes: KubernetesTarget | None = None
+
+
+def use_kubernetes(target: KubernetesTarget | None) -> None:
+    """Set by the root callback when ``--kubeconfig``/``--context`` or ``UNBROKEN_BACKEND=kubernetes`` is given."""
+    global _kubernetes
+    _kubernetes = target
+
+
+def kubernetes_target() -> KubernetesTarget:
+    """The named cluster, or the kubeconfig's current context (kubectl's default) for commands that are Kubernetes-only."""
+    return _kubernetes or KubernetesTarget()
+
+
+def kube_api() -> "kubernetes.client.ApiClient":
+    from unbroken.kube.client import api_client
+
+    target = kubernetes_target()
+    return api_client(target.kubeconfig, target.context)
+
+
 def open_runtime(directory: Path | None) -> Runtime:
-    """The cluster of ``--dir`` (or $UNBROKEN_DIR, or ./.unbroken)."""
+    """The cluster the root options name on Kubernetes; else the local one of ``--dir`` (or $UNBROKEN_DIR, or ./.unbroken)."""
+    if _kubernetes is not None:
+        if directory is not None:
+            raise UsageError("--dir names a local cluster; it cannot be used with --kubeconfig/--context/UNBROKEN_BACKEND=kubernetes")
+        return open_kubernetes(kube_api(), _kubernetes.namespace)
     return open_local(layout_for(directory))
 
 

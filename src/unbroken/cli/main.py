@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
+from typing import Annotated
 
 import typer
 from rich.markup import escape
 
-from unbroken.cli import chaos, check, ckpt, cluster, job, node
-from unbroken.cli.common import err_console
+from unbroken.cli import chaos, check, ckpt, cluster, job, k8s, node
+from unbroken.cli.common import BACKEND_ENV, KubernetesTarget, err_console, use_kubernetes
 from unbroken.errors import UnbrokenError
 
 app = typer.Typer(
     name="unbroken",
     help="Keep distributed PyTorch training alive through failures.\n\n"
-    "Start here:  unbroken cluster up --nodes 3;  unbroken job start -f examples/job.yaml;  unbroken job describe mlp",
+    "Start here:  unbroken cluster up --nodes 3;  unbroken job start -f examples/job.yaml;  unbroken job describe mlp\n\n"
+    "On Kubernetes:  unbroken k8s start -f examples/k8s-job.yaml --image my/train:1;  "
+    "unbroken --kubeconfig ~/.kube/config node list  (or UNBROKEN_BACKEND=kubernetes)",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
@@ -25,6 +30,21 @@ app.add_typer(node.app, name="node")
 app.add_typer(chaos.app, name="chaos")
 app.add_typer(ckpt.app, name="ckpt")
 app.add_typer(check.app, name="check")
+app.add_typer(k8s.app, name="k8s")
+
+
+@app.callback()
+def root(
+    kubeconfig: Annotated[Path | None, typer.Option("--kubeconfig", help="Work on the Kubernetes cluster of this kubeconfig "
+                                                    "(node and job commands) instead of a local cluster",
+                                                    show_default=False)] = None,
+    context: Annotated[str | None, typer.Option("--context", help="The kubeconfig context to use (default: its current one)",
+                                                show_default=False)] = None,
+    namespace: Annotated[str, typer.Option("--unbroken-namespace", help="Where unbroken is installed on the cluster")] = "unbroken-system",
+) -> None:
+    """Which cluster: a local one (--dir on each command), or a Kubernetes one named here."""
+    wanted = kubeconfig is not None or context is not None or os.environ.get(BACKEND_ENV, "").lower() == "kubernetes"
+    use_kubernetes(KubernetesTarget(kubeconfig, context, namespace) if wanted else None)
 
 
 @app.command("demo")

@@ -106,6 +106,8 @@ class JobSpec(_Strict):
         context = info.context or {}
         if context.get("trusted"):
             return self  # read back from the store: paths were resolved at submit time
+        if context.get("in_image"):
+            return self  # a container's job (Kubernetes): its paths are the image's, not this machine's
         base = Path(context.get("base_dir", Path.cwd()))
         working_dir = (base / self.working_dir) if self.working_dir else base
         if not working_dir.is_dir():
@@ -133,8 +135,9 @@ class JobSpec(_Strict):
         return self.nodes * self.procs_per_node
 
 
-def load_job(path: Path, *, overrides: dict[str, Any] | None = None) -> JobSpec:
-    """Load a job file; ``overrides`` are dotted paths from CLI flags (``resilience.max_retry``)."""
+def load_job(path: Path, *, overrides: dict[str, Any] | None = None, in_image: bool = False) -> JobSpec:
+    """Load a job file; ``overrides`` are dotted paths from CLI flags (``resilience.max_retry``).
+    ``in_image``: the job runs in a container, so its script and paths are not looked up here."""
     from unbroken.config.loading import read_mapping, validate_mapping
 
     data = read_mapping(path)
@@ -147,4 +150,4 @@ def load_job(path: Path, *, overrides: dict[str, Any] | None = None) -> JobSpec:
                 break
         else:
             target[leaf] = value
-    return validate_mapping(data, JobSpec, source=str(path), context={"base_dir": path.parent.resolve()})
+    return validate_mapping(data, JobSpec, source=str(path), context={"base_dir": path.parent.resolve(), "in_image": in_image})

@@ -1,0 +1,125 @@
+"""The CLI on a Kubernetes cluster: ``unbroken k8s render|start`` and ``--kubeconfig`` for node and job commands.
+
+Real: the CLI process, the Kubernetes client, kubectl-style kubeconfig handling, the Kubeflow SDK's models.
+Emulated: the API server (tests/k8s_emulator.py, kmock over HTTP: no admission, defaulting or validation --
+so the rendered objects are also validated offline here, the pod template against the Kubernetes schema).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import kubernetes
+import kubernetes_validate
+import pytest
+import yaml
+
+from helpers import run_cli
+from test_deploy_manifests import schema_version
+from unbroken.config.job import JobSpec
+from unbroken.errors import UsageError
+from unbroken.kube import annotations as job_annotations
+from unbroken.kube import names
+from unbroken.kube.client import api_client
+from unbroken.kube.render import Placement, parse_label_selector, render_pytorchjob
+from unbroken.kube.workloads import PYTORCHJOB
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "k8s-job.yaml"
+
+
+def spec(**fields: Any) -> JobSpec:
+    """A job whose script is in its image (not on this machine)."""
+    return JobSpec.model_validate({"name": "llama", "nodes": 3, "procs_per_node": 8, "command": ["train.py", "--lr", "3e-4"],
+                                   "resilience": {"auto_resume": True, "max_retry": 5, "hang_timeout": 600}, **fields},
+                                  context={"in_image": True})
+
+
+def test_the_rendered_job_is_what_the_operator_and_training_operator_read() -> None:
+    body = render_pytorchjob(spec(), Placement(image="ghcr.io/me/train:1", namespace="ml", gpus_per_node=8,
+                                               node_selector={"node.kubernetes.io/instance-type": "p5.48xlarge"}))
+    model = PYTORCHJOB.model(body)  # the Kubeflow SDK reads it back
+    assert (model.spec.nproc_per_node, PYTORCHJOB.node_count(body)) == ("8", 3)
+    assert {k: v.restart_policy for k, v in model.spec.pytorch_replica_specs.items()} == {"Master": "OnFailure", "Worker": "OnFailure"}
+    settings = job_annotations.parse(body["metadata"]["annotations"])  # the operator's own parser
+    assert (settings.max_retry, settings.hang_timeout, settings.require_deep_health_passed) == (5, 600.0, False)
+    template = body["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": template["spec"]}
+    assert kubernetes_validate.validate(pod, schema_version(), strict=True)
+    container = template["spec"]["containers"][0]
+    assert container["name"] == "pytorch" and container["command"] == ["python", "-m", "torch.distributed.run", "train.py", "--lr", "3e-4"]
+    assert container["resources"] == {"limits": {"nvidia.com/gpu": "8"}}
+    assert template["spec"]["nodeSelector"] == {"node.kubernetes.io/instance-type": "p5.48xlarge"}
+    assert {"UNBROKEN_JOB", "UNBROKEN_AGENT_SOCKET", "UNBROKEN_CHECKPOINT_DIR"} <= {e["name"] for e in container["env"]}
+
+
+def test_deep_checks_are_required_only_when_asked() -> None:
+    def required(s: JobSpec, flag: bool | None) -> str:
+        return render_pytorchjob(s, Placement(image="i", deep_health_only=flag))["metadata"]["annotations"][names.REQUIRE_DEEP_HEALTH]
+    assert required(spec(), None) == "false", "not written in the job file: any Schedulable node"
+    assert required(spec(resilience={"require_deep_health_passed": True}), None) == "true"
+    assert required(spec(resilience={"require_deep_health_passed": True}), False) == "false", "the flag wins"
+    assert required(spec(), True) == "true"
+
+
+def test_a_module_command_runs_under_torchrun_and_the_tiered_checkpoint_is_refused() -> None:
+    body = render_pytorchjob(spec(command=["-m", "pkg.train"], nodes=1), Placement(image="i"))
+    assert list(body["spec"]["pytorchReplicaSpecs"]) == ["Master"]
+    assert body["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["command"][-2:] == ["--module", "pkg.train"]
+    with pytest.raises(UsageError, match="tiered checkpoint"):
+        render_pytorchjob(spec(checkpoint={"memory": {}}), Placement(image="i"))
+    with pytest.raises(UsageError, match="must be an absolute path in the container"):
+        render_pytorchjob(spec(checkpoint={"dir": "ckpt"}), Placement(image="i"))
+    assert parse_label_selector(["a=1,b=2", "c=3"]) == {"a": "1", "b": "2", "c": "3"}
+    with pytest.raises(UsageError, match="expected key=value"):
+        parse_label_selector(["nope"])
+
+
+@pytest.fixture(scope="module")
+def installed(kubeconfig: Path) -> kubernetes.client.ApiClient:
+    """unbroken 'installed': its namespace and cluster ConfigMap, as `kubectl apply -k deploy/` leaves them."""
+    api = api_client(kubeconfig)
+    core = kubernetes.client.CoreV1Api(api)
+    core.create_namespace({"metadata": {"name": "unbroken-system"}})
+    core.create_namespaced_config_map("unbroken-system", {"metadata": {"name": names.CLUSTER_CONFIGMAP}, "data": {
+        "cluster.yaml": yaml.safe_dump({"ClusterName": "k8s", "InstanceGroups": [
+            {"InstanceGroupName": "gpu", "InstanceType": "cpu-dev", "InstanceCount": 0}]})}})
+    return api
+
+
+def test_start_creates_the_job_the_cli_then_lists_and_a_second_start_is_refused(kubeconfig: Path, installed: Any) -> None:
+    namespace = f"ml-{uuid.uuid4().hex[:6]}"
+    kubernetes.client.CoreV1Api(installed).create_namespace({"metadata": {"name": namespace}})
+    rendered = yaml.safe_load(run_cli("k8s", "render", "-f", str(EXAMPLE), "--image", "img:1", "-n", namespace).stdout)
+    out = run_cli("--kubeconfig", str(kubeconfig), "k8s", "start", "-f", str(EXAMPLE), "--image", "img:1", "-n", namespace).stdout
+    assert f"PyTorchJob {namespace}/mlp created (2 x 2)" in out
+    created = kubernetes.client.CustomObjectsApi(installed).get_namespaced_custom_object(
+        "kubeflow.org", "v1", namespace, "pytorchjobs", "mlp")
+    assert created["spec"] == rendered["spec"] and created["metadata"]["annotations"] == rendered["metadata"]["annotations"]
+
+    jobs = json.loads(run_cli("--kubeconfig", str(kubeconfig), "job", "list", "-o", "json").stdout)
+    assert f"{namespace}/mlp" in [j["name"] for j in jobs]
+
+    again = run_cli("--kubeconfig", str(kubeconfig), "k8s", "start", "-f", str(EXAMPLE), "--image", "img:1", "-n", namespace, check=False)
+    assert again.returncode != 0 and f"PyTorchJob {namespace}/mlp already exists" in again.stderr and "Traceback" not in again.stderr
+
+
+def test_node_list_reads_the_clusters_nodes_and_their_labels(kubeconfig: Path, installed: Any) -> None:
+    name = f"gpu-{uuid.uuid4().hex[:6]}"
+    kubernetes.client.CoreV1Api(installed).create_node({
+        "metadata": {"name": name, "labels": {names.DEEP_HEALTH_CHECK_STATUS: "Passed"}},
+        "status": {"conditions": [{"type": "Ready", "status": "True"}]}})
+    nodes = {n["name"]: n for n in json.loads(run_cli("--kubeconfig", str(kubeconfig), "node", "list", "-o", "json").stdout)}
+    assert (nodes[name]["health_status"], nodes[name]["deep_health_check_status"]) == ("Schedulable", "Passed")
+    table = run_cli("--kubeconfig", str(kubeconfig), "node", "list").stdout
+    assert name in table and "Passed" in table
+
+
+def test_a_missing_kubeconfig_or_a_dir_with_it_is_a_clear_error(tmp_path: Path) -> None:
+    missing = run_cli("--kubeconfig", str(tmp_path / "nope"), "node", "list", check=False)
+    assert missing.returncode != 0 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr
+    both = run_cli("--kubeconfig", str(tmp_path / "nope"), "node", "list", "--dir", str(tmp_path), check=False)
+    assert both.returncode != 0 and "--dir names a local cluster" in both.stderr
