@@ -440,7 +440,8 @@ CLUSTER_FILE = {
     "NodeRecovery": "Automatic",
     "InstanceGroups": [{"InstanceGroupName": "gpu", "InstanceType": "p5.48xlarge", "InstanceCount": 0,
                         "OnStartDeepHealthChecks": ["InstanceStress", "InstanceConnectivity"]}],
-    "Kubernetes": {"Remediator": "Condition", "RemediationCommand": [], "ForceDeleteGraceSeconds": 60},
+    "Kubernetes": {"Remediator": "Condition", "RemediationCommand": [], "ForceDeleteGraceSeconds": 60,
+                   "DeepCheckImage": "ghcr.io/unbroken-dev/unbroken", "DeepCheckStartSeconds": 300},
 }
 
 

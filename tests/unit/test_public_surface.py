@@ -39,6 +39,12 @@ CLI = {
     "job list": ["--dir", "--output/-o"],
     "job logs": ["--attempt", "--dir", "--follow/-f", "--node", "--rank", "NAME"],
     "job start": ["--auto-resume/--no-auto-resume", "--dir", "--file/-f", "--max-retry", "--name", "--steps", "--wait"],
+    "k8s render": ["--any-schedulable-node/--deep-health-check-passed-nodes-only", "--auto-resume/--no-auto-resume", "--checkpoint-claim",
+                   "--file/-f", "--gpus-per-node", "--image", "--label-selector", "--max-retry", "--name", "--namespace/-n",
+                   "--node-count", "--output/-o", "--tasks-per-node"],
+    "k8s start": ["--any-schedulable-node/--deep-health-check-passed-nodes-only", "--auto-resume/--no-auto-resume", "--checkpoint-claim",
+                  "--file/-f", "--gpus-per-node", "--image", "--label-selector", "--max-retry", "--name", "--namespace/-n",
+                  "--node-count", "--tasks-per-node"],
     "node cordon": ["--dir", "NAME"],
     "node describe": ["--dir", "--output/-o", "NAME"],
     "node list": ["--all/-a", "--dir", "--output/-o"],
@@ -62,6 +68,11 @@ def _commands(command, prefix: str = "") -> dict[str, list[str]]:
 
 def test_every_cli_command_and_its_flags():
     assert _commands(typer.main.get_command(app)) == CLI
+
+
+def test_the_root_options_choose_the_cluster():
+    root = typer.main.get_command(app)
+    assert sorted(p.opts[0] for p in root.params) == ["--context", "--kubeconfig", "--unbroken-namespace"]
 
 
 def test_top_level_names():
