@@ -103,3 +103,16 @@ def k8s(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
 @pytest.fixture(scope="module")
 def kubeconfig(k8s: Emulator) -> Path:
     return k8s.write_kubeconfig(k8s.workdir / "kubeconfig")
+
+
+@pytest.fixture
+def namespace(kubeconfig: Path) -> str:
+    """A fresh namespace in the module's emulator, so that tests sharing it do not see each other's objects."""
+    import kubernetes
+
+    from unbroken.kube.client import api_client
+
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    with api_client(kubeconfig) as client:
+        kubernetes.client.CoreV1Api(client).create_namespace({"metadata": {"name": name}})
+    return name

@@ -90,9 +90,8 @@ def installed(kubeconfig: Path) -> kubernetes.client.ApiClient:
     return api
 
 
-def test_start_creates_the_job_the_cli_then_lists_and_a_second_start_is_refused(kubeconfig: Path, installed: Any) -> None:
-    namespace = f"ml-{uuid.uuid4().hex[:6]}"
-    kubernetes.client.CoreV1Api(installed).create_namespace({"metadata": {"name": namespace}})
+def test_start_creates_the_job_the_cli_then_lists_and_a_second_start_is_refused(kubeconfig: Path, installed: Any,
+                                                                                namespace: str) -> None:
     rendered = yaml.safe_load(run_cli("k8s", "render", "-f", str(EXAMPLE), "--image", "img:1", "-n", namespace).stdout)
     out = run_cli("--kubeconfig", str(kubeconfig), "k8s", "start", "-f", str(EXAMPLE), "--image", "img:1", "-n", namespace).stdout
     assert f"PyTorchJob {namespace}/mlp created (2 x 2)" in out

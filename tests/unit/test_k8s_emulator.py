@@ -43,14 +43,6 @@ def api(kubeconfig: Path) -> Iterator[kubernetes.client.ApiClient]:
         yield client
 
 
-@pytest.fixture
-def namespace(api: kubernetes.client.ApiClient) -> str:
-    """A fresh namespace per test, so that tests sharing one emulator do not see each other's objects."""
-    name = f"t-{uuid.uuid4().hex[:8]}"
-    kubernetes.client.CoreV1Api(api).create_namespace({"metadata": {"name": name}})
-    return name
-
-
 def kubectl(kubeconfig: Path, *args: str, stdin: str | None = None) -> str:
     assert KUBECTL is not None
     done = subprocess.run([KUBECTL, "--kubeconfig", str(kubeconfig), *args], input=stdin, capture_output=True, text=True, timeout=30)

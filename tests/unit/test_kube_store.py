@@ -72,13 +72,6 @@ def make_job(api: kubernetes.client.ApiClient, namespace: str, job_annotations: 
     return name
 
 
-@pytest.fixture
-def namespace(api: kubernetes.client.ApiClient) -> str:
-    name = f"t-{uuid.uuid4().hex[:8]}"
-    kubernetes.client.CoreV1Api(api).create_namespace({"metadata": {"name": name}})
-    return name
-
-
 def test_a_fresh_node_reads_schedulable_never_checked_and_alive(api: kubernetes.client.ApiClient, store: KubernetesStore) -> None:
     name = make_node(api)
     node = store.get_node(name)
