@@ -353,64 +353,65 @@ def start_agents(cluster: Cluster) -> dict[str, subprocess.Popen[bytes]]:
     return agents
 
 
-def stop_agents(agents: dict[str, subprocess.Popen[bytes]]) -> None:
-    for proc in agents.values():
-        stop_process(proc, sig=signal.SIGKILL)
+Agents = dict[str, subprocess.Popen[bytes]]
 
 
-def test_an_xid_79_in_a_nodes_kernel_log_takes_it_out_and_the_job_resumes_on_other_nodes(cluster: Cluster, tmp_path: Path) -> None:
+@pytest.fixture
+def agents(cluster: Cluster) -> Iterator[Agents]:
+    """The node agents of every node, running for the test, SIGKILLed after it."""
+    started = start_agents(cluster)
+    try:
+        yield started
+    finally:
+        for proc in started.values():
+            stop_process(proc, sig=signal.SIGKILL)
+
+
+def test_an_xid_79_in_a_nodes_kernel_log_takes_it_out_and_the_job_resumes_on_other_nodes(cluster: Cluster, agents: Agents, tmp_path: Path) -> None:
     from unbroken.health.chaos import xid_line
 
-    agents = start_agents(cluster)
-    try:
-        cluster.start_operator()
-        checkpoints = tmp_path / "ckpt"
-        name = running_with_a_checkpoint(cluster, pytorchjob("xid", checkpoints, steps=400, annotations=auto_resume(3)), checkpoints)
-        faulty = cluster.core.read_namespaced_pod(f"{name}-worker-0", JOBS).spec.node_name
+    cluster.start_operator()
+    checkpoints = tmp_path / "ckpt"
+    name = running_with_a_checkpoint(cluster, pytorchjob("xid", checkpoints, steps=400, annotations=auto_resume(3)), checkpoints)
+    faulty = cluster.core.read_namespaced_pod(f"{name}-worker-0", JOBS).spec.node_name
 
-        with open(cluster.kubelet.node_dir(faulty) / "kmsg.log", "a") as kmsg:
-            kmsg.write(xid_line(79, "PCI:0000:b9:00") + "\n")
-        written = time.monotonic()
-        def taken_out() -> Any:
-            # The labels and taint are one write, the condition (nodes/status) the next: wait for both.
-            n = cluster.core.read_node(faulty)
-            flipped = n.metadata.labels.get(names.NODE_HEALTH_STATUS) == "UnschedulablePendingReplacement"
-            return flipped and any(c.type == names.CONDITION_TYPE for c in n.status.conditions or []) and n
-        node = wait_until(taken_out, 10, "the Xid to reach the node's labels and condition", interval=0.05)
-        assert time.monotonic() - written < 2.0, "label and condition must change within 2 s of the kernel log line"
-        assert node.metadata.labels[names.FAULT_TYPES] == "FaultyInstance"  # HyperPod's fault type for an Xid 79
-        assert "Xid" in node.metadata.labels[names.FAULT_REASONS], node.metadata.labels
-        condition = next(c for c in node.status.conditions if c.type == names.CONDITION_TYPE)
-        assert (condition.status, condition.reason) == ("False", "NvidiaXID79Error")
-        assert any(t.key == names.TAINT_KEY for t in node.spec.taints or [])
+    with open(cluster.kubelet.node_dir(faulty) / "kmsg.log", "a") as kmsg:
+        kmsg.write(xid_line(79, "PCI:0000:b9:00") + "\n")
+    written = time.monotonic()
+    def taken_out() -> Any:
+        # The labels and taint are one write, the condition (nodes/status) the next: wait for both.
+        n = cluster.core.read_node(faulty)
+        flipped = n.metadata.labels.get(names.NODE_HEALTH_STATUS) == "UnschedulablePendingReplacement"
+        return flipped and any(c.type == names.CONDITION_TYPE for c in n.status.conditions or []) and n
+    node = wait_until(taken_out, 10, "the Xid to reach the node's labels and condition", interval=0.05)
+    assert time.monotonic() - written < 2.0, "label and condition must change within 2 s of the kernel log line"
+    assert node.metadata.labels[names.FAULT_TYPES] == "FaultyInstance"  # HyperPod's fault type for an Xid 79
+    assert "Xid" in node.metadata.labels[names.FAULT_REASONS], node.metadata.labels
+    condition = next(c for c in node.status.conditions if c.type == names.CONDITION_TYPE)
+    assert (condition.status, condition.reason) == ("False", "NvidiaXID79Error")
+    assert any(t.key == names.TAINT_KEY for t in node.spec.taints or [])
 
-        wait_resumed_off(cluster, name, faulty)
-        assert cluster.annotations(name)[names.RESTART_COUNT] == "1"
-        events = [(r, m) for _, r, m in cluster.events(name) if r in ("JobScheduled", "JobRestarting")]
-        assert [r for r, _ in events] == ["JobScheduled", "JobRestarting", "JobScheduled"], events
-        assert faulty in events[1][1] and "Xid" in events[1][1], events[1]
-    finally:
-        stop_agents(agents)
+    wait_resumed_off(cluster, name, faulty)
+    assert cluster.annotations(name)[names.RESTART_COUNT] == "1"
+    events = [(r, m) for _, r, m in cluster.events(name) if r in ("JobScheduled", "JobRestarting")]
+    assert [r for r, _ in events] == ["JobScheduled", "JobRestarting", "JobScheduled"], events
+    assert faulty in events[1][1] and "Xid" in events[1][1], events[1]
 
 
-def test_a_node_whose_agent_stops_renewing_its_lease_is_lost_and_the_job_moves(cluster: Cluster, tmp_path: Path) -> None:
-    agents = start_agents(cluster)
-    try:
-        cluster.start_operator()
-        checkpoints = tmp_path / "ckpt"
-        name = running_with_a_checkpoint(cluster, pytorchjob("lease", checkpoints, steps=400, annotations=auto_resume(3)), checkpoints)
-        silent = cluster.core.read_namespaced_pod(f"{name}-master-0", JOBS).spec.node_name
+def test_a_node_whose_agent_stops_renewing_its_lease_is_lost_and_the_job_moves(cluster: Cluster, agents: Agents, tmp_path: Path) -> None:
+    cluster.start_operator()
+    checkpoints = tmp_path / "ckpt"
+    name = running_with_a_checkpoint(cluster, pytorchjob("lease", checkpoints, steps=400, annotations=auto_resume(3)), checkpoints)
+    silent = cluster.core.read_namespaced_pod(f"{name}-master-0", JOBS).spec.node_name
 
-        agents[silent].kill()  # the kubelet is fine; unbroken's agent on the node is gone
+    agents[silent].kill()  # the kubelet is fine; unbroken's agent on the node is gone
 
-        node = wait_until(lambda: (n := cluster.core.read_node(silent)).metadata.labels.get(names.FAULT_TYPES) == "NodeLost" and n,
-                        30, "the node to be declared lost")
-        assert node.metadata.labels[names.NODE_HEALTH_STATUS] == "UnschedulablePendingReplacement"
-        wait_resumed_off(cluster, name, silent)
-        restarting = next(m for _, r, m in cluster.events(name) if r == "JobRestarting")
-        assert silent in restarting and "heartbeat lost" in restarting, restarting
-    finally:
-        stop_agents(agents)
+    node = wait_until(lambda: (n := cluster.core.read_node(silent)).metadata.labels.get(names.FAULT_TYPES) == "NodeLost" and n,
+                    30, "the node to be declared lost")
+    assert node.metadata.labels[names.NODE_HEALTH_STATUS] == "UnschedulablePendingReplacement"
+    wait_resumed_off(cluster, name, silent)
+    restarting = next(m for _, r, m in cluster.events(name) if r == "JobRestarting")
+    assert silent in restarting and "heartbeat lost" in restarting, restarting
 
 
 STARTUP_TAINT = {"key": names.TAINT_KEY, "value": names.TAINT_VALUE, "effect": names.TAINT_EFFECT}
@@ -477,44 +478,40 @@ def test_a_joining_node_is_deep_checked_by_jobs_pinned_to_it_then_admitted_or_ta
         assert labels(old).get(names.DEEP_HEALTH_CHECK_STATUS) is None and not check_jobs(cluster, old)
 
 
-def test_a_hung_rank_restarts_the_job_after_its_hang_timeout(cluster: Cluster, tmp_path: Path) -> None:
+def test_a_hung_rank_restarts_the_job_after_its_hang_timeout(cluster: Cluster, agents: Agents, tmp_path: Path) -> None:
     """Done-when 6: a rank stopped with SIGSTOP makes no progress; its node's agent keeps reporting the last
     step in its Lease; the operator restarts the job after hang-timeout-seconds, and it resumes."""
-    agents = start_agents(cluster)
-    try:
-        cluster.start_operator()
-        checkpoints = tmp_path / "ckpt"
-        body = pytorchjob("hung", checkpoints, steps=3000, annotations={**auto_resume(2), names.HANG_TIMEOUT: "4"},
-                          report_progress=True)
-        for replica in body["spec"]["pytorchReplicaSpecs"].values():
-            # a stopped rank ignores SIGTERM: its pod goes at SIGKILL, after the grace period (default 30 s)
-            replica["template"]["spec"]["terminationGracePeriodSeconds"] = 5
-        name = running_with_a_checkpoint(cluster, body, checkpoints)
-        leases = kubernetes.client.CoordinationV1Api(cluster.api)
+    cluster.start_operator()
+    checkpoints = tmp_path / "ckpt"
+    body = pytorchjob("hung", checkpoints, steps=3000, annotations={**auto_resume(2), names.HANG_TIMEOUT: "4"},
+                      report_progress=True)
+    for replica in body["spec"]["pytorchReplicaSpecs"].values():
+        # a stopped rank ignores SIGTERM: its pod goes at SIGKILL, after the grace period (default 30 s)
+        replica["template"]["spec"]["terminationGracePeriodSeconds"] = 5
+    name = running_with_a_checkpoint(cluster, body, checkpoints)
+    leases = kubernetes.client.CoordinationV1Api(cluster.api)
 
-        def reported_step(node: str) -> int | None:
-            lease = leases.read_namespaced_lease(f"{names.LEASE_PREFIX}{node}", SYSTEM)
-            reports = json.loads((lease.metadata.annotations or {}).get(names.LEASE_PROGRESS) or "[]")
-            mine = [r for r in reports if r["job"] == f"{JOBS}/{name}" and r["attempt"] == 0]
-            return mine[0]["last_step"] if mine else None
+    def reported_step(node: str) -> int | None:
+        lease = leases.read_namespaced_lease(f"{names.LEASE_PREFIX}{node}", SYSTEM)
+        reports = json.loads((lease.metadata.annotations or {}).get(names.LEASE_PROGRESS) or "[]")
+        mine = [r for r in reports if r["job"] == f"{JOBS}/{name}" and r["attempt"] == 0]
+        return mine[0]["last_step"] if mine else None
 
-        worker_node = cluster.core.read_namespaced_pod(f"{name}-worker-0", JOBS).spec.node_name
-        wait_until(lambda: (reported_step(worker_node) or 0) >= 10, 30, "the ranks' progress in the agent's Lease")
+    worker_node = cluster.core.read_namespaced_pod(f"{name}-worker-0", JOBS).spec.node_name
+    wait_until(lambda: (reported_step(worker_node) or 0) >= 10, 30, "the ranks' progress in the agent's Lease")
 
-        rank_process(cluster, f"{name}-worker-0").suspend()  # SIGSTOP: alive, silent
-        stopped_at = time.time()
+    rank_process(cluster, f"{name}-worker-0").suspend()  # SIGSTOP: alive, silent
+    stopped_at = time.time()
 
-        wait_until(lambda: "JobRestarting" in cluster.reasons(name), 60, "the hang to restart the job")
-        waited = time.time() - stopped_at
-        restarting = next(m for _, r, m in cluster.events(name) if r == "JobRestarting")
-        assert "hang: no progress from a rank on" in restarting and "hang_timeout 4 s" in restarting, restarting
-        assert 4 <= waited < 15, waited  # not before the timeout; within a few passes after it
-        wait_until(lambda: cluster.annotations(name).get(names.RESTART_COUNT) == "1", 30, "restart-count 1")
+    wait_until(lambda: "JobRestarting" in cluster.reasons(name), 60, "the hang to restart the job")
+    waited = time.time() - stopped_at
+    restarting = next(m for _, r, m in cluster.events(name) if r == "JobRestarting")
+    assert "hang: no progress from a rank on" in restarting and "hang_timeout 4 s" in restarting, restarting
+    assert 4 <= waited < 15, waited  # not before the timeout; within a few passes after it
+    wait_until(lambda: cluster.annotations(name).get(names.RESTART_COUNT) == "1", 30, "restart-count 1")
 
-        def resumed() -> bool:
-            pods = cluster.pods(name)
-            return bool(pods) and all((p.metadata.annotations or {}).get(names.ATTEMPT) == "1" for p in pods) \
-                and "resumed at step" in rank_log(cluster, f"{name}-master-0")
-        wait_until(resumed, 120, "attempt 1 to resume from the checkpoint")
-    finally:
-        stop_agents(agents)
+    def resumed() -> bool:
+        pods = cluster.pods(name)
+        return bool(pods) and all((p.metadata.annotations or {}).get(names.ATTEMPT) == "1" for p in pods) \
+            and "resumed at step" in rank_log(cluster, f"{name}-master-0")
+    wait_until(resumed, 120, "attempt 1 to resume from the checkpoint")
