@@ -161,6 +161,18 @@ def test_the_ranks_progress_travels_in_the_agents_lease(api: kubernetes.client.A
     assert ("ns/llama", 2, name) not in store.lease_progress()
 
 
+def test_an_unreadable_progress_annotation_loses_only_that_nodes_report(api: kubernetes.client.ApiClient, store: KubernetesStore) -> None:
+    good, bad = make_node(api), make_node(api)
+    store.renew_lease(good, at=1_700_000_000.0, progress=[WorkerProgress(job="ns/a", attempt=0, last_step=3)])
+    store.renew_lease(bad, at=1_700_000_000.0)
+    kubernetes.client.CoordinationV1Api(api).patch_namespaced_lease(
+        f"{names.LEASE_PREFIX}{bad}", NAMESPACE, {"metadata": {"annotations": {names.LEASE_PROGRESS: "[{\"job\": 1"}}})
+    progress = store.lease_progress()
+    assert progress[("ns/a", 0, good)].last_step == 3
+    assert not any(node == bad for _, _, node in progress)
+    assert store.get_node(bad).heartbeat_at == pytest.approx(1_700_000_000.0), "the heartbeat is still read"
+
+
 def test_only_annotated_jobs_are_jobs_and_their_state_lives_on_the_object(
         api: kubernetes.client.ApiClient, store: KubernetesStore, namespace: str) -> None:
     plain = make_job(api, namespace, None)

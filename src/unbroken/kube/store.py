@@ -131,31 +131,28 @@ class KubernetesStore:
             return None
         return parse_time((lease.get("spec") or {}).get("renewTime"))
 
-    def _leases(self) -> dict[str, float]:
+    def _agent_leases(self) -> dict[str, dict[str, Any]]:
+        """The node agents' Leases, by node (other Leases in the namespace, the leader's, are not theirs)."""
         items = self._json(self.coordination.list_namespaced_lease, self.namespace)["items"]
-        renewed: dict[str, float] = {}
-        for lease in items:
-            name = lease["metadata"]["name"]
-            at = parse_time((lease.get("spec") or {}).get("renewTime"))
-            if name.startswith(names.LEASE_PREFIX) and at is not None:
-                renewed[name.removeprefix(names.LEASE_PREFIX)] = at
-        return renewed
+        return {lease["metadata"]["name"].removeprefix(names.LEASE_PREFIX): lease for lease in items
+                if lease["metadata"]["name"].startswith(names.LEASE_PREFIX)}
+
+    def _leases(self) -> dict[str, float]:
+        renewed = {node: parse_time((lease.get("spec") or {}).get("renewTime")) for node, lease in self._agent_leases().items()}
+        return {node: at for node, at in renewed.items() if at is not None}
 
     def lease_progress(self) -> dict[tuple[str, int, str], WorkerProgress]:
         """What the node agents last reported of the ranks on their nodes, by (job, attempt, node):
         each agent writes its jobs' latest attempts into its Lease every renewal."""
-        items = self._json(self.coordination.list_namespaced_lease, self.namespace)["items"]
         found: dict[tuple[str, int, str], WorkerProgress] = {}
-        for lease in items:
-            name = lease["metadata"]["name"]
+        for node, lease in self._agent_leases().items():
             text = (lease["metadata"].get("annotations") or {}).get(names.LEASE_PROGRESS)
-            if not name.startswith(names.LEASE_PREFIX) or not text:
+            if not text:
                 continue
-            node = name.removeprefix(names.LEASE_PREFIX)
             try:
                 reports = [_progress(entry) for entry in json.loads(text)]
             except (ValueError, TypeError, KeyError) as exc:
-                log.warning("Lease %s: unreadable %s annotation: %s", name, names.LEASE_PROGRESS, exc)
+                log.warning("Lease %s%s: unreadable %s annotation: %s", names.LEASE_PREFIX, node, names.LEASE_PROGRESS, exc)
                 continue
             for report in reports:
                 found[(report.job, report.attempt, node)] = report
