@@ -14,7 +14,7 @@ from unbroken.config.cluster import ClusterConfig, InstanceGroup
 from unbroken.health.pod import VERDICT_MARK, parse_verdict, verdict_record
 from unbroken.health.result import CheckResult, FaultAction, Status, Suite
 from unbroken.kube import names
-from unbroken.operator.deep_checks import DeepCheckJobs, group_of, job_name
+from unbroken.operator.deep_checks import group_of, job_manifest, job_name
 from unbroken.state.phases import DeepHealthStatus, NodeState
 from unbroken.state.records import Node
 
@@ -49,10 +49,7 @@ def test_job_names_fit_a_label_and_change_with_each_round_and_incarnation() -> N
 
 
 def test_the_job_is_pinned_tolerant_single_shot_and_valid_for_kubernetes() -> None:
-    jobs = DeepCheckJobs.__new__(DeepCheckJobs)  # the manifest needs no API connection
-    jobs.namespace = "unbroken-system"
-    group = CLUSTER.group("gpu")
-    body = jobs.job_manifest(CLUSTER, group, node(), Suite.INSTANCE_STRESS, "unbroken-check-stress-x-1234abcd")
+    body = job_manifest("unbroken-system", CLUSTER, CLUSTER.group("gpu"), node(), Suite.INSTANCE_STRESS, "unbroken-check-stress-x-1234abcd")
     assert kubernetes_validate.validate(body, schema_version(), strict=True)
     spec = body["spec"]
     assert spec["backoffLimit"] == 0

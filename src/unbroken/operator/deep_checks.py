@@ -86,6 +86,57 @@ def job_name(node: Node, suite: Suite) -> str:
     return f"{prefix}{node.name[:room].rstrip('.-')}-{digest}".lower()
 
 
+def job_manifest(namespace: str, cluster: ClusterConfig, group: InstanceGroup, node: Node, suite: Suite, name: str) -> dict[str, Any]:
+    """The Job that runs ``suite`` on ``node`` (module docstring). The group's InstanceType picks the
+    health profile (its thresholds), as on a local cluster. Needs no API connection."""
+    settings = cluster.Kubernetes
+    profile = cluster.profile(group.InstanceType)
+    context = CheckContext(node=node.name, instance_type=group.InstanceType, profile=profile, settings=cluster.Health,
+                           node_dir=Path(SCRATCH), storage_dir=Path(SCRATCH) / "storage")
+    checks = catalogue.for_suite(suite, cluster.Health)
+    deadline = int(sum(catalogue.timeout_for(c, cluster.Health) for c in checks) + settings.DeepCheckStartSeconds)
+    labels = {"app.kubernetes.io/name": names.COMPONENT, COMPONENT_LABEL: COMPONENT,
+              "app.kubernetes.io/managed-by": "unbroken-operator"}
+    annotations = {NODE_ANNOTATION: node.name, SUITE_ANNOTATION: suite.value}
+    container: dict[str, Any] = {
+        "name": "check",
+        "image": settings.DeepCheckImage,
+        "command": list(settings.DeepCheckCommand),
+        "env": [
+            {"name": SUITE_ENV, "value": suite.value},
+            {"name": CONTEXT_ENV, "value": context.to_json()},
+            {"name": DIR_ENV, "value": SCRATCH},
+            {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+            {"name": "PYTHONUNBUFFERED", "value": "1"},
+        ],
+        "volumeMounts": [{"name": "scratch", "mountPath": SCRATCH}],
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    if profile.Accelerator == "gpu" and profile.GpuCount:
+        container["resources"] = {"limits": {"nvidia.com/gpu": str(profile.GpuCount)}}
+    return {
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels, "annotations": annotations},
+        "spec": {
+            "backoffLimit": 0,
+            "activeDeadlineSeconds": deadline,
+            "ttlSecondsAfterFinished": TTL_SECONDS,
+            "template": {
+                "metadata": {"labels": labels, "annotations": annotations},
+                "spec": {
+                    "restartPolicy": "Never",
+                    "automountServiceAccountToken": False,  # the pod reports through its termination message only
+                    "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                        {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node.name]}]}]}}},
+                    "tolerations": [{"key": names.TAINT_KEY, "operator": "Exists", "effect": names.TAINT_EFFECT}],
+                    "containers": [container],
+                    "volumes": [{"name": "scratch", "hostPath": {"path": SCRATCH, "type": "DirectoryOrCreate"}}],
+                },
+            },
+        },
+    }
+
+
 @dataclass(frozen=True)
 class SuiteJob:
     """What became of one suite's Job."""
@@ -150,61 +201,12 @@ class DeepCheckJobs:
     # -- starting ---------------------------------------------------------------------------
 
     def _start(self, cluster: ClusterConfig, group: InstanceGroup, node: Node, suite: Suite, name: str) -> None:
-        body = self.job_manifest(cluster, group, node, suite, name)
+        body = job_manifest(self.namespace, cluster, group, node, suite, name)
         call(lambda: self.batch.create_namespaced_job(self.namespace, body))
         deadline = body["spec"]["activeDeadlineSeconds"]
         self.store.add_event("Node", node.name, "DeepHealthCheckStarted",
                              f"{suite.value}: Job {self.namespace}/{name} pinned to {node.name} (deadline {deadline} s)")
         log.info("deep check started", extra={"node": node.name, "suite": suite.value, "job_name": name})
-
-    def job_manifest(self, cluster: ClusterConfig, group: InstanceGroup, node: Node, suite: Suite, name: str) -> dict[str, Any]:
-        """The group's InstanceType picks the health profile (its thresholds), as on a local cluster."""
-        settings = cluster.Kubernetes
-        profile = cluster.profile(group.InstanceType)
-        context = CheckContext(node=node.name, instance_type=group.InstanceType, profile=profile, settings=cluster.Health,
-                               node_dir=Path(SCRATCH), storage_dir=Path(SCRATCH) / "storage")
-        checks = catalogue.for_suite(suite, cluster.Health)
-        deadline = int(sum(catalogue.timeout_for(c, cluster.Health) for c in checks) + settings.DeepCheckStartSeconds)
-        labels = {"app.kubernetes.io/name": names.COMPONENT, COMPONENT_LABEL: COMPONENT,
-                  "app.kubernetes.io/managed-by": "unbroken-operator"}
-        annotations = {NODE_ANNOTATION: node.name, SUITE_ANNOTATION: suite.value}
-        container: dict[str, Any] = {
-            "name": "check",
-            "image": settings.DeepCheckImage,
-            "command": list(settings.DeepCheckCommand),
-            "env": [
-                {"name": SUITE_ENV, "value": suite.value},
-                {"name": CONTEXT_ENV, "value": context.to_json()},
-                {"name": DIR_ENV, "value": SCRATCH},
-                {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
-                {"name": "PYTHONUNBUFFERED", "value": "1"},
-            ],
-            "volumeMounts": [{"name": "scratch", "mountPath": SCRATCH}],
-            "terminationMessagePolicy": "FallbackToLogsOnError",
-        }
-        if profile.Accelerator == "gpu" and profile.GpuCount:
-            container["resources"] = {"limits": {"nvidia.com/gpu": str(profile.GpuCount)}}
-        return {
-            "apiVersion": "batch/v1", "kind": "Job",
-            "metadata": {"name": name, "namespace": self.namespace, "labels": labels, "annotations": annotations},
-            "spec": {
-                "backoffLimit": 0,
-                "activeDeadlineSeconds": deadline,
-                "ttlSecondsAfterFinished": TTL_SECONDS,
-                "template": {
-                    "metadata": {"labels": labels, "annotations": annotations},
-                    "spec": {
-                        "restartPolicy": "Never",
-                        "automountServiceAccountToken": False,  # the pod reports through its termination message only
-                        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-                            {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node.name]}]}]}}},
-                        "tolerations": [{"key": names.TAINT_KEY, "operator": "Exists", "effect": names.TAINT_EFFECT}],
-                        "containers": [container],
-                        "volumes": [{"name": "scratch", "hostPath": {"path": SCRATCH, "type": "DirectoryOrCreate"}}],
-                    },
-                },
-            },
-        }
 
     # -- reading ----------------------------------------------------------------------------
 
