@@ -115,7 +115,8 @@ def render_pytorchjob(spec: JobSpec, placement: Placement) -> dict[str, Any]:
     )
     pod = client.V1PodSpec(containers=[container], volumes=volumes or None, node_selector=placement.node_selector or None,
                            termination_grace_period_seconds=placement.termination_grace_seconds)
-    template = with_rank_env(client.ApiClient().sanitize_for_serialization(client.V1PodTemplateSpec(spec=pod)),
+    serializer = client.ApiClient()  # only its model-to-JSON conversion: it never connects
+    template = with_rank_env(serializer.sanitize_for_serialization(client.V1PodTemplateSpec(spec=pod)),
                              PYTORCHJOB.job_name_label)
     replicas = {"Master": KubeflowOrgV1ReplicaSpec(replicas=1, restart_policy="OnFailure", template=template)}
     if spec.nodes > 1:
@@ -127,5 +128,5 @@ def render_pytorchjob(spec: JobSpec, placement: Placement) -> dict[str, Any]:
         spec=KubeflowOrgV1PyTorchJobSpec(nproc_per_node=str(spec.procs_per_node), pytorch_replica_specs=replicas,
                                          run_policy=KubeflowOrgV1RunPolicy(clean_pod_policy="None")),
     )
-    rendered: dict[str, Any] = client.ApiClient().sanitize_for_serialization(job)
+    rendered: dict[str, Any] = serializer.sanitize_for_serialization(job)
     return rendered
