@@ -193,6 +193,7 @@ RESOURCES: tuple[Resource, ...] = (
              ("status",), ("crd", "crds")),
     Resource("kubeflow.org", "v1", "pytorchjobs", "PyTorchJob", True, builtin=False),
     Resource("trainer.kubeflow.org", "v1alpha1", "trainjobs", "TrainJob", True, builtin=False),
+    Resource("trainer.kubeflow.org", "v1alpha1", "clustertrainingruntimes", "ClusterTrainingRuntime", False, (), builtin=False),
     Resource("jobset.x-k8s.io", "v1alpha2", "jobsets", "JobSet", True, builtin=False),
 )
 

@@ -84,7 +84,7 @@ OPERATOR_CLUSTER_RULES = rules(
     ("kubeflow.org", "pytorchjobs", "get list watch patch"),
     ("kubeflow.org", "pytorchjobs/status", "get"),
     ("trainer.kubeflow.org", "trainjobs", "get list watch patch"),
-    ("jobset.x-k8s.io", "jobsets", "get list watch"),
+    ("jobset.x-k8s.io", "jobsets", "get list watch delete"),
 )
 OPERATOR_NAMESPACE_RULES = rules(
     ("coordination.k8s.io", "leases", "get list watch create update patch"),

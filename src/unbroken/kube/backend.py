@@ -1,11 +1,14 @@
 """``Backend`` on Kubernetes: attempts are a workload's pods, node recovery is a ``Remediator``.
 
+A job is a PyTorchJob or a TrainJob; kube/workloads.py says how each is suspended and patched.
+
 - launch attempt N: one merge patch of the workload: the pod templates get
   ``unbroken.dev/attempt: N`` (and, for jobs that require it, a nodeSelector on
-  ``deep-health-check-status: Passed``), and ``runPolicy.suspend`` goes false; the
+  ``deep-health-check-status: Passed``), and the workload is unsuspended; the
   workload's controller creates the pods, the scheduler places them, and nodes
   that are not Schedulable carry unbroken's NoSchedule taint, so faulty nodes stay out.
-- stop attempt N: suspend the workload and delete its pods of attempt N (gracefully).
+- stop attempt N: suspend the workload, delete the children its controller builds
+  again (a TrainJob's JobSet), and delete its pods of attempt N (gracefully).
 - observe attempt N: its pods that are bound to a node, one worker each (node rank
   from the replica type and index); a container that terminated non-zero (with
   ``restartPolicy: OnFailure`` the kubelet restarts it in place, so ``lastState``
@@ -32,6 +35,7 @@ from unbroken.errors import BackendError, NotFoundError
 from unbroken.kube import names
 from unbroken.kube.api import call, parse_time
 from unbroken.kube.store import KubernetesStore
+from unbroken.kube.workloads import Child, WorkloadKind, job_of
 from unbroken.state.phases import WorkerPhase
 from unbroken.state.records import Desired, EventType, Job, Node, Worker, WorkerProgress
 
@@ -86,7 +90,6 @@ class KubernetesBackend:
         self.store = store
         self.remediator = remediator
         self.force_delete_after = force_delete_after
-        self.kind = store.workload
 
     # -- nodes ----------------------------------------------------------------------------
 
@@ -100,7 +103,7 @@ class KubernetesBackend:
         return None  # capacity comes back through whatever repairs or scales the node group
 
     def _evict(self, node: Node) -> None:
-        for pod in self._pods(field_selector=f"spec.nodeName={node.name}", label_selector=self.kind.job_name_label):
+        for _, pod in self._training_pods(field_selector=f"spec.nodeName={node.name}"):
             if not pod["metadata"].get("deletionTimestamp"):
                 self._delete(pod, grace=None)
 
@@ -109,19 +112,21 @@ class KubernetesBackend:
     def launch_attempt(self, job: Job, attempt: int, placement: Sequence[Node]) -> str:
         namespace, _, short = job.name.partition("/")
         obj = self.store.workload_object(job.name)
-        patch = self.kind.launch_patch(obj, attempt, require_deep_health=job.spec().resilience.require_deep_health_passed)
-        kind = self.kind
+        kind = self.store.kind_of(job.name)
+        patch = kind.launch_patch(obj, attempt, require_deep_health=job.spec().resilience.require_deep_health_passed)
         call(lambda: self.store.custom.patch_namespaced_custom_object(kind.group, kind.version, namespace, kind.plural, short, patch))
-        return f"{short}-master-0 (the workload's controller sets MASTER_ADDR/MASTER_PORT)"
+        return f"{kind.rdzv_endpoint(short)} (the workload's controller sets the rendezvous address)"
 
     def stop_attempt(self, job: str, attempt: int) -> None:
         namespace, _, short = job.partition("/")
-        kind = self.kind
         try:
+            kind = self.store.kind_of(job)
             call(lambda: self.store.custom.patch_namespaced_custom_object(
                 kind.group, kind.version, namespace, kind.plural, short, kind.suspend_patch(True)))
         except NotFoundError:
             return  # the job was deleted: its pods go with it
+        for child in kind.children_to_recreate(short):
+            self._delete_child(namespace, child)
         for pod in self._job_pods(job):
             if _attempt(pod) == attempt and not pod["metadata"].get("deletionTimestamp"):
                 self._delete(pod, grace=None)
@@ -130,12 +135,9 @@ class KubernetesBackend:
         return [w for w in self._workers(job, self._job_pods(job)) if w.attempt == attempt]
 
     def active_workers(self) -> list[Worker]:
-        managed = {j.name for j in self.store.list_jobs()}
         by_job: dict[str, list[dict[str, Any]]] = {}
-        for pod in self._pods(label_selector=self.kind.job_name_label):
-            job = f"{pod['metadata']['namespace']}/{pod['metadata']['labels'][self.kind.job_name_label]}"
-            if job in managed:
-                by_job.setdefault(job, []).append(pod)
+        for job, pod in self._training_pods():
+            by_job.setdefault(job, []).append(pod)
         progress = self.store.lease_progress() if by_job else {}
         return [w for job, pods in by_job.items() for w in self._workers(job, pods, progress) if not w.phase.is_terminal]
 
@@ -148,14 +150,13 @@ class KubernetesBackend:
 
     def release_workers(self, node: Node, reason: str) -> None:
         now = time.time()
-        for pod in self._pods(field_selector=f"spec.nodeName={node.name}", label_selector=self.kind.job_name_label):
+        for job, pod in self._training_pods(field_selector=f"spec.nodeName={node.name}"):
             meta = pod["metadata"]
             deleting = parse_time(meta.get("deletionTimestamp"))
             if deleting is None:
                 self._delete(pod, grace=None)
             elif now - deleting >= self.force_delete_after:
                 self._delete(pod, grace=0)
-                job = f"{meta['namespace']}/{meta['labels'][self.kind.job_name_label]}"
                 self.store.add_event("Job", job, "PodForceDeleted",
                                      f"pod {meta['name']} on {node.name} was Terminating for {now - deleting:.0f} s "
                                      f"(ForceDeleteGraceSeconds {self.force_delete_after:g}); node {reason}",
@@ -169,9 +170,28 @@ class KubernetesBackend:
             return self.store._json(core.list_namespaced_pod, self.store.job_namespace, **selectors)["items"]
         return self.store._json(core.list_pod_for_all_namespaces, **selectors)["items"]
 
+    def _training_pods(self, **selectors: str) -> list[tuple[str, dict[str, Any]]]:
+        """(job, pod) for every training pod of a job unbroken manages (never another workload's)."""
+        managed = {j.name for j in self.store.list_jobs()}
+        found = []
+        for kind in self.store.kinds:
+            for pod in self._pods(label_selector=kind.pods_selector(), **selectors):
+                job = job_of(kind, pod)
+                if job in managed and self.store.kind_of(job) is kind:
+                    found.append((job, pod))
+        return found
+
     def _job_pods(self, job: str) -> list[dict[str, Any]]:
         namespace, _, short = job.partition("/")
-        return self.store._json(self.store.core.list_namespaced_pod, namespace, label_selector=self.kind.pod_selector(short))["items"]
+        kind = self.store.kind_of(job)
+        return self.store._json(self.store.core.list_namespaced_pod, namespace, label_selector=kind.pod_selector(short))["items"]
+
+    def _delete_child(self, namespace: str, child: Child) -> None:
+        try:
+            call(lambda: self.store.custom.delete_namespaced_custom_object(
+                child.group, child.version, namespace, child.plural, child.name, propagation_policy="Background"))
+        except NotFoundError:
+            pass
 
     def _delete(self, pod: dict[str, Any], *, grace: int | None) -> None:
         meta = pod["metadata"]
@@ -184,13 +204,14 @@ class KubernetesBackend:
                  progress: dict[tuple[str, int, str], WorkerProgress] | None = None) -> list[Worker]:
         """One worker per pod of ``job`` bound to a node (a pod not yet scheduled is on no node to watch),
         with the progress its node's agent reported for the job's ranks there (hang detection)."""
-        masterless = not any(self.kind.is_master(pod) for pod in pods)
+        kind = self.store.kind_of(job)
+        masterless = not any(kind.is_master(pod) for pod in pods)
         bound = [pod for pod in pods if (pod.get("spec") or {}).get("nodeName")]
         if progress is None:
             progress = self.store.lease_progress() if bound else {}
         workers = []
         for pod in bound:
-            worker = self._worker(job, pod, masterless)
+            worker = self._worker(kind, job, pod, masterless)
             report = progress.get((job, worker.attempt, worker.node))
             if report is not None:
                 worker = replace(worker, ranks=report.ranks, first_step=report.first_step,
@@ -200,13 +221,13 @@ class KubernetesBackend:
             workers.append(worker)
         return workers
 
-    def _worker(self, job: str, pod: dict[str, Any], masterless: bool) -> Worker:
+    def _worker(self, kind: WorkloadKind, job: str, pod: dict[str, Any], masterless: bool) -> Worker:
         meta, spec, status = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
         phase, exit_code, message, ended = _pod_phase(status)
         return Worker(
-            job=job, attempt=_attempt(pod), node=spec["nodeName"], node_rank=self.kind.node_rank(pod, masterless=masterless),
+            job=job, attempt=_attempt(pod), node=spec["nodeName"], node_rank=kind.node_rank(pod, masterless=masterless),
             desired=Desired.STOP if meta.get("deletionTimestamp") else Desired.RUN, phase=phase,
-            rdzv_endpoint=f"{meta['labels'].get(self.kind.job_name_label, '')}-master-0",
+            rdzv_endpoint=kind.rdzv_endpoint(job.partition("/")[2]),
             created_at=parse_time(meta.get("creationTimestamp")) or 0.0, started_at=parse_time(status.get("startTime")),
             ended_at=ended, exit_code=exit_code, message=f"pod {meta['name']}: {message}" if message else None,
         )

@@ -117,7 +117,7 @@ def render_pytorchjob(spec: JobSpec, placement: Placement) -> dict[str, Any]:
                            termination_grace_period_seconds=placement.termination_grace_seconds)
     serializer = client.ApiClient()  # only its model-to-JSON conversion: it never connects
     template = with_rank_env(serializer.sanitize_for_serialization(client.V1PodTemplateSpec(spec=pod)),
-                             PYTORCHJOB.job_name_label)
+                             PYTORCHJOB.pod_label)
     replicas = {"Master": KubeflowOrgV1ReplicaSpec(replicas=1, restart_policy="OnFailure", template=template)}
     if spec.nodes > 1:
         replicas["Worker"] = KubeflowOrgV1ReplicaSpec(replicas=spec.nodes - 1, restart_policy="OnFailure", template=template)

@@ -4,11 +4,13 @@
 |---|---|
 | node | the Node: labels ``unbroken.dev/node-health-status``, ``deep-health-check-status``, ``fault-types``, ``fault-reasons``; annotations ``fault-details`` and ``node-state`` (the full record); the taint ``unbroken.dev/node-health-status=Unschedulable:NoSchedule`` while not Schedulable; the condition ``UnbrokenHealthy`` |
 | node lease (heartbeat) | Lease ``unbroken-node-<node>`` in the operator's namespace, renewed by the node agent; while no agent runs there, the kubelet vouches for the node: a Node whose ``Ready`` condition is not True reads as a lease that lapsed long ago |
-| job | an annotated PyTorchJob: ``unbroken.dev/job-state`` (phase, attempt, reason, times, version), mirrored for people in ``unbroken.dev/phase`` and ``unbroken.dev/restart-count`` |
+| job | an annotated PyTorchJob or TrainJob (kube/workloads.py): ``unbroken.dev/job-state`` (phase, attempt, reason, times, version), mirrored for people in ``unbroken.dev/phase`` and ``unbroken.dev/restart-count`` |
 | event | a core/v1 Event on the node or the workload (``reportingComponent: unbroken.dev/operator``) |
 | cluster record | ConfigMap ``unbroken-cluster`` (key ``cluster.yaml``; status in ``status``) |
 
-Job names are ``<namespace>/<name>``. Versions: each record keeps its own
+Job names are ``<namespace>/<name>``; where a PyTorchJob and a TrainJob share one,
+the PyTorchJob is the job and the TrainJob is reported invalid. A workload kind
+whose CRD is not installed has no jobs. Versions: each record keeps its own
 counter in its annotation; a conditional write re-reads the object and sends
 its ``resourceVersion`` with the patch, so a write that raced another is refused
 by the API server (409) and retried against the fresh object, and only a
@@ -37,7 +39,7 @@ from unbroken.kube import annotations as job_annotations
 from unbroken.kube import names
 from unbroken.kube.api import ApiConflict, call, format_time, parse_time
 from unbroken.kube.annotations import AnnotationError
-from unbroken.kube.workloads import PYTORCHJOB, PyTorchJobKind
+from unbroken.kube.workloads import KINDS, WorkloadKind, kind_of
 from unbroken.state.phases import JOB_TRANSITIONS, NODE_TRANSITIONS, DeepHealthStatus, JobPhase, NodeState, check_transition
 from unbroken.state.records import ClusterRecord, ClusterStatus, Event, EventType, Job, Node, RankInfo, WorkerProgress
 from unbroken.state.store import check_version
@@ -65,15 +67,16 @@ class KubernetesStore:
     ConfigMap); ``job_namespace``: where annotated jobs are watched (None: every namespace)."""
 
     def __init__(self, api: kubernetes.client.ApiClient, namespace: str, *, job_namespace: str | None = None,
-                 workload: PyTorchJobKind = PYTORCHJOB) -> None:
+                 kinds: Sequence[WorkloadKind] = KINDS) -> None:
         self.api = api
         self.namespace = namespace
         self.job_namespace = job_namespace
-        self.workload = workload
+        self.kinds = tuple(kinds)
         self.core = kubernetes.client.CoreV1Api(api)
         self.custom = kubernetes.client.CustomObjectsApi(api)
         self.coordination = kubernetes.client.CoordinationV1Api(api)
         self._uids: dict[tuple[str, str], str] = {}
+        self._kinds: dict[str, WorkloadKind] = {}  # by job name, as last seen
 
     # -- raw JSON access (dicts, not the client's models: records read annotations by key) ----
 
@@ -266,27 +269,65 @@ class KubernetesStore:
     # -- jobs ---------------------------------------------------------------------------
 
     def _workloads(self) -> list[dict[str, Any]]:
-        kind = self.workload
-        if self.job_namespace:
-            listing = self._json(self.custom.list_namespaced_custom_object, kind.group, kind.version, self.job_namespace, kind.plural)
-        else:
-            listing = self._json(self.custom.list_cluster_custom_object, kind.group, kind.version, kind.plural)
-        items = listing["items"]
-        for obj in items:
-            meta = obj["metadata"]
-            self._uids[(meta["namespace"], meta["name"])] = meta.get("uid", "")
+        """Every workload of every kind, the first kind's first: where two kinds use one name, the later
+        object is a duplicate (see ``_duplicate``)."""
+        items = []
+        kinds: dict[str, WorkloadKind] = {}
+        for kind in self.kinds:
+            try:
+                if self.job_namespace:
+                    listing = self._json(self.custom.list_namespaced_custom_object, kind.group, kind.version,
+                                         self.job_namespace, kind.plural)
+                else:
+                    listing = self._json(self.custom.list_cluster_custom_object, kind.group, kind.version, kind.plural)
+            except NotFoundError:
+                continue  # its CRD is not installed: no such jobs
+            for obj in listing["items"]:
+                obj.setdefault("apiVersion", kind.api_version)
+                obj.setdefault("kind", kind.kind)
+                items.append(obj)
+        # A name belongs to the first kind whose object opted in, else to the first kind that has it.
+        for obj in sorted(items, key=lambda o: not _opted_in(o)):
+            if kinds.setdefault(_job_name(obj), kind_of(obj)) is kind_of(obj):
+                self._uids[(obj["metadata"]["namespace"], obj["metadata"]["name"])] = obj["metadata"].get("uid", "")
+        self._kinds = kinds
         return items
+
+    def kind_of(self, name: str) -> WorkloadKind:
+        """The kind of the workload that is the job ``name``."""
+        if name not in self._kinds:
+            self._workload(name)
+        return self._kinds[name]
 
     def _workload(self, name: str) -> dict[str, Any]:
         namespace, _, short = name.partition("/")
-        kind = self.workload
-        obj = self._json(self.custom.get_namespaced_custom_object, kind.group, kind.version, namespace, kind.plural, short)
+        known = self._kinds.get(name)
+        found = []
+        for kind in [known] if known else self.kinds:
+            try:
+                obj = self._json(self.custom.get_namespaced_custom_object, kind.group, kind.version, namespace, kind.plural, short)
+            except NotFoundError:
+                continue
+            obj.setdefault("apiVersion", kind.api_version)
+            obj.setdefault("kind", kind.kind)
+            found.append(obj)
+        if not found and known:
+            self._kinds.pop(name)
+            return self._workload(name)  # it was deleted; one of another kind may have the name now
+        if not found:
+            raise NotFoundError(f"job {name}: no {' or '.join(k.kind for k in self.kinds)} of that name")
+        obj = next((o for o in found if _opted_in(o)), found[0])
+        self._kinds[name] = kind_of(obj)
         self._uids[(namespace, short)] = obj["metadata"].get("uid", "")
         return obj
 
+    def _duplicate(self, obj: dict[str, Any]) -> bool:
+        """A workload whose name the job of another kind has (it is not the job)."""
+        return self._kinds.get(_job_name(obj)) is not kind_of(obj)
+
     def add_job(self, job: Job) -> None:
-        raise UsageError("on Kubernetes a job is a PyTorchJob with the unbroken.dev/enable-job-auto-resume annotation: "
-                         "kubectl apply it (unbroken k8s render prints one)")
+        raise UsageError("on Kubernetes a job is a PyTorchJob or TrainJob with the unbroken.dev/enable-job-auto-resume "
+                         "annotation: kubectl apply it (unbroken k8s render prints a PyTorchJob)")
 
     def get_job(self, name: str) -> Job:
         obj = self._workload(name)
@@ -298,6 +339,8 @@ class KubernetesStore:
     def list_jobs(self) -> list[Job]:
         jobs = []
         for obj in self._workloads():
+            if self._duplicate(obj):
+                continue
             try:
                 job = self._job(obj)
             except AnnotationError:
@@ -307,13 +350,23 @@ class KubernetesStore:
         return sorted(jobs, key=lambda j: (j.created_at, j.name))
 
     def invalid_jobs(self) -> list[InvalidJob]:
-        """Jobs that opted in with annotations that do not parse."""
+        """Jobs that opted in but cannot be managed: annotations that do not parse, a workload unbroken
+        cannot read its size from, a name the job of another kind already has."""
         invalid = []
         for obj in self._workloads():
             try:
-                job_annotations.parse(obj["metadata"].get("annotations"))
+                if job_annotations.parse(obj["metadata"].get("annotations")) is None:
+                    continue
             except AnnotationError as exc:
                 invalid.append(InvalidJob(_job_name(obj), tuple(exc.problems)))
+                continue
+            kind = kind_of(obj)
+            problems = kind.problems(obj)
+            if self._duplicate(obj):
+                problems = [f"the {self._kinds[_job_name(obj)].kind} {_job_name(obj)} is already the job of that name; "
+                            f"rename this {kind.kind}", *problems]
+            if problems:
+                invalid.append(InvalidJob(_job_name(obj), tuple(problems)))
         return invalid
 
     def workload_object(self, name: str) -> dict[str, Any]:
@@ -325,11 +378,14 @@ class KubernetesStore:
         settings = job_annotations.parse(meta.get("annotations"))
         if settings is None:
             return None
+        kind = kind_of(obj)
+        if problems := kind.problems(obj):
+            raise AnnotationError(problems)  # left alone like a bad annotation; invalid_jobs() reports it
         spec = JobSpec.model_validate({
             "name": meta["name"],
-            "nodes": max(1, self.workload.node_count(obj)),
-            "procs_per_node": self.workload.procs_per_node(obj),
-            "command": [f"{self.workload.kind} {meta['namespace']}/{meta['name']}"],
+            "nodes": max(1, kind.node_count(obj)),
+            "procs_per_node": kind.procs_per_node(obj),
+            "command": [f"{kind.kind} {meta['namespace']}/{meta['name']}"],
             "resilience": ResilienceSpec(
                 auto_resume=True, max_retry=settings.max_retry, restart_policy=RestartPolicy.ON_FAILURE,
                 hang_timeout=settings.hang_timeout or NO_HANG_TIMEOUT, startup_timeout=NO_HANG_TIMEOUT,
@@ -350,10 +406,10 @@ class KubernetesStore:
 
     def update_job(self, name: str, update: JobUpdate, *, expect_version: int | None = None) -> Job:
         namespace, _, short = name.partition("/")
-        kind = self.workload
 
         def attempt() -> Job:
             obj = self._workload(name)
+            kind = kind_of(obj)
             current = self._job(obj)
             if current is None:
                 raise NotFoundError(f"job {name} is no longer managed by unbroken")
@@ -375,7 +431,8 @@ class KubernetesStore:
         if object_kind == "Job":
             namespace, _, short = object_name.partition("/")
             uid = self._uids.get((namespace, short), "")
-            return namespace, {"apiVersion": self.workload.api_version, "kind": self.workload.kind,
+            kind = self._kinds.get(object_name) or self.kinds[0]
+            return namespace, {"apiVersion": kind.api_version, "kind": kind.kind,
                                "name": short, "namespace": namespace, "uid": uid}
         if object_kind == "Node":
             return "default", {"apiVersion": "v1", "kind": "Node", "name": object_name}
@@ -417,6 +474,10 @@ class KubernetesStore:
                                 type=EventType(item.get("type", "Normal")), reason=item.get("reason", ""),
                                 message=item.get("message", "")))
         return sorted(events, key=lambda e: e.ts)
+
+
+def _opted_in(obj: dict[str, Any]) -> bool:
+    return names.AUTO_RESUME in (obj["metadata"].get("annotations") or {})
 
 
 def _job_name(obj: dict[str, Any]) -> str:

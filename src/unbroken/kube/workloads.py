@@ -1,37 +1,114 @@
 """The workloads unbroken restarts: how to read, stop and start each kind.
 
-A workload's own controller (Kubeflow training-operator for PyTorchJob) owns
-its pods. unbroken never creates them; it stops an attempt by suspending the
-workload (``runPolicy.suspend``: the controller deletes the pods), and starts
-the next one by writing the attempt number into the pod template and
-unsuspending (the controller creates the pods again). Templates change only
-through merge patches of maps (annotations, nodeSelector), so nothing the user
-wrote in them is replaced.
+A workload's own controller owns its pods. unbroken never creates them; it
+stops an attempt by suspending the workload (the controller deletes the pods),
+and starts the next one by writing the attempt number into the pod template
+and unsuspending (the controller creates the pods again). Templates change
+only through merge patches of maps (annotations, nodeSelector) or through the
+workload's own patch list, so nothing the user wrote in them is replaced.
 
-PyTorchJob objects are read through the Kubeflow SDK's models
-(``kubeflow.training.models``). TrainJob (``trainer.kubeflow.org/v1alpha1``) is
-not handled yet: its pods come from a JobSet through the runtime, and the
-attempt must travel through ``runtimePatches`` (see docs/kubernetes.md).
+- **PyTorchJob** (``kubeflow.org/v1``, training-operator): ``runPolicy.suspend``;
+  the attempt goes into every replica's template. Read through the Kubeflow
+  SDK's models (``kubeflow.training.models``).
+- **TrainJob** (``trainer.kubeflow.org/v1alpha1``, Kubeflow Trainer v2): its pods
+  come from a JobSet that the Trainer builds from the runtime. ``spec.suspend``;
+  the attempt travels as unbroken's own entry in ``spec.runtimePatches``
+  (``manager: unbroken.dev/operator``, patching the ``node`` replicated job's pod
+  template); entries of other managers are kept. Stopping also deletes the
+  JobSet: the Trainer builds a fresh one, so the runtime's Job failure counters
+  (``backoffLimit``) start again at every attempt and only unbroken's budget,
+  kept on the TrainJob, counts restarts (kubeflow/trainer#3779). Read through
+  ``kubeflow_trainer_api.models``.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from kubeflow.training.api_client import ApiClient as KubeflowApiClient
 from kubeflow.training.models import KubeflowOrgV1PyTorchJob
+from kubeflow_trainer_api import models as trainer
 
 from unbroken.kube import names
 
 _KUBEFLOW = KubeflowApiClient()
 
+Obj = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Child:
+    """An object the workload's controller made from it and builds again when it is deleted."""
+
+    group: str
+    version: str
+    plural: str
+    name: str
+
+
+class WorkloadKind(Protocol):
+    """What the store and the backend need to know about one kind of training workload."""
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def group(self) -> str: ...
+
+    @property
+    def version(self) -> str: ...
+
+    @property
+    def plural(self) -> str: ...
+
+    @property
+    def pod_label(self) -> str:
+        """A label every pod of such a workload carries, whose value is the workload's name."""
+
+    @property
+    def api_version(self) -> str: ...
+
+    def node_count(self, obj: Obj) -> int:
+        """Pods of one attempt: each a node's worth of ranks."""
+
+    def procs_per_node(self, obj: Obj) -> int: ...
+
+    def problems(self, obj: Obj) -> list[str]:
+        """Why unbroken cannot manage this object (empty: it can)."""
+
+    def suspend_patch(self, suspend: bool) -> Obj: ...
+
+    def launch_patch(self, obj: Obj, attempt: int, *, require_deep_health: bool) -> Obj:
+        """Unsuspend, with the pods of the attempt marked as ``attempt`` (and kept on nodes whose deep
+        check passed, if the job requires it)."""
+
+    def children_to_recreate(self, name: str) -> list[Child]:
+        """What to delete when an attempt stops, so that the next starts from fresh children."""
+
+    def pods_selector(self) -> str:
+        """A label selector for the training pods of every workload of this kind."""
+
+    def pod_selector(self, name: str) -> str:
+        """A label selector for the training pods of the workload ``name``."""
+
+    def node_rank(self, pod: Obj, *, masterless: bool) -> int: ...
+
+    def is_master(self, pod: Obj) -> bool: ...
+
+    def rdzv_endpoint(self, name: str) -> str:
+        """Where the workload's controller points its ranks' rendezvous."""
+
+
+def _labels(pod: Obj) -> dict[str, str]:
+    return pod.get("metadata", {}).get("labels") or {}
+
 
 class _Body:
     """What the SDK's deserializer reads (it expects an HTTP response)."""
 
-    def __init__(self, obj: dict[str, Any]) -> None:
+    def __init__(self, obj: Obj) -> None:
         self.data = json.dumps(obj)
 
 
@@ -41,7 +118,7 @@ class PyTorchJobKind:
     group: str = "kubeflow.org"
     version: str = "v1"
     plural: str = "pytorchjobs"
-    job_name_label: str = "training.kubeflow.org/job-name"
+    pod_label: str = "training.kubeflow.org/job-name"
     replica_type_label: str = "training.kubeflow.org/replica-type"
     replica_index_label: str = "training.kubeflow.org/replica-index"
 
@@ -49,59 +126,160 @@ class PyTorchJobKind:
     def api_version(self) -> str:
         return f"{self.group}/{self.version}"
 
-    def model(self, obj: dict[str, Any]) -> KubeflowOrgV1PyTorchJob:
+    def model(self, obj: Obj) -> KubeflowOrgV1PyTorchJob:
         spec = obj.get("spec") or {}
         # training-operator's defaulting gives every job a runPolicy; the SDK's models refuse one without.
         defaulted = {**obj, "spec": {**spec, "runPolicy": spec.get("runPolicy") or {}}}
         return _KUBEFLOW.deserialize(_Body(defaulted), "KubeflowOrgV1PyTorchJob")
 
-    def node_count(self, obj: dict[str, Any]) -> int:
-        """Pods of one attempt: one per replica, each a node's worth of ranks."""
+    def node_count(self, obj: Obj) -> int:
         specs = self.model(obj).spec.pytorch_replica_specs or {}
         return sum(spec.replicas if spec.replicas is not None else 1 for spec in specs.values())
 
-    def procs_per_node(self, obj: dict[str, Any]) -> int:
+    def procs_per_node(self, obj: Obj) -> int:
         value = self.model(obj).spec.nproc_per_node
         return int(value) if value and str(value).isdigit() else 1
 
-    def suspended(self, obj: dict[str, Any]) -> bool:
-        run_policy = self.model(obj).spec.run_policy
-        return bool(run_policy and run_policy.suspend)
+    def problems(self, obj: Obj) -> list[str]:
+        return []
 
-    def finished(self, obj: dict[str, Any]) -> str | None:
-        """``Succeeded``/``Failed`` once the workload's controller says so, else None."""
-        for condition in (obj.get("status") or {}).get("conditions") or []:
-            if condition.get("type") in ("Succeeded", "Failed") and condition.get("status") == "True":
-                return str(condition["type"])
-        return None
-
-    def replica_types(self, obj: dict[str, Any]) -> list[str]:
+    def replica_types(self, obj: Obj) -> list[str]:
         return sorted((self.model(obj).spec.pytorch_replica_specs or {}).keys())
 
-    def suspend_patch(self, suspend: bool) -> dict[str, Any]:
+    def suspend_patch(self, suspend: bool) -> Obj:
         return {"spec": {"runPolicy": {"suspend": suspend}}}
 
-    def launch_patch(self, obj: dict[str, Any], attempt: int, *, require_deep_health: bool) -> dict[str, Any]:
-        """Unsuspend, with every replica's pods marked as ``attempt`` (and kept on nodes whose deep
-        check passed, if the job requires it)."""
-        template: dict[str, Any] = {"metadata": {"annotations": {names.ATTEMPT: str(attempt)}}}
+    def launch_patch(self, obj: Obj, attempt: int, *, require_deep_health: bool) -> Obj:
+        template: Obj = {"metadata": {"annotations": {names.ATTEMPT: str(attempt)}}}
         if require_deep_health:
             template["spec"] = {"nodeSelector": {names.DEEP_HEALTH_CHECK_STATUS: "Passed"}}
         replicas = {replica: {"template": template} for replica in self.replica_types(obj)}
         return {"spec": {"runPolicy": {"suspend": False}, "pytorchReplicaSpecs": replicas}}
 
+    def children_to_recreate(self, name: str) -> list[Child]:
+        return []  # training-operator keeps no failure count across a suspension
+
+    def pods_selector(self) -> str:
+        return self.pod_label
+
     def pod_selector(self, name: str) -> str:
-        return f"{self.job_name_label}={name}"
+        return f"{self.pod_label}={name}"
 
-    def is_master(self, pod: dict[str, Any]) -> bool:
-        return (pod.get("metadata", {}).get("labels") or {}).get(self.replica_type_label, "").lower() == "master"
+    def is_master(self, pod: Obj) -> bool:
+        return _labels(pod).get(self.replica_type_label, "").lower() == "master"
 
-    def node_rank(self, pod: dict[str, Any], *, masterless: bool) -> int:
+    def node_rank(self, pod: Obj, *, masterless: bool) -> int:
         """training-operator's RANK for the pod: master 0, worker i is i + 1; in a job without a
         master, worker i is i."""
-        index = int((pod.get("metadata", {}).get("labels") or {}).get(self.replica_index_label, "0") or 0)
+        index = int(_labels(pod).get(self.replica_index_label, "0") or 0)
         return index if self.is_master(pod) or masterless else index + 1
+
+    def rdzv_endpoint(self, name: str) -> str:
+        return f"{name}-master-0"
+
+
+TRAINER_JOB = "node"
+"""The replicated job of a Trainer runtime that runs the training (Trainer's ``constants.Node``)."""
+
+
+@dataclass(frozen=True)
+class TrainJobKind:
+    kind: str = "TrainJob"
+    group: str = "trainer.kubeflow.org"
+    version: str = "v1alpha1"
+    plural: str = "trainjobs"
+    pod_label: str = "jobset.sigs.k8s.io/jobset-name"
+    replicated_job_label: str = "jobset.sigs.k8s.io/replicatedjob-name"
+    completion_index_label: str = "batch.kubernetes.io/job-completion-index"
+    manager: str = f"{names.PREFIX}/operator"
+
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/{self.version}"
+
+    def model(self, obj: Obj) -> trainer.TrainerV1alpha1TrainJob:
+        return trainer.TrainerV1alpha1TrainJob.from_dict(obj)
+
+    def _trainer(self, obj: Obj) -> trainer.TrainerV1alpha1Trainer | None:
+        return self.model(obj).spec.trainer
+
+    def node_count(self, obj: Obj) -> int:
+        spec = self._trainer(obj)
+        return spec.num_nodes if spec is not None and spec.num_nodes else 1
+
+    def procs_per_node(self, obj: Obj) -> int:
+        spec = self._trainer(obj)
+        return spec.num_proc_per_node if spec is not None and spec.num_proc_per_node else 1
+
+    def problems(self, obj: Obj) -> list[str]:
+        spec = self._trainer(obj)
+        if spec is None or not spec.num_nodes:
+            return ["spec.trainer.numNodes is not set: unbroken needs the node count on the TrainJob itself "
+                    "(the runtime's mlPolicy.numNodes is not read)"]
+        return []
+
+    def suspend_patch(self, suspend: bool) -> Obj:
+        return {"spec": {"suspend": suspend}}
+
+    def launch_patch(self, obj: Obj, attempt: int, *, require_deep_health: bool) -> Obj:
+        """Unsuspend with unbroken's runtime patch for ``attempt``. The Trainer accepts a change of
+        ``runtimePatches`` only while the TrainJob is suspended, so a running job being adopted as
+        attempt 0 is only unsuspended (its pods carry no attempt, which reads as 0)."""
+        model = self.model(obj)
+        if attempt == 0 and not model.spec.suspend:
+            return {"spec": {"suspend": False}}
+        pod_spec = trainer.TrainerV1alpha1PodSpecPatch(
+            node_selector={names.DEEP_HEALTH_CHECK_STATUS: "Passed"}) if require_deep_health else None
+        ours = trainer.TrainerV1alpha1RuntimePatch(
+            manager=self.manager,
+            training_runtime_spec=trainer.TrainerV1alpha1TrainingRuntimeSpecPatch(
+                template=trainer.TrainerV1alpha1JobSetTemplatePatch(
+                    spec=trainer.TrainerV1alpha1JobSetSpecPatch(replicated_jobs=[trainer.TrainerV1alpha1ReplicatedJobPatch(
+                        name=TRAINER_JOB,
+                        template=trainer.TrainerV1alpha1JobTemplatePatch(spec=trainer.TrainerV1alpha1JobSpecPatch(
+                            template=trainer.TrainerV1alpha1PodTemplatePatch(
+                                metadata=trainer.IoK8sApimachineryPkgApisMetaV1ObjectMeta(
+                                    annotations={names.ATTEMPT: str(attempt)}),
+                                spec=pod_spec))))]))))
+        others = [patch.to_dict() for patch in model.spec.runtime_patches or [] if patch.manager != self.manager]
+        # runtimePatches is a list: a merge patch replaces it whole, so the other managers' entries go back in as read.
+        return {"spec": {"suspend": False, "runtimePatches": [*others, ours.to_dict()]}}
+
+    def children_to_recreate(self, name: str) -> list[Child]:
+        return [Child("jobset.x-k8s.io", "v1alpha2", "jobsets", name)]  # the Trainer names the JobSet after the TrainJob
+
+    def pods_selector(self) -> str:
+        return f"{self.pod_label},{self.replicated_job_label}={TRAINER_JOB}"
+
+    def pod_selector(self, name: str) -> str:
+        return f"{self.pod_label}={name},{self.replicated_job_label}={TRAINER_JOB}"
+
+    def is_master(self, pod: Obj) -> bool:
+        return self.node_rank(pod, masterless=True) == 0
+
+    def node_rank(self, pod: Obj, *, masterless: bool) -> int:
+        """The Torch runtime's ``PET_NODE_RANK``: the pod's completion index in the ``node`` Job."""
+        value = _labels(pod).get(self.completion_index_label, "0")
+        return int(value) if value.isdigit() else 0
+
+    def rdzv_endpoint(self, name: str) -> str:
+        return f"{name}-{TRAINER_JOB}-0-0.{name}"
 
 
 PYTORCHJOB = PyTorchJobKind()
-KINDS = (PYTORCHJOB,)
+TRAINJOB = TrainJobKind()
+KINDS: tuple[WorkloadKind, ...] = (PYTORCHJOB, TRAINJOB)
+"""In lookup order: a job name that both kinds use in one namespace belongs to the PyTorchJob."""
+
+
+def kind_of(obj: Obj) -> WorkloadKind:
+    for kind in KINDS:
+        if obj.get("kind") == kind.kind and str(obj.get("apiVersion", "")).startswith(kind.group + "/"):
+            return kind
+    raise ValueError(f"not a workload unbroken knows: {obj.get('apiVersion')} {obj.get('kind')}")
+
+
+def job_of(kind: WorkloadKind, pod: Obj) -> str | None:
+    """``<namespace>/<workload>`` for a training pod of ``kind``, else None."""
+    workload = _labels(pod).get(kind.pod_label)
+    return f"{pod['metadata']['namespace']}/{workload}" if workload else None

@@ -37,7 +37,7 @@ from unbroken.operator.deep_checks import DeepCheckJobs
 from unbroken.kube.client import api_client
 from unbroken.kube.leader import LeaderLease
 from unbroken.kube.store import KubernetesStore
-from unbroken.kube.workloads import PYTORCHJOB
+from unbroken.kube.workloads import KINDS
 from unbroken.runtime import Runtime, open_kubernetes
 from unbroken.state.records import EventType
 
@@ -125,8 +125,9 @@ def _registry(operator: Operator, api: kubernetes.client.ApiClient) -> kopf.Oper
 
     kopf.on.login(registry=registry)(lambda **_: _connection(api))
     kopf.on.event("", "v1", "nodes", registry=registry)(wake)
-    kopf.on.event("", "v1", "pods", labels={PYTORCHJOB.job_name_label: kopf.PRESENT}, registry=registry)(wake)
-    kopf.on.event(PYTORCHJOB.group, PYTORCHJOB.version, PYTORCHJOB.plural, registry=registry)(wake)
+    for kind in KINDS:
+        kopf.on.event("", "v1", "pods", labels={kind.pod_label: kopf.PRESENT}, id=f"{kind.plural}-pods", registry=registry)(wake)
+        kopf.on.event(kind.group, kind.version, kind.plural, id=kind.plural, registry=registry)(wake)
     kopf.on.event("batch", "v1", "jobs", labels={deep_checks.COMPONENT_LABEL: deep_checks.COMPONENT}, registry=registry)(wake)
 
     @kopf.on.startup(registry=registry)
