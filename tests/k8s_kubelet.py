@@ -2,8 +2,8 @@
 
 The emulator is an API server only: nothing schedules, runs or finishes a pod there. ``TestKubelet`` plays,
 against it and through the official ``kubernetes`` client, the scheduler, a kubelet on every node it adds,
-the batch/v1 Job controller, the Kubeflow PyTorchJob controller (training-operator v1) and the garbage
-collector for their pods -- so that an end-to-end test can submit a real PyTorchJob and get real local
+the batch/v1 Job controller, the Kubeflow PyTorchJob controller (training-operator v1), the Trainer's
+TrainJob and the JobSet controllers (tests/k8s_trainer.py) and the garbage collector for their pods -- so that an end-to-end test can submit a real PyTorchJob and get real local
 processes as its pods::
 
     with kubernetes_emulator(tmp_path) as k8s, TestKubelet(k8s.write_kubeconfig(tmp_path / "kubeconfig"), tmp_path) as kubelet:
@@ -106,9 +106,11 @@ Everything runs on this one machine, as the test's user, with the test's environ
   SuccessCriteriaMet/FailureTarget, podFailurePolicy, successPolicy, backoffLimitPerIndex, the delay
   between replacements, ttlSecondsAfterFinished; the counts live in this process's memory (a real
   controller keeps them with pod finalizers).
+* TrainJob (Kubeflow Trainer v2) and JobSet controllers: tests/k8s_trainer.py, called from this loop; a
+  TrainJob's pods come from Jobs that its JobSet made, through the Job controller above.
 * Garbage collector: pods whose controller (a Job or a PyTorchJob) is gone are deleted gracefully,
-  whatever ``propagationPolicy`` the owner's deletion asked for.
-* Nothing plays Deployments, DaemonSets, Services, JobSets or TrainJobs.
+  whatever ``propagationPolicy`` the owner's deletion asked for (Jobs and JobSets: tests/k8s_trainer.py).
+* Nothing plays Deployments, DaemonSets or Services.
 """
 
 from __future__ import annotations
@@ -606,6 +608,8 @@ class TestKubelet:
         self._containers: dict[str, _Container] = {}  # by pod uid
         self._master_ports: dict[str, int] = {}  # by PyTorchJob uid
         self._job_tracking: dict[str, _JobTracking] = {}  # by Job uid
+        from k8s_trainer import TrainerControllers  # here, not at the top: it builds on this module's helpers
+        self._trainer = TrainerControllers(self._api.client, self._api.merge_patch)
         self._thread = threading.Thread(target=self._run, name="test-kubelet", daemon=True)
         self._thread.start()
         atexit.register(self.close)  # its processes run in their own sessions: never leave them behind, even unclosed
@@ -747,6 +751,7 @@ class TestKubelet:
         jobs = self._api.jobs()
         self._reap_gone({_meta(p)["uid"] for p in pods})
         self._collect_garbage(pods, {_meta(o)["uid"] for o in [*pytorchjobs, *jobs]})
+        self._guard("TrainJob and JobSet controllers", self._trainer.sync, jobs, self._guard)
         for job in pytorchjobs:
             pods += self._guard(f"PyTorchJob {_meta(job)['namespace']}/{_meta(job)['name']}", self._sync_pytorchjob, job, pods) or []
         for job in jobs:

@@ -515,3 +515,96 @@ def test_a_hung_rank_restarts_the_job_after_its_hang_timeout(cluster: Cluster, a
         return bool(pods) and all((p.metadata.annotations or {}).get(names.ATTEMPT) == "1" for p in pods) \
             and "resumed at step" in rank_log(cluster, f"{name}-master-0")
     wait_until(resumed, 120, "attempt 1 to resume from the checkpoint")
+
+
+TRAINER = ("trainer.kubeflow.org", "v1alpha1")
+JOBSET_NAME = "jobset.sigs.k8s.io/jobset-name"
+
+
+def torch_runtime() -> dict[str, Any]:
+    """The shape of Kubeflow Trainer's shipped ``torch-distributed`` ClusterTrainingRuntime: one replicated job
+    ``node`` whose container ``node`` runs torchrun from the PET_* env (its image is ignored here)."""
+    return {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "ClusterTrainingRuntime",
+            "metadata": {"name": "torch-distributed"},
+            "spec": {"mlPolicy": {"numNodes": 1, "torch": {"numProcPerNode": "auto"}},
+                     "template": {"spec": {"replicatedJobs": [{
+                         "name": "node",
+                         "template": {"metadata": {"labels": {"trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}},
+                                      "spec": {"template": {"spec": {"restartPolicy": "OnFailure", "containers": [{
+                                          "name": "node", "image": "pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime",
+                                          "command": ["torchrun"]}]}}}}}]}}}}
+
+
+def trainjob(name: str, checkpoints: Path, *, steps: int, annotations: dict[str, str]) -> dict[str, Any]:
+    """A TrainJob as a user writes it against that runtime, with a runtime patch of another manager (a
+    label, as Kueue writes one) that unbroken must keep."""
+    return {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob",
+            "metadata": {"name": name, "namespace": JOBS, "annotations": annotations},
+            "spec": {"runtimeRef": {"name": "torch-distributed"},
+                     "trainer": {"numNodes": 2, "numProcPerNode": 1,
+                                 "command": [sys.executable, "-m", "torch.distributed.run", "-m", "unbroken.workloads.mlp",
+                                             "--steps", str(steps), "--checkpoint-every", "10", "--step-time", "0.05"],
+                                 "env": [{"name": "UNBROKEN_CHECKPOINT_DIR", "value": str(checkpoints)}],
+                                 "resourcesPerNode": {"limits": {"nvidia.com/gpu": 1}}},
+                     "runtimePatches": [{"manager": "example.com/queue", "trainingRuntimeSpec": {"template": {"spec": {
+                         "replicatedJobs": [{"name": "node", "template": {"spec": {"template": {
+                             "metadata": {"labels": {"example.com/queue": "research"}}}}}}]}}}}]}}
+
+
+def test_a_trainjob_rank_killed_restarts_the_job_which_resumes_from_its_checkpoint(cluster: Cluster, tmp_path: Path) -> None:
+    """Done-when 3 for a TrainJob: Trainer -> JobSet -> Jobs -> pods (the test kubelet plays the Trainer and
+    JobSet controllers, tests/k8s_trainer.py); a rank killed -> the TrainJob is suspended, its JobSet deleted
+    and built again, the pods of attempt 1 come with unbroken's runtime patch and resume from the checkpoint."""
+    cluster.custom.create_cluster_custom_object(*TRAINER, "clustertrainingruntimes", torch_runtime())
+    cluster.start_operator()
+    checkpoints = tmp_path / "ckpt"
+    cluster.custom.create_namespaced_custom_object(*TRAINER, JOBS, "trainjobs",
+                                                   trainjob("tj", checkpoints, steps=400, annotations=auto_resume(2)))
+
+    def train() -> dict[str, Any]:
+        return cluster.custom.get_namespaced_custom_object(*TRAINER, JOBS, "trainjobs", "tj")
+
+    def annotations() -> dict[str, str]:
+        return train()["metadata"].get("annotations") or {}
+
+    def pods() -> dict[int, Any]:
+        """The live trainer pods by node rank (completion index)."""
+        found = cluster.core.list_namespaced_pod(JOBS, label_selector=f"{JOBSET_NAME}=tj").items
+        return {int(p.metadata.labels["batch.kubernetes.io/job-completion-index"]): p for p in found
+                if not p.metadata.deletion_timestamp}
+
+    def jobset_uid() -> str | None:
+        try:
+            return str(cluster.custom.get_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", JOBS, "jobsets", "tj")["metadata"]["uid"])
+        except kubernetes.client.ApiException:
+            return None
+
+    wait_until(lambda: annotations().get(names.JOB_PHASE) == "Running", 60, "the operator to adopt the TrainJob")
+    wait_until(lambda: any(s >= 20 for s in checkpoint_steps(checkpoints)), 120, "a checkpoint at step 20")
+    first_jobset = jobset_uid()
+    assert sorted(pods()) == [0, 1]
+
+    rank_process(cluster, pods()[1].metadata.name).send_signal(signal.SIGKILL)
+
+    wait_until(lambda: annotations().get(names.RESTART_COUNT) == "1", 30, "restart-count 1 on the TrainJob")
+    reasons = wait_until(lambda: (r := cluster.reasons("tj")).count("JobScheduled") >= 2 and r, 60, "attempt 1 scheduled")
+    assert reasons[:3] == ["JobScheduled", "JobRestarting", "JobScheduled"], reasons
+    restarting = next(m for _, r, m in cluster.events("tj") if r == "JobRestarting")
+    assert "restart 1 of 2" in restarting and "SIGKILL" in restarting, restarting
+
+    def resumed() -> bool:
+        live = pods()
+        return sorted(live) == [0, 1] and all((p.metadata.annotations or {}).get(names.ATTEMPT) == "1" for p in live.values()) \
+            and "resumed at step" in rank_log(cluster, live[0].metadata.name)
+    wait_until(resumed, 120, "attempt 1's pods to resume from a checkpoint")
+    assert jobset_uid() not in (None, first_jobset)  # built again: the runtime's Job failure counts start at 0
+    patches = {p["manager"]: p for p in train()["spec"]["runtimePatches"]}
+    assert set(patches) == {"example.com/queue", f"{names.PREFIX}/operator"}, patches  # the other manager's entry kept
+    assert all((p.metadata.labels or {}).get("example.com/queue") == "research" for p in pods().values())
+
+    wait_until(lambda: annotations().get(names.JOB_PHASE) == "Succeeded", 180, "the TrainJob to finish")
+    assert annotations()[names.RESTART_COUNT] == "1"
+    assert cluster.reasons("tj")[-1] == "JobSucceeded"
+    # the Trainer's own verdict follows through JobSet and Jobs
+    wait_until(lambda: any(c["type"] == "Complete" and c["status"] == "True" for c in train().get("status", {}).get("conditions", [])),
+               30, "the TrainJob's Complete condition")

@@ -1,0 +1,171 @@
+"""The workload kinds unbroken restarts (kube/workloads.py), and the store over both of them.
+
+Patches are checked by reading them back through the Kubeflow SDK's models; the store runs against the
+API emulator (tests/k8s_emulator.py: the API server is the only emulated part).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import uuid
+from typing import Any
+
+import kubernetes
+import pytest
+from kubeflow_trainer_api.models import TrainerV1alpha1TrainJob
+
+from unbroken.kube import names
+from unbroken.kube.store import KubernetesStore
+from unbroken.kube.workloads import PYTORCHJOB, TRAINJOB, kind_of
+from unbroken.state.phases import JobPhase
+from unbroken.state.records import EventType
+from unbroken.state.updates import JobUpdate
+
+pytestmark = pytest.mark.timeout(60)
+NAMESPACE = "unbroken-system"
+QUEUE_PATCH = {"manager": "example.com/queue", "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [
+    {"name": "node", "template": {"spec": {"template": {"metadata": {"labels": {"example.com/queue": "a"}}}}}}]}}}}
+
+
+def train_job(name: str = "tj", *, suspend: bool | None = None, nodes: int | None = 2,
+              annotations: dict[str, str] | None = None, patches: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    trainer: dict[str, Any] = {"numProcPerNode": 4, "command": ["torchrun", "train.py"]}
+    if nodes is not None:
+        trainer["numNodes"] = nodes
+    spec: dict[str, Any] = {"runtimeRef": {"name": "torch-distributed"}, "trainer": trainer,
+                            "runtimePatches": copy.deepcopy(patches if patches is not None else [QUEUE_PATCH])}
+    if suspend is not None:
+        spec["suspend"] = suspend
+    return {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob",
+            "metadata": {"name": name, "annotations": annotations or {}}, "spec": spec}
+
+
+def patched(obj: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    """``obj`` after a JSON merge patch (RFC 7386: maps merge, lists and scalars replace)."""
+    def merge(target: Any, change: Any) -> Any:
+        if not isinstance(change, dict):
+            return change
+        result = dict(target) if isinstance(target, dict) else {}
+        for key, value in change.items():
+            if value is None:
+                result.pop(key, None)
+            else:
+                result[key] = merge(result.get(key), value)
+        return result
+    return merge(obj, patch)
+
+
+def our_patch(obj: dict[str, Any]) -> dict[str, Any]:
+    return next(p for p in obj["spec"]["runtimePatches"] if p["manager"] == f"{names.PREFIX}/operator")
+
+
+def test_a_restart_writes_unbrokens_own_runtime_patch_and_keeps_the_other_managers() -> None:
+    job = train_job(suspend=True)
+    after = patched(job, TRAINJOB.launch_patch(job, 3, require_deep_health=True))
+    model = TrainerV1alpha1TrainJob.from_dict(after)  # the Trainer's own model reads it
+    assert model.spec.suspend is False
+    assert [p.manager for p in model.spec.runtime_patches] == ["example.com/queue", f"{names.PREFIX}/operator"]
+    replicated = our_patch(after)["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    assert [r["name"] for r in replicated] == ["node"]
+    pod = replicated[0]["template"]["spec"]["template"]
+    assert pod["metadata"]["annotations"] == {names.ATTEMPT: "3"}
+    assert pod["spec"]["nodeSelector"] == {names.DEEP_HEALTH_CHECK_STATUS: "Passed"}
+
+    # the next attempt replaces unbroken's entry instead of adding a second
+    again = patched(after, TRAINJOB.launch_patch(patched(after, TRAINJOB.suspend_patch(True)), 4, require_deep_health=False))
+    assert [p["manager"] for p in again["spec"]["runtimePatches"]] == ["example.com/queue", f"{names.PREFIX}/operator"]
+    pod = our_patch(again)["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+    assert pod["metadata"]["annotations"] == {names.ATTEMPT: "4"} and "spec" not in pod
+    assert again["spec"]["runtimePatches"][0] == QUEUE_PATCH
+
+
+def test_adopting_a_running_trainjob_only_unsuspends_it() -> None:
+    """The Trainer refuses a runtimePatches change on a running TrainJob; its pods carry no attempt, read as 0."""
+    running = train_job()
+    assert TRAINJOB.launch_patch(running, 0, require_deep_health=True) == {"spec": {"suspend": False}}
+    created_suspended = train_job(suspend=True)
+    assert "runtimePatches" in TRAINJOB.launch_patch(created_suspended, 0, require_deep_health=False)["spec"]
+
+
+def test_pods_of_each_kind_give_their_node_rank_and_rendezvous() -> None:
+    trainer_pod = {"metadata": {"namespace": "ns", "labels": {TRAINJOB.pod_label: "tj", "jobset.sigs.k8s.io/replicatedjob-name": "node",
+                                                               "batch.kubernetes.io/job-completion-index": "2"}}}
+    assert (TRAINJOB.node_rank(trainer_pod, masterless=True), TRAINJOB.is_master(trainer_pod)) == (2, False)
+    assert TRAINJOB.rdzv_endpoint("tj") == "tj-node-0-0.tj"
+    assert TRAINJOB.pod_selector("tj") == "jobset.sigs.k8s.io/jobset-name=tj,jobset.sigs.k8s.io/replicatedjob-name=node"
+    worker = {"metadata": {"labels": {PYTORCHJOB.pod_label: "pj", "training.kubeflow.org/replica-type": "worker",
+                                      "training.kubeflow.org/replica-index": "0"}}}
+    assert (PYTORCHJOB.node_rank(worker, masterless=False), PYTORCHJOB.node_rank(worker, masterless=True)) == (1, 0)
+    assert kind_of(train_job()) is TRAINJOB
+    with pytest.raises(ValueError, match="not a workload"):
+        kind_of({"apiVersion": "batch/v1", "kind": "Job"})
+
+
+@pytest.fixture
+def api(kubeconfig: Any) -> kubernetes.client.ApiClient:
+    from unbroken.kube.client import api_client
+    return api_client(kubeconfig)
+
+
+def create(api: kubernetes.client.ApiClient, namespace: str, body: dict[str, Any]) -> None:
+    custom = kubernetes.client.CustomObjectsApi(api)
+    if body["kind"] == "TrainJob":
+        custom.create_namespaced_custom_object("trainer.kubeflow.org", "v1alpha1", namespace, "trainjobs", body)
+    else:
+        custom.create_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", body)
+
+
+def pytorch_job(name: str, annotations: dict[str, str]) -> dict[str, Any]:
+    replica = {"replicas": 1, "template": {"spec": {"containers": [{"name": "pytorch", "image": "img"}]}}}
+    return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": name, "annotations": annotations},
+            "spec": {"pytorchReplicaSpecs": {"Master": replica}}}
+
+
+def test_an_annotated_trainjob_is_a_job_whose_state_and_events_live_on_it(api: kubernetes.client.ApiClient, namespace: str) -> None:
+    store = KubernetesStore(api, NAMESPACE, job_namespace=namespace)
+    create(api, namespace, train_job("managed", annotations={names.AUTO_RESUME: "true", names.MAX_RETRY: "3"}))
+    create(api, namespace, train_job("plain"))
+    jobs = {j.name: j for j in store.list_jobs()}
+    assert set(jobs) == {f"{namespace}/managed"}
+    spec = jobs[f"{namespace}/managed"].spec()
+    assert (spec.nodes, spec.procs_per_node, spec.resilience.max_retry, spec.command) == (2, 4, 3, [f"TrainJob {namespace}/managed"])
+
+    store.update_job(f"{namespace}/managed", JobUpdate(phase=JobPhase.RUNNING, nodes=("a", "b")), expect_version=0)
+    store.add_event("Job", f"{namespace}/managed", "JobRestarting", "a rank died", type=EventType.WARNING)
+    obj = kubernetes.client.CustomObjectsApi(api).get_namespaced_custom_object("trainer.kubeflow.org", "v1alpha1", namespace, "trainjobs", "managed")
+    assert obj["metadata"]["annotations"][names.JOB_PHASE] == "Running"
+    event = kubernetes.client.CoreV1Api(api).list_namespaced_event(namespace).items[0]
+    assert (event.involved_object.kind, event.involved_object.api_version, event.involved_object.name) == \
+        ("TrainJob", "trainer.kubeflow.org/v1alpha1", "managed")
+
+
+def test_a_trainjob_without_a_node_count_or_with_a_taken_name_is_invalid_not_a_job(
+        api: kubernetes.client.ApiClient, namespace: str) -> None:
+    store = KubernetesStore(api, NAMESPACE, job_namespace=namespace)
+    opted = {names.AUTO_RESUME: "true"}
+    create(api, namespace, train_job("sizeless", nodes=None, annotations=opted))
+    create(api, namespace, pytorch_job("twin", opted))
+    create(api, namespace, train_job("twin", annotations=opted))
+    create(api, namespace, pytorch_job("quiet", {}))  # not opted in: the name stays free for the TrainJob
+    create(api, namespace, train_job("quiet", annotations=opted))
+
+    jobs = {j.name: j for j in store.list_jobs()}
+    assert set(jobs) == {f"{namespace}/twin", f"{namespace}/quiet"}
+    assert jobs[f"{namespace}/twin"].spec().command == [f"PyTorchJob {namespace}/twin"]
+    assert jobs[f"{namespace}/quiet"].spec().command == [f"TrainJob {namespace}/quiet"]
+    invalid = {i.name: i.problems for i in store.invalid_jobs()}
+    assert set(invalid) == {f"{namespace}/sizeless", f"{namespace}/twin"}
+    assert "spec.trainer.numNodes is not set" in invalid[f"{namespace}/sizeless"][0]
+    assert invalid[f"{namespace}/twin"][0].startswith(f"the PyTorchJob {namespace}/twin is already the job of that name")
+    assert store.kind_of(f"{namespace}/quiet") is TRAINJOB
+    # a fresh store (an operator after a restart) finds the same kinds without a listing first
+    fresh = KubernetesStore(api, NAMESPACE, job_namespace=namespace)
+    assert fresh.get_job(f"{namespace}/quiet").spec().command == [f"TrainJob {namespace}/quiet"]
+
+
+def test_a_kind_whose_crd_is_not_installed_has_no_jobs(api: kubernetes.client.ApiClient, namespace: str) -> None:
+    absent = dataclasses.replace(TRAINJOB, group=f"absent-{uuid.uuid4().hex[:4]}.example.com")
+    store = KubernetesStore(api, NAMESPACE, job_namespace=namespace, kinds=(PYTORCHJOB, absent))
+    create(api, namespace, pytorch_job("pj", {names.AUTO_RESUME: "true"}))
+    assert [j.name for j in store.list_jobs()] == [f"{namespace}/pj"]
