@@ -242,6 +242,75 @@ def test_memory_round_trip_restores_the_newest_step_bit_exact_and_its_rng(make_r
     assert_same(restored.state, sample_state(60))
 
 
+def trained_model(width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A model and an SGD-with-momentum optimizer after one step (momentum buffers exist), grads left set."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(torch.randn(8, width)).square().mean().backward()
+        optimizer.step()
+    return model, optimizer
+
+
+def test_an_overlapped_save_keeps_the_values_at_its_step_while_the_optimizer_moves_on(make_rig) -> None:
+    """save() returns before its copy is done; the next optimizer.step() waits for the copy (the global pre-hook),
+    so the checkpoint holds the parameters and momentum of the save step, bit for bit, not the step after."""
+    rig = make_rig({"keep": 2, "replicas": 0})
+    ck = rig.checkpointer()
+    model, optimizer = trained_model(4096)  # 64 MiB of weights + 64 MiB of momentum: a copy of tens of ms
+    state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+    expected = {"model": type(state["model"])((k, v.clone()) for k, v in state["model"].items()),
+                "momentum": [optimizer.state[p]["momentum_buffer"].clone() for p in model.parameters()]}
+
+    ck.save(5, state)
+    optimizer.step()  # straight away, with the grads still set: changes every weight and buffer in place
+    assert ck.last_fence_seconds > 0, "the step had to wait: save() returned before its copy was done"
+    assert not torch.equal(model[0].weight, expected["model"]["0.weight"]), "the step did change the weights"
+    for _ in range(3):  # and training goes on
+        optimizer.zero_grad()
+        model(torch.randn(8, 4096)).square().mean().backward()
+        optimizer.step()
+    ck.wait()
+    rig.settle(lambda: 5 in rig.steps(MEMORY), "step 5 committed")
+
+    rig.store.update_job("j", JobUpdate(attempt=1))
+    restored = rig.checkpointer(attempt=1).restore()
+    assert restored is not None and restored.step == 5
+    assert_same(restored.state["model"], expected["model"])
+    saved_momentum = [entry["momentum_buffer"] for entry in restored.state["optim"]["state"].values()]
+    assert all(torch.equal(a, b) for a, b in zip(saved_momentum, expected["momentum"], strict=True))
+
+
+def test_a_change_outside_the_optimizer_after_fence_is_not_in_the_checkpoint(make_rig) -> None:
+    rig = make_rig({"keep": 2, "replicas": 0})
+    ck = rig.checkpointer()
+    weights = torch.randn(32 * 1024 * 1024)  # 128 MiB
+    expected = weights.clone()
+    ck.save(7, {"w": weights})
+    ck.fence()
+    assert ck.last_stall_seconds >= ck.last_fence_seconds > 0
+    weights.add_(1.0)  # a manual update, as a script may do between steps
+    ck.wait()
+    rig.settle(lambda: 7 in rig.steps(MEMORY), "step 7 committed")
+    rig.store.update_job("j", JobUpdate(attempt=1))
+    restored = rig.checkpointer(attempt=1).restore()
+    assert restored is not None and torch.equal(restored.state["w"], expected)
+
+
+def test_a_checkpointer_that_is_closed_is_no_longer_fenced(make_rig) -> None:
+    from unbroken.checkpoint import fence
+
+    rig = make_rig({"keep": 2, "replicas": 0})
+    ck = rig.checkpointer()
+    assert ck in fence._live
+    ck.close()
+    assert ck not in fence._live
+    _, optimizer = trained_model(16)
+    optimizer.step()  # the hook has nothing to wait for and must not touch a closed checkpointer
+
+
 def test_restore_with_nothing_saved_is_a_fresh_start(make_rig) -> None:
     rig = make_rig()
     assert rig.checkpointer().restore() is None

@@ -47,7 +47,12 @@ class CheckpointObserver(Protocol):
 
 class Checkpointer(Protocol):
     def save(self, step: int, state: dict[str, Any]) -> None:
-        """Every rank calls it with its own state; returns once the state is durable."""
+        """Every rank calls it with its own state. The file checkpointer returns once the state is
+        durable; the tiered one once its copy is scheduled (see ``fence``)."""
+
+    def fence(self) -> None:
+        """Return once the last save no longer reads the state it was given. ``optimizer.step()``
+        fences by itself; call it before changing saved state any other way."""
 
     def restore(self) -> Restored | None:
         """The newest step that every rank can read, or None for a fresh start."""

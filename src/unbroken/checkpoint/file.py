@@ -93,6 +93,9 @@ class FileCheckpointer:
         self.keep = keep
         self._observer = observer
 
+    def fence(self) -> None:
+        """Nothing to wait for: ``save`` returns with the state on disk."""
+
     def save(self, step: int, state: dict[str, Any]) -> None:
         if step < 0:
             raise CheckpointError(f"checkpoint step must be >= 0, got {step}")

@@ -1,10 +1,13 @@
 """The rank's half of tiered checkpointing: ``ctx.checkpoint`` when the job file has tiers.
 
-``save(step, state)`` copies the state into one of the rank's shared-memory
-slots and returns; that copy is the whole stall. A background thread then
+``save(step, state)`` lays the state out, takes one of the rank's
+shared-memory slots and returns: the copy into the slot runs in a background
+thread while the script goes on with its next forward and backward, and the
+next ``optimizer.step()`` waits for it (checkpoint/fence.py; ``fence()`` for
+scripts that change the saved state otherwise). The same thread then
 checksums the slot and publishes its descriptor; the node agent takes it
 from there (commit, replicas, persistent tier). A second ``save`` first waits
-for the previous checksum (tens of milliseconds per GiB) and, if every slot is
+for the previous one (tens of milliseconds per GiB) and, if every slot is
 being read by a replication or a drain, waits at most ``save_wait_seconds``
 before skipping the step with a warning: memory stays bounded.
 
@@ -29,7 +32,7 @@ from typing import Any
 
 import torch
 
-from unbroken.checkpoint import collectives, rng, shard, shm, tiers
+from unbroken.checkpoint import collectives, fence, rng, shard, shm, tiers
 from unbroken.checkpoint.api import CheckpointObserver, Restored, RestoreReport, SaveReport
 from unbroken.checkpoint.credentials import Credentials
 from unbroken.checkpoint.manifest import ShardInfo
@@ -58,7 +61,7 @@ class Loaded:
     """The restore's source as a metric label (``tiers.Location.source``)."""
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not field equality: the fence keeps live checkpointers in a weak set
 class TieredCheckpointer:
     job: str
     attempt: int
@@ -81,7 +84,10 @@ class TieredCheckpointer:
     _stream: Any = field(default=None, init=False)
     _prefetched: dict[tuple[Path, str], mmap.mmap] = field(default_factory=dict, init=False)
     _prefetch: threading.Thread | None = field(default=None, init=False)
+    _copied: threading.Event | None = field(default=None, init=False)
     last_stall_seconds: float = field(default=0.0, init=False)
+    """How long the last save blocked the script: ``save()``'s return plus the fence's wait."""
+    last_fence_seconds: float = field(default=0.0, init=False)
 
     def __post_init__(self) -> None:
         self._pool = shm.SlotPool(shm.own_dir(self.shm_root, self.job), self.attempt, self.rank, self.policy.memory.keep)
@@ -94,18 +100,21 @@ class TieredCheckpointer:
         # A script that saves its last step and exits must not lose it to the interpreter
         # killing the (daemon) checksum thread: publish it on the way out.
         atexit.register(self.wait)
+        fence.watch(self)
 
     # -- save -----------------------------------------------------------------------
 
     def save(self, step: int, state: dict[str, Any]) -> None:
-        """Stage ``state`` for ``step`` if the memory policy wants it; returns after the copy."""
+        """Stage ``state`` for ``step`` if the memory policy wants it; returns once the copy is
+        scheduled (the next optimizer step, or ``fence()``, waits for it)."""
         if step < 0:
             raise CheckpointError(f"checkpoint step must be >= 0, got {step}")
         if self._due(step):
-            self.stage(step, state)
+            self.stage(step, state, overlap=True)
 
-    def stage(self, step: int, state: dict[str, Any]) -> bool:
-        """Copy ``state`` into a slot now, whatever the cadence; False if the tier could not take it.
+    def stage(self, step: int, state: dict[str, Any], *, overlap: bool = False) -> bool:
+        """Copy ``state`` into a slot, whatever the cadence; False if the tier could not take it.
+        With ``overlap`` the copy runs in the background until ``fence()``; without, it is done on return.
 
         No collective: callers that decide the cadence themselves (the DCP writer) use this.
         """
@@ -119,18 +128,54 @@ class TieredCheckpointer:
             # A full /dev/shm or readers holding every slot: this step is not staged, training goes on.
             _say(f"step {step} not checkpointed: {exc}")
             return False
-        try:
-            self._copy(slot, buffer, layout, tensors)
-        except BaseException:
-            self._pool.release(slot, None)
-            raise
+        ready = self._ready_marker(tensors)
+        copied = threading.Event()
+        self._copied = copied
+        self._pending = threading.Thread(target=self._copy_and_finalize, args=(slot, buffer, layout, tensors, step, ready, copied),
+                                         name="ckpt-copy", daemon=True)
+        self._pending.start()
+        if not overlap:
+            self.fence()
         self._last_step, self._last_at = step, time.monotonic()
         self.last_stall_seconds = time.perf_counter() - started
+        self.last_fence_seconds = 0.0
         if self.observer is not None:
             self.observer.saved(SaveReport(step, "memory", self.last_stall_seconds, layout.size))
-        self._pending = threading.Thread(target=self._finalize, args=(slot, layout, step), name="ckpt-finalize", daemon=True)
-        self._pending.start()
         return True
+
+    def fence(self) -> None:
+        """Return once the last save's bytes are all in its slot. The optimizer step does it by itself;
+        call it before changing the saved state any other way."""
+        copied = self._copied
+        if copied is None or copied.is_set():
+            return
+        started = time.perf_counter()
+        copied.wait()
+        self.last_fence_seconds = time.perf_counter() - started
+        self.last_stall_seconds += self.last_fence_seconds
+
+    def _ready_marker(self, tensors: list[torch.Tensor]) -> Any:
+        """A CUDA event after the work queued so far on the caller's stream (the values to save), or None.
+        The copy stream is made here too, on the caller's thread, so it is on the caller's device."""
+        if not any(t.is_cuda for t in tensors):
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())
+        return event
+
+    def _copy_and_finalize(self, slot: shm.Slot, buffer: mmap.mmap, layout: shard.ShardLayout, tensors: list[torch.Tensor],
+                           step: int, ready: Any, copied: threading.Event) -> None:
+        try:
+            self._copy(slot, buffer, layout, tensors, ready)
+        except BaseException as exc:  # noqa: BLE001 - a failing tier degrades: the step is lost, training goes on
+            copied.set()
+            self._pool.release(slot, None)
+            _say(f"step {step} not checkpointed: copying it into the memory tier failed: {exc!r}")
+            return
+        copied.set()
+        self._finalize(slot, layout, step)
 
     @property
     def last_step(self) -> int | None:
@@ -152,8 +197,8 @@ class TieredCheckpointer:
         # Ranks reach a step at slightly different times: agree, or no step would ever commit.
         return collectives.any_rank(due)
 
-    def _copy(self, slot: shm.Slot, buffer: mmap.mmap, layout: shard.ShardLayout, tensors: list[torch.Tensor]) -> None:
-        if not any(t.is_cuda for t in tensors):
+    def _copy(self, slot: shm.Slot, buffer: mmap.mmap, layout: shard.ShardLayout, tensors: list[torch.Tensor], ready: Any) -> None:
+        if ready is None:
             shard.write(buffer, layout, tensors)
             return
         # Device -> host: register the slot as pinned memory once, copy on our own stream,
@@ -162,10 +207,8 @@ class TieredCheckpointer:
             address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
             torch.cuda.cudart().cudaHostRegister(address, slot.capacity, 0)
             slot.registered = True
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream):
+        self._stream.wait_event(ready)  # the caller's stream had queued the last writes to these tensors
+        with torch.cuda.device(self._stream.device), torch.cuda.stream(self._stream):
             shard.write(buffer, layout, tensors, non_blocking=True)
         self._stream.synchronize()
 
@@ -190,6 +233,7 @@ class TieredCheckpointer:
 
     def close(self) -> None:
         self.wait()
+        fence.forget(self)
         self._pool.close()
 
     # -- restore --------------------------------------------------------------------
