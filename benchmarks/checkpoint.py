@@ -13,8 +13,14 @@ default 1) is built once and saved by each method in the same run:
   the state into freshly allocated CPU memory, then a thread writes it);
   durable = until its future completes. Restore as ``dcp.save``.
 * ``unbroken.memory``: ``TieredCheckpointer.save`` with ``memory: {keep: 2,
-  replicas: 0}``. stall = ``save()`` (the copy into the rank's shared-memory
-  slot); durable = until the store has the step ``Committed`` in the memory
+  replicas: 0}``. ``save()`` returns once the copy into the rank's
+  shared-memory slot is scheduled; the copy overlaps the script's next
+  forward and backward, played here by ``--step-seconds`` of matmuls on other
+  tensors, and ``fence()`` (what the next ``optimizer.step()`` calls) waits for
+  what is left of it. stall = ``save()``'s return + the fence's wait;
+  ``step_alone_s``/``step_overlapped_s`` are that work's time without and
+  with the copy running beside it (on a CPU they share cores; on a GPU the
+  copy is the DMA engine's). durable = until the store has the step ``Committed`` in the memory
   tier (checksum in the rank's background thread, then the node agent's
   0.1 s reconcile pass records the shard and commits the step). restore =
   ``restore()`` by the next attempt's checkpointer on the same node (a restore
@@ -118,6 +124,12 @@ class Result:
     """unbroken.memory+persistent: save -> the replica on node-2 is recorded."""
     replica_runs_s: list[float] = field(default_factory=list)
     cold_restore_s: float | None = None
+    return_s: float | None = None
+    """unbroken: ``save()``'s return alone (the copy not counted)."""
+    fence_s: float | None = None
+    """unbroken: the fence's wait after the step's work (what is left of the copy)."""
+    step_alone_s: float | None = None
+    step_overlapped_s: float | None = None
     """From creating the restoring checkpointer (the rank starting) to restore() returning."""
 
 
@@ -384,6 +396,26 @@ def wait_replica_and_persistent(cluster: Cluster, step: int, started: float) -> 
     return replica, durable
 
 
+class StepWork:
+    """The next forward and backward, played by matmuls on tensors of their own: a fixed amount of work,
+    sized once to take ``seconds`` on its own."""
+
+    def __init__(self, seconds: float) -> None:
+        self.a, self.b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+        self.units = 1
+        if seconds <= 0:
+            self.units = 0
+            return
+        alone = self.run()
+        self.units = max(1, round(seconds / max(alone, 1e-6)))
+
+    def run(self) -> float:
+        started = time.perf_counter()
+        for _ in range(self.units):
+            torch.mm(self.a, self.b)
+        return time.perf_counter() - started
+
+
 def run_unbroken(state: dict[str, Any], work: Path, shm: Path, args: argparse.Namespace, *, persistent: bool) -> Result:
     method = "unbroken.memory+persistent" if persistent else "unbroken.memory"
     work.mkdir()
@@ -393,25 +425,38 @@ def run_unbroken(state: dict[str, Any], work: Path, shm: Path, args: argparse.Na
     spec = JobSpec.model_validate({"name": "bench", "command": ["train.py"], "checkpoint": checkpoint}, context={"trusted": True})
     cluster = Cluster(work, shm, spec, ["node-1", "node-2"] if persistent else ["node-1"])
     ck = cluster.checkpointer("node-1", endpoint=cluster.endpoints["node-1"])
+    step_work = StepWork(args.step_seconds)
     try:
         cold = args.keep + 1  # one new slot per save until the pool holds keep + 1
         stalls, completes, memory, replicas, durables = [], [], [], [], []
+        returns, fences, alone_runs, overlapped_runs = [], [], [], []
         for step in range(1, cold + args.repeats + 1):
+            alone = step_work.run()
             started = time.perf_counter()
             ck.save(step, state)
-            stall = time.perf_counter() - started
+            returned = time.perf_counter() - started
+            overlapped = step_work.run()  # the next forward and backward
+            fence_started = time.perf_counter()
+            ck.fence()  # what optimizer.step() does first
+            fenced = time.perf_counter() - fence_started
+            stall = returned + fenced
             ck.wait()
             complete = time.perf_counter() - started
             poll(lambda s=step: cluster.committed(CheckpointTier.MEMORY, s))
             in_memory = time.perf_counter() - started
             replica, durable = wait_replica_and_persistent(cluster, step, started) if persistent else (None, None)
             kind = "cold" if step <= cold else "warm"
-            say(f"{method:<17} step {step} ({kind}) stall {stall:.3f} s (save() says {ck.last_stall_seconds:.3f})  "
+            say(f"{method:<17} step {step} ({kind}) stall {stall:.3f} s = return {returned:.3f} + fence {fenced:.3f} "
+                f"(step work {alone:.3f} s alone, {overlapped:.3f} s beside the copy)  "
                 f"complete {complete:.3f} s  memory committed {in_memory:.3f} s"
                 + (f"  replica {replica:.3f} s  persistent committed {durable:.3f} s" if persistent else ""))
             if step == 1:
                 cold_stall = stall
             if step > cold:
+                returns.append(returned)
+                fences.append(fenced)
+                alone_runs.append(alone)
+                overlapped_runs.append(overlapped)
                 stalls.append(stall)
                 completes.append(complete)
                 memory.append(in_memory)
@@ -450,7 +495,8 @@ def run_unbroken(state: dict[str, Any], work: Path, shm: Path, args: argparse.Na
         return Result(method, median(stalls), median(durables), median(restores), rounded(stalls), rounded(durables), rounded(restores), source,
                       cold_stall_s=round(cold_stall, 4), complete_s=median(completes), memory_durable_s=median(memory),
                       replica_s=median(replicas) if replicas else None, replica_runs_s=rounded(replicas),
-                      cold_restore_s=median(cold_restores))
+                      cold_restore_s=median(cold_restores), return_s=median(returns), fence_s=median(fences),
+                      step_alone_s=median(alone_runs), step_overlapped_s=median(overlapped_runs))
     finally:
         ck.close()
         cluster.close()
@@ -484,13 +530,16 @@ def goals(memcpy_s: float, results: list[Result]) -> list[str]:
     mem = by.get("unbroken.memory")
     if mem is None:
         return out
-    line("unbroken.memory stall / warm memcpy", mem.stall_s / memcpy_s, mem.stall_s / memcpy_s <= 1.5, "<= 1.5x")
+    line("unbroken.memory stall (save() return + fence wait) / warm memcpy", mem.stall_s / memcpy_s, mem.stall_s / memcpy_s <= 0.3, "<= 0.3x")
     if "torch.save" in by:
         ratio = by["torch.save"].stall_s / mem.stall_s
         line("torch.save stall / unbroken.memory stall", ratio, ratio >= 8, ">= 8x")
     if "dcp.async_save" in by:
         ratio = by["dcp.async_save"].stall_s / mem.stall_s
         line("dcp.async_save stall / unbroken.memory stall", ratio, ratio >= 3, ">= 3x")
+    if mem.step_alone_s and mem.step_overlapped_s is not None:
+        out.append(f"the step's work beside the copy: {mem.step_overlapped_s:.3f} s vs {mem.step_alone_s:.3f} s alone "
+                   f"(+{mem.step_overlapped_s - mem.step_alone_s:.3f} s: the copy shares this machine's cores)")
     share = memcpy_s / mem.restore_s
     out.append(f"unbroken.memory restore bandwidth / warm memcpy bandwidth = {share:.0%} (goal >= 50%): {'met' if share >= 0.5 else 'NOT met'}")
     if mem.cold_stall_s is not None:
@@ -511,6 +560,8 @@ def main() -> int:
     parser.add_argument("--keep", type=int, default=2, help="memory.keep of the unbroken job (slots: keep + 1, + 1 spare)")
     parser.add_argument("--disk-dir", type=Path, default=Path("/var/tmp"), help="local disk for torch.save, DCP, the persistent tier")
     parser.add_argument("--shm-dir", type=Path, default=Path("/dev/shm"))
+    parser.add_argument("--step-seconds", type=float, default=0.5,
+                        help="the forward+backward the copy overlaps, as matmul work (0: fence straight after save)")
     parser.add_argument("--warm-page-cache", action="store_true", help="restore disk files from the page cache, as written")
     parser.add_argument("--methods", default="torch.save,dcp.save,dcp.async_save,unbroken.memory,unbroken.memory+persistent")
     args = parser.parse_args()
