@@ -264,9 +264,14 @@ def test_an_overlapped_save_keeps_the_values_at_its_step_while_the_optimizer_mov
     expected = {"model": type(state["model"])((k, v.clone()) for k, v in state["model"].items()),
                 "momentum": [optimizer.state[p]["momentum_buffer"].clone() for p in model.parameters()]}
 
+    reports = Reports()
+    ck.observer = reports
     ck.save(5, state)
+    assert reports.saves == [], "told once its stall is known, at the fence"
     optimizer.step()  # straight away, with the grads still set: changes every weight and buffer in place
     assert ck.last_fence_seconds > 0, "the step had to wait: save() returned before its copy was done"
+    [save] = reports.saves  # the agent's stall metric and badput see the fence's wait too
+    assert (save.step, save.stall_seconds) == (5, ck.last_stall_seconds) and save.stall_seconds > ck.last_fence_seconds
     assert not torch.equal(model[0].weight, expected["model"]["0.weight"]), "the step did change the weights"
     for _ in range(3):  # and training goes on
         optimizer.zero_grad()

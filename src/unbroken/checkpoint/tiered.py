@@ -21,6 +21,7 @@ agree on the outcome through two small collectives.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import ctypes
 import logging
 import mmap
@@ -85,6 +86,8 @@ class TieredCheckpointer:
     _prefetched: dict[tuple[Path, str], mmap.mmap] = field(default_factory=dict, init=False)
     _prefetch: threading.Thread | None = field(default=None, init=False)
     _copied: threading.Event | None = field(default=None, init=False)
+    _unreported: SaveReport | None = field(default=None, init=False)
+    """The last save, told to the observer once its stall is known (at the fence)."""
     last_stall_seconds: float = field(default=0.0, init=False)
     """How long the last save blocked the script: ``save()``'s return plus the fence's wait."""
     last_fence_seconds: float = field(default=0.0, init=False)
@@ -134,25 +137,32 @@ class TieredCheckpointer:
         self._pending = threading.Thread(target=self._copy_and_finalize, args=(slot, buffer, layout, tensors, step, ready, copied),
                                          name="ckpt-copy", daemon=True)
         self._pending.start()
-        if not overlap:
-            self.fence()
         self._last_step, self._last_at = step, time.monotonic()
-        self.last_stall_seconds = time.perf_counter() - started
+        self._unreported = SaveReport(step, "memory", 0.0, layout.size)
         self.last_fence_seconds = 0.0
-        if self.observer is not None:
-            self.observer.saved(SaveReport(step, "memory", self.last_stall_seconds, layout.size))
+        if not overlap:
+            copied.wait()
+        self.last_stall_seconds = time.perf_counter() - started
+        if not overlap:
+            self._report_save()
         return True
 
     def fence(self) -> None:
         """Return once the last save's bytes are all in its slot. The optimizer step does it by itself;
         call it before changing the saved state any other way."""
         copied = self._copied
-        if copied is None or copied.is_set():
-            return
-        started = time.perf_counter()
-        copied.wait()
-        self.last_fence_seconds = time.perf_counter() - started
-        self.last_stall_seconds += self.last_fence_seconds
+        if copied is not None and not copied.is_set():
+            started = time.perf_counter()
+            copied.wait()
+            self.last_fence_seconds = time.perf_counter() - started
+            self.last_stall_seconds += self.last_fence_seconds
+        self._report_save()
+
+    def _report_save(self) -> None:
+        """Tell the observer of the last save, its stall being ``save()``'s return plus the fence's wait."""
+        report, self._unreported = self._unreported, None
+        if report is not None and self.observer is not None:
+            self.observer.saved(dataclasses.replace(report, stall_seconds=self.last_stall_seconds))
 
     def _ready_marker(self, tensors: list[torch.Tensor]) -> Any:
         """A CUDA event after the work queued so far on the caller's stream (the values to save), or None.
@@ -187,6 +197,7 @@ class TieredCheckpointer:
         if self._pending is not None:
             self._pending.join()
             self._pending = None
+        self.fence()  # nothing left to wait for: reports the save if no optimizer step did
 
     def _due(self, step: int) -> bool:
         memory = self.policy.memory
