@@ -43,6 +43,11 @@ class ClusterLayout:
         return self.root / "controller.log"
 
     @property
+    def controller_doorbell(self) -> Path:
+        """A named pipe: agents wake the controller through it (doorbell.py)."""
+        return self.root / "controller.wake"
+
+    @property
     def controller_lock(self) -> Path:
         return self.root / "controller.lock"
 

@@ -15,6 +15,7 @@ import pytest
 from helpers import STEPS, assert_same_parameters
 
 from unbroken import procs
+from unbroken.layout import ClusterLayout
 from unbroken.state.phases import NodeState
 from unbroken.waiting import wait_until
 
@@ -48,6 +49,12 @@ def test_kill_9_worker_resumes_bit_identical(cluster3, tmp_path, reference):
     # first) by the restart's cause once its own worker reported
     naming = [e for e in cluster3.json("job", "describe", "k9")["events"] if e["reason"] in ("JobRestarting", "JobRestartCause")]
     assert any("rank 3 (local rank 1) exited with signal 9 (SIGKILL)" in e["message"] for e in naming), naming
+    # its node's agent saw the rank die (a pidfd on the rank, its signal read from the zombie) and failed
+    # the worker itself, before torchrun noticed and exited
+    layout = ClusterLayout.at(cluster3.dir)
+    agent_logs = "".join(layout.agent_log(n).read_text() for n in ("node-1", "node-2", "node-3") if layout.agent_log(n).exists())
+    seen = [line for line in agent_logs.splitlines() if "seen by the agent" in line]
+    assert any("rank 3 (local rank 1) exited with signal 9 (SIGKILL)" in line for line in seen), seen
     assert_same_parameters(reference, output)
 
 

@@ -83,6 +83,8 @@ class RunningWorker:
     log_dir: Path
     stop_started: float | None = None
     members: list[psutil.Process] = field(default_factory=list)
+    reported: bool = False
+    """Its failure is written already (a rank seen dying): its exit closes nothing more."""
 
     def begin_stop(self) -> None:
         """SIGTERM (+SIGCONT) the whole tree once; :meth:`continue_stop` escalates."""
@@ -151,10 +153,15 @@ def describe_exit(code: int, log_dir: Path) -> tuple[int, str]:
     own = [m for m in matches if int(m[2]) != -signal.SIGTERM]
     if code != 0 and matches:
         rank, local_rank, rank_code = (own or matches)[-1]
-        error = _rank_error(log_dir, int(local_rank))
-        detail = f": {error}" if error else ""
-        return int(rank_code), f"rank {rank} (local rank {local_rank}) {_exit_words(int(rank_code))}{detail}"
+        return int(rank_code), rank_exit_message(int(rank), int(local_rank), int(rank_code), log_dir)
     return code, f"torchrun {_exit_words(code)}"
+
+
+def rank_exit_message(rank: int | str, local_rank: int, code: int, log_dir: Path) -> str:
+    """``rank 3 (local rank 1) exited with signal 9 (SIGKILL)``, with the exception it died of if it left one."""
+    error = _rank_error(log_dir, local_rank)
+    detail = f": {error}" if error else ""
+    return f"rank {rank} (local rank {local_rank}) {_exit_words(code)}{detail}"
 
 
 _EXCEPTION_LINE = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception|Interrupt)\b.*$")

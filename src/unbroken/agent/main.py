@@ -115,6 +115,7 @@ class Agent:
         finally:
             if self.workers is not None:
                 self.workers.kill_all()
+                self.workers.close()
             self.receiver.close()
             self.checkpoints.close()
             if endpoint is not None:

@@ -6,18 +6,25 @@ match, and writes back what it sees: Running with a pid, then Succeeded,
 Failed (with the failing rank and its exit code) or Stopped. It keeps only the
 ``Popen`` handles of the workers it started: after an agent restart, workers
 it cannot see are stopped and reported lost.
+
+A rank that dies of its own accord fails its worker at once (``rank_died``,
+from the rank watch: agent/rank_watch.py) and rings the controller's doorbell,
+without waiting for torchrun to notice, stop the other ranks and exit; the row
+is then closed, so the next pass stops what is left of the group.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from unbroken import procs
+from unbroken import doorbell, procs
 from unbroken.agent import launcher
 from unbroken.agent.progress import ProgressBook
+from unbroken.agent.rank_watch import RankDeath, RankWatch
 from unbroken.layout import ClusterLayout
 from unbroken.state.phases import WorkerPhase
 from unbroken.state.records import Desired, Worker, WorkerProgress
@@ -39,8 +46,38 @@ class WorkerRunner:
         self.launch_settings = launch_settings
         """Where this node's ranks find their agent (socket, shard server) and its address, read at launch."""
         self.running: dict[int, launcher.RunningWorker] = {}
+        self._lock = threading.Lock()
+        """Held by a pass and by ``rank_died`` (the watch's thread): one writer of a worker's closing row."""
+        self.watch = RankWatch(self.rank_died)
 
     def reconcile(self) -> None:
+        with self._lock:
+            self._reconcile()
+
+    def rank_died(self, death: RankDeath) -> None:
+        """A rank of a running worker exited non-zero on its own: the worker has failed; say so now."""
+        if death.exit_code in (None, 0):
+            return  # done, or reaped before we looked: torchrun's exit tells the rest
+        with self._lock:
+            running = self.running.get(death.rank.worker_id)
+            if running is None or running.stop_started is not None or running.reported:
+                return
+            worker = next((w for w in self.table.list_workers(node=self.node, active=True) if w.id == death.rank.worker_id), None)
+            if worker is None:
+                return
+            running.reported = True
+            message = launcher.rank_exit_message(death.rank.rank, death.rank.local_rank, death.exit_code, running.log_dir)
+            last = _progress_update(self.book.take(worker.job, worker.attempt))
+            self.table.update_worker(worker.id, WorkerUpdate(phase=WorkerPhase.FAILED, exit_code=death.exit_code, ended_at=time.time(),
+                                                             message=message, **last))
+        doorbell.ring(self.layout.controller_doorbell)
+        log.warning("worker failed: %s (seen by the agent; torchrun is stopping the other ranks)", message,
+                    extra={"node": self.node, "job": worker.job, "attempt": worker.attempt, "pid": death.rank.pid})
+
+    def close(self) -> None:
+        self.watch.close()
+
+    def _reconcile(self) -> None:
         active = self.table.list_workers(node=self.node, active=True)
         self._stop_unwanted({w.id for w in active})
         for worker in active:
@@ -73,6 +110,7 @@ class WorkerRunner:
                 continue
             if running.exited() is not None:
                 del self.running[worker_id]
+                self.watch.forget(worker_id)
             else:
                 running.begin_stop()
                 running.continue_stop()
@@ -105,12 +143,14 @@ class WorkerRunner:
             log.error(message, extra={"node": self.node, "job": worker.job})
             return
         self.running[worker.id] = running
+        self.watch.track(worker.id, running.process.pid)
         self.table.update_worker(worker.id, WorkerUpdate(phase=WorkerPhase.RUNNING, pid=running.process.pid,
                                                          started_at=time.time(), log_dir=str(log_dir)))
         log.info("launched worker", extra={"node": self.node, "job": worker.job, "attempt": worker.attempt, "pid": running.process.pid})
 
     def _record_exit(self, worker: Worker, running: launcher.RunningWorker, code: int) -> None:
         del self.running[worker.id]
+        self.watch.forget(worker.id)
         # Stopped only if we stopped it: a worker that died on its own before the stop request
         # reached it keeps its real exit, which is what names the cause of a restart.
         if running.stop_started is not None:

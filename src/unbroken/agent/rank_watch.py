@@ -1,0 +1,145 @@
+"""Seeing a rank die the moment it dies, not when torchrun's monitor notices.
+
+torchrun polls its ranks every ``--monitor-interval``, then stops the others and
+exits, and only then did the agent see the worker fail: a rank's death reached
+the controller most of a second after it happened. The agent now watches each
+rank process itself. A pidfd (``os.pidfd_open``) is readable the instant its
+process exits; the dead rank is then a zombie until torchrun reaps it, and its
+``/proc/<pid>/stat`` still holds the wait status, so the agent knows the signal
+or the exit code as well as torchrun will.
+
+Ranks are the direct children of a worker's torchrun that carry ``LOCAL_RANK``
+in their environment (their own children, a data loader's workers, are not
+ranks). One thread finds new ranks and waits on all pidfds, waking at least
+every ``SCAN_SECONDS`` to look for ranks started (or restarted) since.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+log = logging.getLogger("unbroken.agent.rank_watch")
+
+SCAN_SECONDS = 0.05
+
+
+@dataclass(frozen=True)
+class Rank:
+    worker_id: int
+    pid: int
+    rank: str
+    """The global ``RANK`` (as the environment says it)."""
+    local_rank: int
+
+
+@dataclass(frozen=True)
+class RankDeath:
+    rank: Rank
+    exit_code: int | None
+    """Negative: killed by that signal; None: reaped before the agent looked (torchrun will tell)."""
+
+
+def wait_status(pid: int, proc: Path = Path("/proc")) -> int | None:
+    """The exit code of a zombie (negative: the signal), from field 52 of ``/proc/<pid>/stat``; None if the
+    process is not a zombie (still running, or already reaped)."""
+    try:
+        text = (proc / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rfind(")") + 2:].split()  # the command name may hold spaces and parentheses
+    if not fields or fields[0] != "Z" or len(fields) < 50:
+        return None
+    status = int(fields[49])
+    if os.WIFSIGNALED(status):
+        return -os.WTERMSIG(status)
+    return os.WEXITSTATUS(status)
+
+
+class RankWatch:
+    """Calls ``on_death`` (from its own thread) for every rank of a tracked worker that exits."""
+
+    def __init__(self, on_death: Callable[[RankDeath], None]) -> None:
+        self.on_death = on_death
+        self._lock = threading.Lock()
+        self._workers: dict[int, int] = {}  # worker id -> torchrun pid
+        self._ranks: dict[int, tuple[Rank, int]] = {}  # pidfd -> (rank, pid)
+        self._seen: set[int] = set()  # pids watched (or dead) already
+        self._poll = select.poll()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rank-watch", daemon=True)
+        self._thread.start()
+
+    def track(self, worker_id: int, torchrun_pid: int) -> None:
+        with self._lock:
+            self._workers[worker_id] = torchrun_pid
+
+    def forget(self, worker_id: int) -> None:
+        with self._lock:
+            self._workers.pop(worker_id, None)
+
+    def close(self) -> None:
+        self._stopping.set()
+        self._thread.join(timeout=5)
+        for fd in list(self._ranks):
+            os.close(fd)
+        self._ranks.clear()
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self._scan()
+                for fd, _ in self._poll.poll(SCAN_SECONDS * 1000):
+                    self._died(fd)
+            except Exception:  # noqa: BLE001 - the watch is a shortcut; torchrun's own exit still reports every death
+                log.exception("rank watch pass failed")
+                self._stopping.wait(1.0)
+
+    def _scan(self) -> None:
+        with self._lock:
+            workers = dict(self._workers)
+        for fd, (rank, _) in list(self._ranks.items()):
+            if rank.worker_id not in workers:
+                self._unwatch(fd)
+        listed: set[int] = set()
+        for worker_id, pid in workers.items():
+            try:
+                children = psutil.Process(pid).children()
+            except psutil.Error:
+                continue
+            listed |= {child.pid for child in children}
+            for child in children:
+                if child.pid in self._seen:
+                    continue
+                try:
+                    env = child.environ()
+                except psutil.Error:
+                    continue  # gone already, or not readable yet: the next scan looks again
+                if "LOCAL_RANK" not in env:
+                    continue
+                self._seen.add(child.pid)
+                try:
+                    fd = os.pidfd_open(child.pid)
+                except OSError:
+                    continue  # exited between the listing and now: torchrun reports it
+                self._ranks[fd] = (Rank(worker_id, child.pid, env.get("RANK", "?"), int(env["LOCAL_RANK"])), child.pid)
+                self._poll.register(fd, select.POLLIN)
+        self._seen &= listed  # a reaped rank's pid may come back as a new rank's
+
+    def _died(self, fd: int) -> None:
+        rank, pid = self._ranks[fd]
+        code = wait_status(pid)
+        self._unwatch(fd)
+        self.on_death(RankDeath(rank, code))
+
+    def _unwatch(self, fd: int) -> None:
+        self._poll.unregister(fd)
+        os.close(fd)
+        del self._ranks[fd]

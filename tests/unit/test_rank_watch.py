@@ -1,0 +1,135 @@
+"""The agent's own watch on its ranks (agent/rank_watch.py) and the controller's doorbell (doorbell.py).
+
+Real processes throughout: a stand-in for torchrun that starts two "ranks" (children with LOCAL_RANK in
+their environment) and, like torchrun between two monitor passes, does not reap them at once.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from unbroken import doorbell
+from unbroken.agent.rank_watch import RankDeath, RankWatch, wait_status
+from unbroken.waiting import wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+# Starts two ranks; reaps a dead one only after REAP_AFTER seconds (torchrun polls every --monitor-interval).
+FAKE_TORCHRUN = textwrap.dedent("""
+    import os, subprocess, sys, time
+    ranks = [subprocess.Popen([sys.executable, "-c", "import sys, time; time.sleep(float(sys.argv[1])); sys.exit(int(sys.argv[2]))",
+                               sys.argv[1 + 2 * i], sys.argv[2 + 2 * i]],
+                              env={**os.environ, "RANK": str(10 + i), "LOCAL_RANK": str(i)}) for i in range(2)]
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # not a rank: no LOCAL_RANK
+    while any(r.returncode is None for r in ranks):
+        time.sleep(1.0)
+        for r in ranks:
+            r.poll()
+    helper.kill()
+""")
+
+
+@pytest.fixture
+def deaths() -> Iterator[tuple[RankWatch, queue.Queue[RankDeath]]]:
+    seen: queue.Queue[RankDeath] = queue.Queue()
+    watch = RankWatch(seen.put)
+    yield watch, seen
+    watch.close()
+
+
+def fake_torchrun(*ranks: tuple[float, int]) -> subprocess.Popen[bytes]:
+    """Ranks as (seconds alive, exit code)."""
+    args = [str(x) for sleep_and_code in ranks for x in sleep_and_code]
+    return subprocess.Popen([sys.executable, "-c", FAKE_TORCHRUN, *args])
+
+
+def rank_pids(parent: subprocess.Popen[bytes]) -> dict[int, int]:
+    """local rank -> pid, once both ranks run."""
+    def found() -> dict[int, int] | None:
+        ranks = {}
+        for child in psutil.Process(parent.pid).children():
+            env = child.environ()
+            if "LOCAL_RANK" in env:
+                ranks[int(env["LOCAL_RANK"])] = child.pid
+        return ranks if len(ranks) == 2 else None
+    return wait_until(found, 10, "both ranks started")
+
+
+def test_a_rank_killed_is_reported_with_its_signal_before_its_parent_reaps_it(deaths) -> None:
+    watch, seen = deaths
+    parent = fake_torchrun((60, 0), (60, 0))
+    try:
+        watch.track(7, parent.pid)
+        pids = rank_pids(parent)
+        wait_until(lambda: len(watch._ranks) == 2, 10, "both ranks watched")  # the helper is not a rank
+        os.kill(pids[1], signal.SIGKILL)
+        death = seen.get(timeout=5)
+        assert (death.rank.worker_id, death.rank.rank, death.rank.local_rank, death.rank.pid) == (7, "11", 1, pids[1])
+        assert death.exit_code == -signal.SIGKILL
+        assert psutil.Process(pids[0]).is_running() and seen.empty()
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+def test_a_rank_that_exits_with_a_code_or_cleanly_is_reported_as_such(deaths) -> None:
+    watch, seen = deaths
+    parent = fake_torchrun((0.5, 3), (1.0, 0))
+    try:
+        watch.track(1, parent.pid)
+        first, second = seen.get(timeout=10), seen.get(timeout=10)
+        assert {(d.rank.local_rank, d.exit_code) for d in (first, second)} == {(0, 3), (1, 0)}
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+def test_a_forgotten_worker_is_no_longer_watched(deaths) -> None:
+    watch, seen = deaths
+    parent = fake_torchrun((60, 0), (60, 0))
+    try:
+        watch.track(2, parent.pid)
+        pids = rank_pids(parent)
+        wait_until(lambda: len(watch._ranks) == 2, 10, "both ranks watched")
+        watch.forget(2)
+        wait_until(lambda: not watch._ranks, 10, "its ranks unwatched")
+        os.kill(pids[0], signal.SIGKILL)
+        with pytest.raises(queue.Empty):
+            seen.get(timeout=0.5)
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+def test_wait_status_reads_a_zombie_and_nothing_else() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(5)"])
+    wait_until(lambda: psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE, 10, "the child a zombie")
+    assert wait_status(child.pid) == 5
+    child.wait()
+    assert wait_status(child.pid) is None  # reaped
+    assert wait_status(os.getpid()) is None  # running
+
+
+def test_the_doorbell_wakes_its_listener_and_a_ring_without_one_is_dropped(tmp_path: Path) -> None:
+    path = tmp_path / "controller.wake"
+    assert doorbell.ring(path) is False  # no bell yet
+    path.write_text("a stale file")
+    bell = doorbell.Doorbell(path)
+    try:
+        assert bell.wait(0.05) is False  # nobody rang: the timeout
+        assert doorbell.ring(path) and doorbell.ring(path)
+        assert bell.wait(5) is True
+        assert bell.wait(0.05) is False  # both rings taken at once
+    finally:
+        bell.close()
+    assert doorbell.ring(path) is False  # the bell is there but nobody listens
