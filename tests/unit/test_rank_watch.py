@@ -55,13 +55,13 @@ def fake_torchrun(*ranks: tuple[float, int]) -> subprocess.Popen[bytes]:
 
 def rank_pids(parent: subprocess.Popen[bytes]) -> dict[int, int]:
     """local rank -> pid, once both ranks run."""
-    def found() -> dict[int, int] | None:
+    def found() -> dict[int, int]:
         ranks = {}
         for child in psutil.Process(parent.pid).children():
             env = child.environ()
             if "LOCAL_RANK" in env:
                 ranks[int(env["LOCAL_RANK"])] = child.pid
-        return ranks if len(ranks) == 2 else None
+        return ranks if len(ranks) == 2 else {}
     return wait_until(found, 10, "both ranks started")
 
 
