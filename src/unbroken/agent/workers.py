@@ -10,7 +10,8 @@ it cannot see are stopped and reported lost.
 A rank that dies of its own accord fails its worker at once (``rank_died``,
 from the rank watch: agent/rank_watch.py) and rings the controller's doorbell,
 without waiting for torchrun to notice, stop the other ranks and exit; the row
-is then closed, so the next pass stops what is left of the group.
+is then closed, so the next pass stops what is left of the group. Every other
+closing write (stopped, succeeded, failed at torchrun's exit) rings it too.
 """
 
 from __future__ import annotations
@@ -164,6 +165,9 @@ class WorkerRunner:
         last = _progress_update(self.book.take(worker.job, worker.attempt))
         self.table.update_worker(worker.id, WorkerUpdate(phase=phase, exit_code=exit_code, ended_at=time.time(), message=message,
                                                          **last))
+        # A restart waits for every stopped worker of the attempt, a finished job for its last one:
+        # the controller's next pass should not wait out its sleep to see it.
+        doorbell.ring(self.layout.controller_doorbell)
         level = logging.WARNING if phase is WorkerPhase.FAILED else logging.INFO
         log.log(level, "worker %s: %s", phase.value, message, extra={"node": self.node, "job": worker.job, "attempt": worker.attempt})
 
