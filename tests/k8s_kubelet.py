@@ -80,9 +80,9 @@ Everything runs on this one machine, as the test's user, with the test's environ
   RANK, PET_MASTER_ADDR, PET_MASTER_PORT, PET_NNODES, PET_NODE_RANK, PET_NPROC_PER_NODE
   (``spec.nprocPerNode``; unset or ``auto`` -> 1), PYTHONUNBUFFERED=1. There is no pod network, no DNS and
   no Service: MASTER_ADDR is 127.0.0.1, and since every pod shares one loopback, MASTER_PORT is a free TCP
-  port chosen when the rank-0 pod is created (the template's port is ignored); a recreated rank-0 pod keeps
-  the job's previous port when it is free, else gets a new one (then surviving workers still have the old
-  one -- a real cluster keeps the port and its Service follows the new pod).
+  port chosen when the rank-0 pod is created (the template's port is ignored); a recreated rank-0 pod gets
+  the port its live worker pods were given (a real cluster keeps the port and its Service follows the new
+  pod), else the job's previous port when it is free, else a new one.
   A missing pod is recreated. Conditions Created, Running (all pods Running), Restarting, Succeeded (the
   master Succeeded; all pods if there is no master), Failed (reason ``PyTorchJobFailed``, naming the pod),
   Suspended; ``replicaStatuses`` (counted as the operator counts), ``startTime``, ``completionTime``.
@@ -379,7 +379,9 @@ def _rewrite(value: str, mounts: list[tuple[str, Path]]) -> str:
 
 
 def _port_free(port: int) -> bool:
+    """Whether a server may bind ``port`` now (as torch's TCPStore does: SO_REUSEADDR, so TIME_WAIT is no obstacle)."""
     with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((LOOPBACK, port))
         except OSError:
@@ -1202,27 +1204,38 @@ class TestKubelet:
             if replica.name in owned:
                 continue
             if replica.rank == 0:
-                self._pick_master_port(job)
+                self._pick_master_port(job, owned)
             body = self._pytorch_pod(job, replica, len(replicas), self._master_port(job, owned))
             created.append(self._api.create_pod(_meta(job)["namespace"], body))
             log.info("PyTorchJob %s: created pod %s", _meta(job)["name"], replica.name)
         return created
 
-    def _pick_master_port(self, job: Obj) -> None:
-        """A free port for a new rank-0 pod: the job's previous one if it is free (surviving workers know it)."""
-        previous = self._master_ports.get(_meta(job)["uid"])
-        self._master_ports[_meta(job)["uid"]] = previous if previous and _port_free(previous) else _free_port()
+    def _pick_master_port(self, job: Obj, owned: dict[str, Obj]) -> None:
+        """The port for a new rank-0 pod: the one its live workers were given, if any (they know no other: a
+        worker recreated before its master, while the old master pod was still Terminating, has it); else the
+        job's previous one if it is free; else a new one."""
+        uid = _meta(job)["uid"]
+        previous = self._master_ports.get(uid)
+        live = {port for pod in owned.values() if not _deleting(pod) and _phase(pod) not in TERMINAL
+                and (port := self._port_in(pod)) is not None}
+        if live:
+            self._master_ports[uid] = min(live)
+        else:
+            self._master_ports[uid] = previous if previous and _port_free(previous) else _free_port()
+
+    @staticmethod
+    def _port_in(pod: Obj) -> int | None:
+        for container in _spec(pod).get("containers") or []:
+            for item in container.get("env") or []:
+                if item.get("name") == "MASTER_PORT" and str(item.get("value", "")).isdigit():
+                    return int(item["value"])
+        return None
 
     def _master_port(self, job: Obj, owned: dict[str, Obj]) -> int:
         uid = _meta(job)["uid"]
         if uid not in self._master_ports:  # the rank-0 pod predates this kubelet: read its port
-            for pod in owned.values():
-                for container in _spec(pod).get("containers") or []:
-                    for item in container.get("env") or []:
-                        if item.get("name") == "MASTER_PORT" and str(item.get("value", "")).isdigit():
-                            self._master_ports[uid] = int(item["value"])
-            if uid not in self._master_ports:
-                self._master_ports[uid] = _free_port()
+            ports = [port for pod in owned.values() if (port := self._port_in(pod)) is not None]
+            self._master_ports[uid] = ports[-1] if ports else _free_port()
         return self._master_ports[uid]
 
     @staticmethod

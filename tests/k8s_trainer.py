@@ -204,9 +204,13 @@ class TrainerControllers:
                                         "Suspended" if suspended else "Resumed",
                                         "TrainJob is suspended" if suspended else "TrainJob is resumed")
         status["conditions"] = conditions
+        self._write_status(TRAINJOBS, trainjob, before, status)
+
+    def _write_status(self, resource: tuple[str, str, str], obj: Obj, before: Obj, status: Obj) -> None:
+        """Patch ``obj``'s status subresource from ``before`` to ``status`` (nothing when they are equal)."""
         if status != before:
-            group, version, plural = TRAINJOBS
-            self.custom.patch_namespaced_custom_object_status(group, version, meta["namespace"], plural, meta["name"],
+            group, version, plural = resource
+            self.custom.patch_namespaced_custom_object_status(group, version, _meta(obj)["namespace"], plural, _meta(obj)["name"],
                                                               {"status": _status_patch(before, status)})
 
     def _runtime(self, ref: Obj) -> Obj | None:
@@ -347,10 +351,7 @@ class TrainerControllers:
                                         "SuspendedJobs" if suspended else "ResumeJobs",
                                         "jobset is suspended" if suspended else "jobset is resumed")
         status["conditions"] = conditions
-        if status != before:
-            group, version, plural = JOBSETS
-            self.custom.patch_namespaced_custom_object_status(group, version, meta["namespace"], plural, meta["name"],
-                                                              {"status": _status_patch(before, status)})
+        self._write_status(JOBSETS, jobset, before, status)
 
     @staticmethod
     def _desired_job(jobset: Obj, rjob: Obj, replicas: int, index: int) -> Obj:

@@ -41,7 +41,7 @@ from processes import stop_process
 from unbroken.kube import names
 from unbroken.kube.client import api_client
 from unbroken.kube.rank_env import AGENT_DIR, with_rank_env
-from unbroken.waiting import wait_until
+from unbroken.waiting import WaitTimeout, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -224,7 +224,13 @@ def wait_resumed_off(cluster: Cluster, name: str, node: str) -> None:
         return len(pods) == 2 and all(p.spec.node_name and p.spec.node_name != node for p in pods) \
             and all((p.metadata.annotations or {}).get(names.ATTEMPT) == "1" for p in pods)
     wait_until(moved, 60, f"attempt 1 on nodes other than {node}")
-    wait_until(lambda: "resumed at step" in rank_log(cluster, f"{name}-master-0"), 120, "the resume from the checkpoint")
+    try:
+        wait_until(lambda: "resumed at step" in rank_log(cluster, f"{name}-master-0"), 120, "the resume from the checkpoint")
+    except WaitTimeout:  # say what the pods were doing: a resume that never comes is hard to read from a timeout
+        pods = [(p.metadata.name, p.spec.node_name, p.status.phase,
+                 [e.value for c in p.spec.containers for e in c.env or [] if e.name == "MASTER_PORT"]) for p in cluster.pods(name)]
+        tails = {pod: rank_log(cluster, f"{name}-{pod}")[-1500:] for pod in ("master-0", "worker-0")}
+        raise AssertionError(f"no resume within 120 s; pods {pods}; logs {tails}; operator {cluster.operator_log()[-1500:]}") from None
 
 
 def test_a_rank_killed_restarts_the_job_which_resumes_from_its_checkpoint(cluster: Cluster, tmp_path: Path) -> None:
