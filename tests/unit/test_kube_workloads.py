@@ -154,10 +154,19 @@ def test_a_trainjob_without_a_node_count_or_with_a_taken_name_is_invalid_not_a_j
     assert set(jobs) == {f"{namespace}/twin", f"{namespace}/quiet"}
     assert jobs[f"{namespace}/twin"].spec().command == [f"PyTorchJob {namespace}/twin"]
     assert jobs[f"{namespace}/quiet"].spec().command == [f"TrainJob {namespace}/quiet"]
-    invalid = {i.name: i.problems for i in store.invalid_jobs()}
+    found = {i.name: i for i in store.invalid_jobs()}
+    invalid = {name: i.problems for name, i in found.items()}
     assert set(invalid) == {f"{namespace}/sizeless", f"{namespace}/twin"}
     assert "spec.trainer.numNodes is not set" in invalid[f"{namespace}/sizeless"][0]
     assert invalid[f"{namespace}/twin"][0].startswith(f"the PyTorchJob {namespace}/twin is already the job of that name")
+    # the warning goes on the TrainJob that is left alone, not on the PyTorchJob that is the job
+    twin = found[f"{namespace}/twin"]
+    assert (twin.object_kind, found[f"{namespace}/sizeless"].object_kind) == ("TrainJob", "Job")
+    store.add_event(twin.object_kind, twin.name, "InvalidAnnotation", twin.problems[0], type=EventType.WARNING)
+    [event] = kubernetes.client.CoreV1Api(api).list_namespaced_event(namespace).items
+    assert (event.involved_object.kind, event.involved_object.name) == ("TrainJob", "twin")
+    assert [e.reason for e in store.list_events(object_kind="TrainJob", object_name=twin.name)] == ["InvalidAnnotation"]
+    assert store.list_events(object_kind="Job", object_name=twin.name) == []
     assert store.kind_of(f"{namespace}/quiet") is TRAINJOB
     # a fresh store (an operator after a restart) finds the same kinds without a listing first
     fresh = KubernetesStore(api, NAMESPACE, job_namespace=namespace)

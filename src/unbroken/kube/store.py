@@ -60,6 +60,9 @@ class InvalidJob:
 
     name: str
     problems: tuple[str, ...]
+    object_kind: str = "Job"
+    """Whose Events to warn on: ``Job``, or the workload's own kind (``TrainJob``) when the job of
+    that name is another object."""
 
 
 class KubernetesStore:
@@ -362,11 +365,12 @@ class KubernetesStore:
                 continue
             kind = kind_of(obj)
             problems = kind.problems(obj)
-            if self._duplicate(obj):
+            duplicate = self._duplicate(obj)
+            if duplicate:
                 problems = [f"the {self._kinds[_job_name(obj)].kind} {_job_name(obj)} is already the job of that name; "
                             f"rename this {kind.kind}", *problems]
             if problems:
-                invalid.append(InvalidJob(_job_name(obj), tuple(problems)))
+                invalid.append(InvalidJob(_job_name(obj), tuple(problems), kind.kind if duplicate else "Job"))
         return invalid
 
     def workload_object(self, name: str) -> dict[str, Any]:
@@ -428,10 +432,12 @@ class KubernetesStore:
     # -- events -------------------------------------------------------------------------
 
     def _involved(self, object_kind: str, object_name: str) -> tuple[str, dict[str, Any]]:
-        if object_kind == "Job":
+        named = next((k for k in self.kinds if k.kind == object_kind), None)
+        if object_kind == "Job" or named is not None:
+            # "Job": whichever object is the job of that name; a workload kind: that very object
             namespace, _, short = object_name.partition("/")
-            uid = self._uids.get((namespace, short), "")
-            kind = self._kinds.get(object_name) or self.kinds[0]
+            kind = named or self._kinds.get(object_name) or self.kinds[0]
+            uid = self._uids.get((namespace, short), "") if kind is self._kinds.get(object_name) else ""
             return namespace, {"apiVersion": kind.api_version, "kind": kind.kind,
                                "name": short, "namespace": namespace, "uid": uid}
         if object_kind == "Node":

@@ -90,9 +90,9 @@ class Operator:
         """A job that opted in with a bad annotation: one Warning Event per distinct problem, job untouched."""
         for invalid in self.store.invalid_jobs():
             message = "; ".join(invalid.problems) + "; unbroken leaves this job alone until it is fixed"
-            seen = self.store.list_events(object_kind="Job", object_name=invalid.name, reason="InvalidAnnotation")
+            seen = self.store.list_events(object_kind=invalid.object_kind, object_name=invalid.name, reason="InvalidAnnotation")
             if not any(e.message == message for e in seen):
-                self.store.add_event("Job", invalid.name, "InvalidAnnotation", message, type=EventType.WARNING)
+                self.store.add_event(invalid.object_kind, invalid.name, "InvalidAnnotation", message, type=EventType.WARNING)
 
 
 class _KopfInternals(logging.Filter):
