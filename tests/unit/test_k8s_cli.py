@@ -101,6 +101,9 @@ def test_start_creates_the_job_the_cli_then_lists_and_a_second_start_is_refused(
 
     jobs = json.loads(run_cli("--kubeconfig", str(kubeconfig), "job", "list", "-o", "json").stdout)
     assert f"{namespace}/mlp" in [j["name"] for j in jobs]
+    logs = run_cli("--kubeconfig", str(kubeconfig), "job", "logs", f"{namespace}/mlp", "-f", check=False)
+    assert logs.returncode != 0 and "Traceback" not in logs.stderr
+    assert f"kubectl logs -n {namespace} -l training.kubeflow.org/job-name=mlp --prefix --tail=-1 --follow" in logs.stderr
 
     again = run_cli("--kubeconfig", str(kubeconfig), "k8s", "start", "-f", str(EXAMPLE), "--image", "img:1", "-n", namespace, check=False)
     assert again.returncode != 0 and f"PyTorchJob {namespace}/mlp already exists" in again.stderr and "Traceback" not in again.stderr

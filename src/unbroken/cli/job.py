@@ -136,9 +136,20 @@ def logs(
     attempt: Annotated[int | None, typer.Option("--attempt", help="Attempt to show (default: the latest)")] = None,
     follow_: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines until the job ends")] = False,
 ) -> None:
-    """Print the job's logs: torchrun's per node and each rank's, prefixed with where they came from."""
+    """Print the job's logs: torchrun's per node and each rank's, prefixed with where they came from.
+
+    On Kubernetes the logs are the kubelet's: the command says which kubectl call shows them."""
     runtime = open_runtime(directory)
     job = runtime.cluster.get_job(name)
+    if runtime.worker_table is None:  # Kubernetes: no log files of ours to read
+        from unbroken.kube.store import KubernetesStore  # here: local commands need not import the kubernetes client
+
+        assert isinstance(runtime.cluster, KubernetesStore)
+        namespace, _, short = name.partition("/")
+        kind = runtime.cluster.kind_of(name)
+        raise UsageError(f"on Kubernetes a job's logs are its pods' (the kubelet keeps them); read them with: "
+                         f"kubectl logs -n {namespace} -l {kind.pod_selector(short)} --prefix --tail=-1"
+                         f"{' --follow' if follow_ else ''}")
     chosen = job.attempt if attempt is None else attempt
     if not 0 <= chosen <= job.attempt:
         raise UsageError(f"job {name} has attempts 0..{job.attempt}, not {chosen}")
