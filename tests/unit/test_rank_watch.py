@@ -69,9 +69,10 @@ def test_a_rank_killed_is_reported_with_its_signal_before_its_parent_reaps_it(de
     watch, seen = deaths
     parent = fake_torchrun((60, 0), (60, 0))
     try:
-        watch.track(7, parent.pid)
+        watch.track(7, parent.pid, 2)
         pids = rank_pids(parent)
         wait_until(lambda: len(watch._ranks) == 2, 10, "both ranks watched")  # the helper is not a rank
+        assert watch._workers[7].found == set(pids.values())  # all found: torchrun's children are not listed again
         os.kill(pids[1], signal.SIGKILL)
         death = seen.get(timeout=5)
         assert (death.rank.worker_id, death.rank.rank, death.rank.local_rank, death.rank.pid) == (7, "11", 1, pids[1])
@@ -86,7 +87,7 @@ def test_a_rank_that_exits_with_a_code_or_cleanly_is_reported_as_such(deaths) ->
     watch, seen = deaths
     parent = fake_torchrun((0.5, 3), (1.0, 0))
     try:
-        watch.track(1, parent.pid)
+        watch.track(1, parent.pid, 2)
         first, second = seen.get(timeout=10), seen.get(timeout=10)
         assert {(d.rank.local_rank, d.exit_code) for d in (first, second)} == {(0, 3), (1, 0)}
     finally:
@@ -98,7 +99,7 @@ def test_a_forgotten_worker_is_no_longer_watched(deaths) -> None:
     watch, seen = deaths
     parent = fake_torchrun((60, 0), (60, 0))
     try:
-        watch.track(2, parent.pid)
+        watch.track(2, parent.pid, 2)
         pids = rank_pids(parent)
         wait_until(lambda: len(watch._ranks) == 2, 10, "both ranks watched")
         watch.forget(2)

@@ -11,7 +11,7 @@ or the exit code as well as torchrun will.
 Ranks are the direct children of a worker's torchrun that carry ``LOCAL_RANK``
 in their environment (their own children, a data loader's workers, are not
 ranks). One thread finds new ranks and waits on all pidfds, waking at least
-every ``SCAN_SECONDS`` to look for ranks started (or restarted) since.
+every ``SCAN_SECONDS`` to look for the ranks of workers not all found yet.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import os
 import select
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -63,23 +63,33 @@ def wait_status(pid: int, proc: Path = Path("/proc")) -> int | None:
     return os.WEXITSTATUS(status)
 
 
+@dataclass
+class _Tracked:
+    torchrun_pid: int
+    expected: int
+    """Ranks torchrun starts (``--nproc-per-node``); once all were found the worker is not scanned again
+    (it never restarts one: ``--max-restarts 0``), so a running job costs the node no /proc reads."""
+    found: set[int] = field(default_factory=set)
+    """Pids of its ranks found so far."""
+
+
 class RankWatch:
     """Calls ``on_death`` (from its own thread) for every rank of a tracked worker that exits."""
 
     def __init__(self, on_death: Callable[[RankDeath], None]) -> None:
         self.on_death = on_death
         self._lock = threading.Lock()
-        self._workers: dict[int, int] = {}  # worker id -> torchrun pid
-        self._ranks: dict[int, tuple[Rank, int]] = {}  # pidfd -> (rank, pid)
-        self._seen: set[int] = set()  # pids watched (or dead) already
+        self._workers: dict[int, _Tracked] = {}  # by worker id
+        self._ranks: dict[int, Rank] = {}  # by pidfd
         self._poll = select.poll()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rank-watch", daemon=True)
         self._thread.start()
 
-    def track(self, worker_id: int, torchrun_pid: int) -> None:
+    def track(self, worker_id: int, torchrun_pid: int, ranks: int) -> None:
+        """Watch the ``ranks`` rank processes the worker's torchrun (``torchrun_pid``) starts."""
         with self._lock:
-            self._workers[worker_id] = torchrun_pid
+            self._workers[worker_id] = _Tracked(torchrun_pid, ranks)
 
     def forget(self, worker_id: int) -> None:
         with self._lock:
@@ -105,37 +115,36 @@ class RankWatch:
     def _scan(self) -> None:
         with self._lock:
             workers = dict(self._workers)
-        for fd, (rank, _) in list(self._ranks.items()):
+        for fd, rank in list(self._ranks.items()):
             if rank.worker_id not in workers:
                 self._unwatch(fd)
-        listed: set[int] = set()
-        for worker_id, pid in workers.items():
+        for worker_id, tracked in workers.items():
+            if len(tracked.found) >= tracked.expected:
+                continue
             try:
-                children = psutil.Process(pid).children()
+                children = psutil.Process(tracked.torchrun_pid).children()
             except psutil.Error:
                 continue
-            listed |= {child.pid for child in children}
             for child in children:
-                if child.pid in self._seen:
+                if child.pid in tracked.found:
                     continue
                 try:
                     env = child.environ()
                 except psutil.Error:
                     continue  # gone already, or not readable yet: the next scan looks again
                 if "LOCAL_RANK" not in env:
-                    continue
-                self._seen.add(child.pid)
+                    continue  # not a rank, or forked and not yet exec'ed (torchrun's own environment)
+                tracked.found.add(child.pid)
                 try:
                     fd = os.pidfd_open(child.pid)
                 except OSError:
                     continue  # exited between the listing and now: torchrun reports it
-                self._ranks[fd] = (Rank(worker_id, child.pid, env.get("RANK", "?"), int(env["LOCAL_RANK"])), child.pid)
+                self._ranks[fd] = Rank(worker_id, child.pid, env.get("RANK", "?"), int(env["LOCAL_RANK"]))
                 self._poll.register(fd, select.POLLIN)
-        self._seen &= listed  # a reaped rank's pid may come back as a new rank's
 
     def _died(self, fd: int) -> None:
-        rank, pid = self._ranks[fd]
-        code = wait_status(pid)
+        rank = self._ranks[fd]
+        code = wait_status(rank.pid)
         self._unwatch(fd)
         self.on_death(RankDeath(rank, code))
 

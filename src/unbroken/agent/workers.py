@@ -144,7 +144,7 @@ class WorkerRunner:
             log.error(message, extra={"node": self.node, "job": worker.job})
             return
         self.running[worker.id] = running
-        self.watch.track(worker.id, running.process.pid)
+        self.watch.track(worker.id, running.process.pid, spec.procs_per_node)
         self.table.update_worker(worker.id, WorkerUpdate(phase=WorkerPhase.RUNNING, pid=running.process.pid,
                                                          started_at=time.time(), log_dir=str(log_dir)))
         log.info("launched worker", extra={"node": self.node, "job": worker.job, "attempt": worker.attempt, "pid": running.process.pid})
