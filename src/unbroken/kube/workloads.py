@@ -201,7 +201,8 @@ class TrainJobKind:
         return trainer.TrainerV1alpha1TrainJob.from_dict(obj)
 
     def _trainer(self, obj: Obj) -> trainer.TrainerV1alpha1Trainer | None:
-        return self.model(obj).spec.trainer
+        """Only ``spec.trainer`` through the model: the store reads it for every job on every pass."""
+        return trainer.TrainerV1alpha1Trainer.from_dict((obj.get("spec") or {}).get("trainer"))
 
     def node_count(self, obj: Obj) -> int:
         spec = self._trainer(obj)
