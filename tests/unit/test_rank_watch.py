@@ -6,6 +6,7 @@ their environment) and, like torchrun between two monitor passes, does not reap 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import signal
@@ -47,10 +48,16 @@ def deaths() -> Iterator[tuple[RankWatch, queue.Queue[RankDeath]]]:
     watch.close()
 
 
-def fake_torchrun(*ranks: tuple[float, int]) -> subprocess.Popen[bytes]:
-    """Ranks as (seconds alive, exit code)."""
+@contextlib.contextmanager
+def fake_torchrun(*ranks: tuple[float, int]) -> Iterator[subprocess.Popen[bytes]]:
+    """Ranks as (seconds alive, exit code); the stand-in is killed on the way out (its ranks die with it: 60 s at most)."""
     args = [str(x) for sleep_and_code in ranks for x in sleep_and_code]
-    return subprocess.Popen([sys.executable, "-c", FAKE_TORCHRUN, *args])
+    parent = subprocess.Popen([sys.executable, "-c", FAKE_TORCHRUN, *args])
+    try:
+        yield parent
+    finally:
+        parent.kill()
+        parent.wait()
 
 
 def rank_pids(parent: subprocess.Popen[bytes]) -> dict[int, int]:
@@ -67,8 +74,7 @@ def rank_pids(parent: subprocess.Popen[bytes]) -> dict[int, int]:
 
 def test_a_rank_killed_is_reported_with_its_signal_before_its_parent_reaps_it(deaths) -> None:
     watch, seen = deaths
-    parent = fake_torchrun((60, 0), (60, 0))
-    try:
+    with fake_torchrun((60, 0), (60, 0)) as parent:
         watch.track(7, parent.pid, 2)
         pids = rank_pids(parent)
         wait_until(lambda: len(watch._ranks) == 2, 10, "both ranks watched")  # the helper is not a rank
@@ -78,27 +84,19 @@ def test_a_rank_killed_is_reported_with_its_signal_before_its_parent_reaps_it(de
         assert (death.rank.worker_id, death.rank.rank, death.rank.local_rank, death.rank.pid) == (7, "11", 1, pids[1])
         assert death.exit_code == -signal.SIGKILL
         assert psutil.Process(pids[0]).is_running() and seen.empty()
-    finally:
-        parent.kill()
-        parent.wait()
 
 
 def test_a_rank_that_exits_with_a_code_or_cleanly_is_reported_as_such(deaths) -> None:
     watch, seen = deaths
-    parent = fake_torchrun((0.5, 3), (1.0, 0))
-    try:
+    with fake_torchrun((0.5, 3), (1.0, 0)) as parent:
         watch.track(1, parent.pid, 2)
         first, second = seen.get(timeout=10), seen.get(timeout=10)
         assert {(d.rank.local_rank, d.exit_code) for d in (first, second)} == {(0, 3), (1, 0)}
-    finally:
-        parent.kill()
-        parent.wait()
 
 
 def test_a_forgotten_worker_is_no_longer_watched(deaths) -> None:
     watch, seen = deaths
-    parent = fake_torchrun((60, 0), (60, 0))
-    try:
+    with fake_torchrun((60, 0), (60, 0)) as parent:
         watch.track(2, parent.pid, 2)
         pids = rank_pids(parent)
         wait_until(lambda: len(watch._ranks) == 2, 10, "both ranks watched")
@@ -107,9 +105,6 @@ def test_a_forgotten_worker_is_no_longer_watched(deaths) -> None:
         os.kill(pids[0], signal.SIGKILL)
         with pytest.raises(queue.Empty):
             seen.get(timeout=0.5)
-    finally:
-        parent.kill()
-        parent.wait()
 
 
 def test_wait_status_reads_a_zombie_and_nothing_else() -> None:
