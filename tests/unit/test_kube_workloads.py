@@ -15,6 +15,8 @@ import kubernetes
 import pytest
 from kubeflow_trainer_api.models import TrainerV1alpha1TrainJob
 
+from k8s_emulator import merge_patch
+
 from unbroken.kube import names
 from unbroken.kube.store import KubernetesStore
 from unbroken.kube.workloads import PYTORCHJOB, TRAINJOB, kind_of
@@ -41,28 +43,13 @@ def train_job(name: str = "tj", *, suspend: bool | None = None, nodes: int | Non
             "metadata": {"name": name, "annotations": annotations or {}}, "spec": spec}
 
 
-def patched(obj: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
-    """``obj`` after a JSON merge patch (RFC 7386: maps merge, lists and scalars replace)."""
-    def merge(target: Any, change: Any) -> Any:
-        if not isinstance(change, dict):
-            return change
-        result = dict(target) if isinstance(target, dict) else {}
-        for key, value in change.items():
-            if value is None:
-                result.pop(key, None)
-            else:
-                result[key] = merge(result.get(key), value)
-        return result
-    return merge(obj, patch)
-
-
 def our_patch(obj: dict[str, Any]) -> dict[str, Any]:
     return next(p for p in obj["spec"]["runtimePatches"] if p["manager"] == f"{names.PREFIX}/operator")
 
 
 def test_a_restart_writes_unbrokens_own_runtime_patch_and_keeps_the_other_managers() -> None:
     job = train_job(suspend=True)
-    after = patched(job, TRAINJOB.launch_patch(job, 3, require_deep_health=True))
+    after = merge_patch(job, TRAINJOB.launch_patch(job, 3, require_deep_health=True))
     model = TrainerV1alpha1TrainJob.from_dict(after)  # the Trainer's own model reads it
     assert model.spec.suspend is False
     assert [p.manager for p in model.spec.runtime_patches] == ["example.com/queue", f"{names.PREFIX}/operator"]
@@ -73,7 +60,7 @@ def test_a_restart_writes_unbrokens_own_runtime_patch_and_keeps_the_other_manage
     assert pod["spec"]["nodeSelector"] == {names.DEEP_HEALTH_CHECK_STATUS: "Passed"}
 
     # the next attempt replaces unbroken's entry instead of adding a second
-    again = patched(after, TRAINJOB.launch_patch(patched(after, TRAINJOB.suspend_patch(True)), 4, require_deep_health=False))
+    again = merge_patch(after, TRAINJOB.launch_patch(merge_patch(after, TRAINJOB.suspend_patch(True)), 4, require_deep_health=False))
     assert [p["manager"] for p in again["spec"]["runtimePatches"]] == ["example.com/queue", f"{names.PREFIX}/operator"]
     pod = our_patch(again)["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
     assert pod["metadata"]["annotations"] == {names.ATTEMPT: "4"} and "spec" not in pod
