@@ -17,9 +17,11 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 HAS_NVIDIA      := $(shell test -e /proc/driver/nvidia/version && echo yes)
 TORCH_SPEC      := torch==$(TORCH_VERSION)$(if $(HAS_NVIDIA),,+cpu)
 
-# What the tests run for real besides Python: Prometheus (scraping the cluster's /metrics)
-# and Chromium (the dashboard, driven by Playwright). Debian's packages; sudo where not root.
-SYSTEM_PACKAGES := prometheus chromium
+# What the tests run for real besides Python: Prometheus (scraping the cluster's /metrics),
+# Chromium (the dashboard, driven by Playwright), and the King James Bible (bible-kjv: a
+# public-domain text the LLM workload's tests tokenize and train on). Debian's packages;
+# sudo where not root.
+SYSTEM_PACKAGES := prometheus chromium bible-kjv bible-kjv-text
 SUDO := $(shell test "$$(id -u)" = 0 || echo sudo)
 
 .PHONY: demo test install system-packages screenshots clean
@@ -40,7 +42,7 @@ screenshots: $(STAMP) system-packages
 	$(BIN)/python docs/screenshots.py
 
 system-packages:
-	@command -v prometheus >/dev/null && command -v chromium >/dev/null || \
+	@command -v prometheus >/dev/null && command -v chromium >/dev/null && command -v bible >/dev/null || \
 		( $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends $(SYSTEM_PACKAGES) )
 
 $(STAMP): pyproject.toml Makefile

@@ -43,3 +43,11 @@ def make_cluster(tmp_path: Path) -> Iterator:
 def cluster3(make_cluster) -> Cluster:
     return make_cluster("--nodes", "3")
 
+
+
+@pytest.fixture(scope="session")
+def kjv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The King James Bible as a .txt corpus, a verse per line (Debian's bible-kjv prints it)."""
+    from corpus import write_kjv
+
+    return write_kjv(tmp_path_factory.mktemp("corpus") / "kjv.txt")

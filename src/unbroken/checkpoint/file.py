@@ -14,17 +14,17 @@ is needed in ``save``, so a slow rank never stalls the others there.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import time
 import zipfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from unbroken.checkpoint import collectives, rng
+from unbroken.atomic_file import write_atomically
 from unbroken.checkpoint.api import CheckpointObserver, Restored, RestoreReport, SaveReport
 from unbroken.errors import CheckpointError
 
@@ -37,25 +37,6 @@ def step_dir(root: Path, step: int) -> Path:
 
 def rank_file(root: Path, step: int, rank: int) -> Path:
     return step_dir(root, step) / f"rank-{rank:05d}.pt"
-
-
-def write_atomically(path: Path, write: Callable[[Any], None]) -> None:
-    """Write through ``write(file)`` to ``path.tmp``, fsync it, rename, fsync the folder."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a full disk must not stay full of our half-written file
-        raise
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def committed_steps(root: Path, world_size: int) -> list[int]:

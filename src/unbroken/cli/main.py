@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from unbroken.cli import chaos, check, ckpt, cluster, job, k8s, node
+from unbroken.cli import chaos, check, ckpt, cluster, data, job, k8s, node
 from unbroken.cli.common import BACKEND_ENV, KubernetesTarget, err_console, use_kubernetes
 from unbroken.errors import UnbrokenError
 
@@ -31,6 +31,7 @@ app.add_typer(chaos.app, name="chaos")
 app.add_typer(ckpt.app, name="ckpt")
 app.add_typer(check.app, name="check")
 app.add_typer(k8s.app, name="k8s")
+app.add_typer(data.app, name="data")
 
 
 @app.callback()
