@@ -64,6 +64,7 @@ import logging
 import os
 import pickle
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -79,6 +80,7 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from unbroken.checkpoint import collectives
+from unbroken.checkpoint.api import RestoreReport
 from unbroken.checkpoint.restore_catalog import RestoreCatalog
 from unbroken.checkpoint.tiered import TieredCheckpointer
 from unbroken.errors import CheckpointError
@@ -109,6 +111,10 @@ def _step_of(checkpoint_id: Any) -> int:
 
 
 # -- writing ------------------------------------------------------------------------
+
+
+_TIER_ORDER = ("memory", "replica", "peer", "persistent")
+"""Restore sources, fastest first (``tiers.Location.source``)."""
 
 
 class TieredStorageWriter(StorageWriter):
@@ -359,6 +365,8 @@ class TieredStorageReader(StorageReader):
         self._storage: dict[MetadataIndex, tuple[int, str]] = {}
         self._shards: dict[int, dict[str, Any]] = {}
         self._rank_states: dict[int, Any] = {}
+        self._kinds: dict[int, str] = {}
+        self._started = time.perf_counter()
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
@@ -373,6 +381,7 @@ class TieredStorageReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
             raise CheckpointError("tiered DCP steps hold global metadata only, no per-rank metadata")
+        self._started = time.perf_counter()
         ranks = _Ranks(self.collective, self.process_group)
         catalog = ranks.from_root(functools.partial(self.checkpointer.catalog, any_world_size=True))
         if self.requested is not None:
@@ -423,6 +432,7 @@ class TieredStorageReader(StorageReader):
                 items = self._shards.pop(rank)
             for request in requests:
                 _apply(request, items[self._where(request)[1]], planner)
+        self._report(sorted(by_rank))
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -439,6 +449,14 @@ class TieredStorageReader(StorageReader):
         return self._rank_states[rank]
 
     # -- helpers ------------------------------------------------------------------
+
+    def _report(self, ranks: list[int]) -> None:
+        """Tell the observer (the node agent) of this rank's restore, named by the slowest tier it read from."""
+        if self.checkpointer.observer is None or self.step is None:
+            return
+        kinds = [self._kinds[r] or "memory" for r in ranks if r in self._kinds] or ["memory"]
+        slowest = max(kinds, key=lambda k: _TIER_ORDER.index(k) if k in _TIER_ORDER else len(_TIER_ORDER))
+        self.checkpointer.observer.restored(RestoreReport(self.step, slowest, time.perf_counter() - self._started))
 
     def _where(self, item: ReadItem) -> tuple[int, str]:
         location = self._storage.get(item.storage_index)
@@ -473,6 +491,7 @@ class TieredStorageReader(StorageReader):
         self._shards[rank] = state["items"]
         self._rank_states[rank] = state.get("rank_state")
         self.sources[rank] = loaded.source
+        self._kinds[rank] = loaded.kind
         return state
 
 
