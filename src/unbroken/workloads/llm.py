@@ -131,6 +131,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--min-lr-ratio", type=float, default=0.1, help="the cosine's floor, as a fraction of --lr")
     parser.add_argument("--checkpoint-every", type=int, default=20, help="steps between checkpoints")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--step-time", type=float, default=0.0,
+                        help="extra seconds per step, standing in for a bigger model's compute (tests and benchmarks)")
     parser.add_argument("--log-every", type=int, default=10, help="steps between loss log lines of rank 0")
     parser.add_argument("--loss-log", type=Path, help="rank 0 appends {step, loss, world_size, attempt} per step here (JSON lines)")
     parser.add_argument("--output", type=Path, help="rank 0 writes {step, params_sha256} here at the end")
@@ -206,6 +208,9 @@ def _train(args: argparse.Namespace, ctx: unbroken.Context) -> int:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
+        remaining = args.step_time - (time.perf_counter() - started)
+        if remaining > 0:
+            time.sleep(remaining)  # simulated compute, not synchronisation
         if sharded:
             dist.all_reduce(total, op=dist.ReduceOp.AVG if device.type == "cuda" else dist.ReduceOp.SUM)
             if device.type != "cuda":

@@ -1,0 +1,75 @@
+"""The real workloads under faults (issue 12): the Llama-style FSDP2 job on the tiered
+checkpoint through DCP, on a real local cluster, against an uninterrupted plain
+``torchrun`` run of the same script."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from helpers import Cluster, run_cli
+
+LLM_STEPS = 60
+
+
+@pytest.fixture(scope="session")
+def kjv_tokens(kjv: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("kjv-tokens")
+    run_cli("data", "prepare-text", str(kjv), "--out", str(out), "--vocab-size", "2048", "--shard-tokens", "262144", "-o", "json")
+    return out
+
+
+def llm_args(data: Path, loss_log: Path, output: Path, *extra: str) -> list[str]:
+    return ["-m", "unbroken.workloads.llm", "--data", str(data), "--config", "tiny", "--steps", str(LLM_STEPS),
+            "--checkpoint-every", "10", "--global-batch", "8", "--micro-batch", "2", "--loss-log", str(loss_log),
+            "--output", str(output), *extra]
+
+
+@pytest.fixture(scope="session")
+def llm_reference(kjv_tokens: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, float], str]:
+    """Per-step losses and final parameters of an uninterrupted 4-rank run under plain torchrun."""
+    tmp = tmp_path_factory.mktemp("llm-reference")
+    losses, output = tmp / "losses.jsonl", tmp / "final.json"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", *llm_args(kjv_tokens, losses, output)],
+                   check=True, cwd=tmp, capture_output=True, timeout=300,
+                   env={**os.environ, "PYTHONWARNINGS": "ignore", "UNBROKEN_CHECKPOINT_DIR": str(tmp / "ckpt")})
+    records = [json.loads(line) for line in losses.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, LLM_STEPS + 1))
+    return {r["step"]: r["loss"] for r in records}, json.loads(output.read_text())["params_sha256"]
+
+
+def submit(cluster: Cluster, tmp: Path, name: str, command: list[str], checkpoint: dict[str, Any], **resilience: Any) -> None:
+    spec = {"name": name, "nodes": 2, "procs_per_node": 2, "command": command, "env": {"PYTHONWARNINGS": "ignore"},
+            "resilience": {"auto_resume": True, "max_retry": 3, "hang_timeout": 60, **resilience}, "checkpoint": checkpoint}
+    job_file = tmp / f"{name}.yaml"
+    job_file.write_text(yaml.safe_dump(spec))
+    cluster.cli("job", "start", "-f", str(job_file))
+
+
+def test_llm_fsdp2_job_survives_a_killed_worker_with_bit_identical_losses(cluster3: Cluster, tmp_path: Path, kjv_tokens: Path,
+                                                                          llm_reference: tuple[dict[int, float], str]) -> None:
+    expected, expected_params = llm_reference
+    losses, output = tmp_path / "losses.jsonl", tmp_path / "final.json"
+    submit(cluster3, tmp_path, "llm", llm_args(kjv_tokens, losses, output, "--step-time", "0.15"),
+           {"memory": {"keep": 2, "replicas": 1}})
+    cluster3.wait_step("llm", 25, 120)
+    cluster3.cli("chaos", "kill-worker", "llm", "--rank", "3")
+    job = cluster3.wait_job_phase("llm", {"Succeeded", "Failed"}, 180)
+    assert job.phase.value == "Succeeded", job.reason
+    assert job.attempt == 1
+    restored = cluster3.json("job", "describe", "llm")["report"]["attempts"][1]["restored_step"]
+    assert restored is not None and restored >= 20
+
+    records = [json.loads(line) for line in losses.read_text().splitlines()]
+    resumed = [r for r in records if r["attempt"] == 1]
+    assert resumed and resumed[0]["step"] == restored + 1, "attempt 1 starts right after the step it restored"
+    assert {r["step"] for r in records} == set(expected), "every step ran"
+    assert [(r["step"], r["loss"]) for r in records if r["loss"] != expected[r["step"]]] == [], "losses differ from the reference"
+    assert json.loads(output.read_text())["params_sha256"] == expected_params
