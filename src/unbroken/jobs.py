@@ -17,7 +17,7 @@ def submit(store: ClusterStore, spec: JobSpec, *, note: str = "") -> Job:
     """
     now = time.time()
     job = Job(name=spec.name, spec_json=spec.model_dump_json(), phase=JobPhase.PENDING, created_at=now, phase_changed_at=now)
-    message = (f"{spec.nodes} nodes x {spec.procs_per_node} procs; auto_resume={spec.resilience.auto_resume}, "
+    message = (f"{spec.size}; auto_resume={spec.resilience.auto_resume}, "
                f"max_retry={spec.resilience.max_retry}" + (f"; {note}" if note else ""))
     store.add_job(job)
     store.add_event("Job", spec.name, "JobCreated", message)

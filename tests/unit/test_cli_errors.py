@@ -231,7 +231,7 @@ def test_top_level_help_lists_the_groups(tmp_path: Path) -> None:
 
     assert result.returncode == 0
     names = commands_in_help(result.stdout)
-    assert sorted(names) == ["agent", "chaos", "check", "ckpt", "cluster", "dashboard", "demo", "job", "k8s", "node", "operator", "validate"]
+    assert sorted(names) == ["agent", "chaos", "check", "ckpt", "cluster", "dashboard", "data", "demo", "job", "k8s", "node", "operator", "validate"]
 
 
 @pytest.mark.parametrize(
@@ -243,6 +243,7 @@ def test_top_level_help_lists_the_groups(tmp_path: Path) -> None:
         ("chaos", ["kill-worker", "hang-worker", "kill-node", "kill-controller", "xid", "slow-link"]),
         ("check", ["list", "run", "collective"]),
         ("k8s", ["render", "start"]),
+        ("data", ["prepare-text"]),
     ],
 )
 def test_group_help_lists_exactly_its_commands(tmp_path: Path, group: str, commands: list[str]) -> None:

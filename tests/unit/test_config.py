@@ -274,7 +274,7 @@ def test_unknown_top_level_job_key_lists_valid_fields(tmp_path: Path) -> None:
 
     assert "zzzz: unknown field" in message
     assert "did you mean" not in message
-    assert "(valid: checkpoint, command, env, name, nodes, procs_per_node, resilience, working_dir)" in message
+    assert "(valid: checkpoint, command, env, min_nodes, name, nodes, procs_per_node, resilience, working_dir)" in message
 
 
 def test_unknown_top_level_cluster_key_lists_valid_fields(tmp_path: Path) -> None:

@@ -412,3 +412,73 @@ def test_an_error_of_its_own_is_not_waited_on():
                  ended_at=NOW - 0.1)
     d = running(own, worker(2, "node-2"))
     assert d.action is Action.RESTART and "ValueError: bad batch" in d.reason
+
+
+# -- elastic jobs (nodes: {min, max}) ---------------------------------------------------
+
+
+def elastic(low: int = 1, high: int = 2, **resilience: Any) -> JobSpec:
+    base = {"auto_resume": True, "max_retry": 3, "hang_timeout": 30.0, "startup_timeout": 120.0}
+    return JobSpec.model_validate({"name": "train", "nodes": {"min": low, "max": high}, "command": ["-m", "x"],
+                                   "resilience": {**base, **resilience}})
+
+
+def test_an_elastic_job_starts_on_what_is_free_down_to_its_min():
+    assert decide(NOW, job(JobPhase.PENDING), elastic(1, 3), [], HEALTHY, ["node-2"]).nodes == ("node-2",)
+    assert decide(NOW, job(JobPhase.PENDING), elastic(1, 2), [], HEALTHY, ["node-2", "node-1", "node-3"]).nodes == ("node-2", "node-1")
+    waiting = decide(NOW, job(JobPhase.PENDING), elastic(2, 3), [], HEALTHY, ["node-2"])
+    assert waiting.action is Action.WAIT and "needs at least 2 (up to 3) schedulable idle nodes, 1 available" in waiting.reason
+
+
+def test_an_elastic_job_restarting_after_a_lost_node_shrinks_onto_the_survivors():
+    d = decide(NOW, job(JobPhase.RESTARTING, attempt=1, nodes=("node-1", "node-2")), elastic(1, 2), [], HEALTHY, ["node-1"])
+    assert d.action is Action.SCHEDULE and d.nodes == ("node-1",)
+
+
+def grow(saved: int | None, last: int, grow_after: int | None, free: list[str] | None = None) -> Decision:
+    return decide(NOW, job(nodes=("node-1",)), elastic(1, 2), [worker(1, "node-1", saved_step=saved, last_step=last)], HEALTHY,
+                  ["node-1", "node-2"] if free is None else free, silent_after=SILENT_AFTER, grow_after=grow_after)
+
+
+def test_a_shrunk_job_grows_only_after_a_checkpoint_newer_than_when_the_node_came_back():
+    assert grow(saved=None, last=5, grow_after=None).action is Action.WAIT  # not noticed yet
+    waiting = grow(saved=40, last=45, grow_after=40)
+    assert waiting.action is Action.WAIT and "growing to 2 after the next checkpoint" in waiting.reason
+    assert grow(saved=50, last=50, grow_after=40).action is Action.WAIT  # saved, but no step past it: maybe not published
+    d = grow(saved=50, last=51, grow_after=40)
+    assert d.action is Action.RESIZE and d.nodes == ("node-2",)
+    assert "growing from 1 to 2 nodes (node-2 schedulable) at the checkpoint of step 50" in d.reason
+    assert grow(saved=50, last=51, grow_after=40, free=["node-1"]).action is Action.WAIT  # nothing to grow onto
+
+
+def test_a_job_at_its_max_or_a_fixed_size_job_never_grows():
+    full = decide(NOW, job(nodes=("node-1", "node-2")), elastic(1, 2), [worker(1, "node-1", saved_step=50, last_step=51)],
+                  HEALTHY, ["node-1", "node-2", "node-3"], grow_after=-1)
+    assert full.action is Action.WAIT and full.reason == "running"
+    fixed = decide(NOW, job(nodes=("node-1",)), spec(nodes=1), [worker(1, "node-1", saved_step=50, last_step=51)],
+                   HEALTHY, ["node-1", "node-2"], grow_after=-1)
+    assert fixed.action is Action.WAIT and fixed.reason == "running"
+
+
+def test_resizes_do_not_use_up_the_restart_budget():
+    failed = worker(1, "node-1", WorkerPhase.FAILED, exit_code=-9, message="rank 0 killed")
+    spent = decide(NOW, job(attempt=3, resizes=0), spec(max_retry=3), [failed], HEALTHY, [])
+    assert spent.action is Action.FAIL
+    resized = decide(NOW, job(attempt=3, resizes=2), spec(max_retry=3), [failed], HEALTHY, [])
+    assert resized.action is Action.RESTART and "restart 2 of 3" in resized.reason
+
+
+@pytest.mark.parametrize(("nodes", "message"), [
+    ({"min": 3, "max": 2}, "nodes: min 3 is more than max 2"),
+    ("2:x", "nodes: '2:x' is not N or MIN:MAX"),
+    ({"min": 1}, "must have exactly the keys min and max"),
+])
+def test_a_bad_node_range_is_refused_with_what_would_be_valid(nodes: Any, message: str):
+    with pytest.raises(ValueError, match=message):
+        JobSpec.model_validate({"name": "train", "nodes": nodes, "command": ["-m", "x"]})
+
+
+def test_the_cli_form_min_colon_max_reads_like_torchrun():
+    parsed = JobSpec.model_validate({"name": "train", "nodes": "2:4", "command": ["-m", "x"]})
+    assert (parsed.min_nodes, parsed.nodes, parsed.elastic, parsed.fewest_nodes) == (2, 4, True, 2)
+    assert not JobSpec.model_validate({"name": "train", "nodes": "3", "command": ["-m", "x"]}).elastic

@@ -34,12 +34,13 @@ _TRAMPOLINE = (
 )
 
 
-def torchrun_argv(spec: JobSpec, worker: Worker, log_dir: Path, local_addr: str | None = None) -> list[str]:
+def torchrun_argv(spec: JobSpec, worker: Worker, log_dir: Path, local_addr: str | None = None, *, nnodes: int | None = None) -> list[str]:
+    """``nnodes``: the attempt's nodes (default ``spec.nodes``; fewer for an elastic job below its size)."""
     host, port = worker.rdzv_endpoint.rsplit(":", 1)
     is_host = "1" if worker.node_rank == 0 else "0"
     argv = [
         "-m", "torch.distributed.run",
-        "--nnodes", str(spec.nodes),
+        "--nnodes", str(nnodes or spec.nodes),
         "--nproc-per-node", str(spec.procs_per_node),
         "--node-rank", str(worker.node_rank),
         "--rdzv-backend", "c10d",
@@ -115,6 +116,7 @@ class RunningWorker:
 
 def launch(
     spec: JobSpec, worker: Worker, *, cluster_dir: Path, node: str, log_dir: Path, checkpoint_dir: Path, settings: NodeSettings,
+    nnodes: int | None = None,
 ) -> RunningWorker:
     log_dir.mkdir(parents=True, exist_ok=True)
     tiers = spec.checkpoint.tiers
@@ -125,7 +127,7 @@ def launch(
         agent_socket=settings.agent_socket,
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **spec.env, **launch_env.to_environ()}
-    argv = [sys.executable, "-c", _TRAMPOLINE, *torchrun_argv(spec, worker, log_dir, settings.local_addr)]
+    argv = [sys.executable, "-c", _TRAMPOLINE, *torchrun_argv(spec, worker, log_dir, settings.local_addr, nnodes=nnodes)]
     with open(log_dir / "torchrun.log", "ab") as out:
         process = subprocess.Popen(
             argv, cwd=spec.working_dir, env=env, stdout=out, stderr=subprocess.STDOUT,

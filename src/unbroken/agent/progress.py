@@ -32,6 +32,7 @@ class _RankProgress:
     ts: float | None = None
     stalled: float = 0.0
     """Seconds this rank's saves blocked its training loop."""
+    saved: int | None = None
 
 
 @dataclass
@@ -54,6 +55,7 @@ class _Progress:
             self.restored_step = msg.step
         elif msg.kind is MessageKind.SAVED:
             rank.stalled += float(msg.metrics.get("stall_seconds", 0.0))
+            rank.saved = msg.step
         self.dirty = True
 
     def report(self, job: str, attempt: int) -> WorkerProgress:
@@ -68,7 +70,14 @@ class _Progress:
             last_progress_at=min(r.ts for r in reporting if r.ts is not None) if reporting else None,
             restored_step=self.restored_step,
             checkpoint_stall_s=max((r.stalled for r in self.ranks.values()), default=0.0) or None,
+            saved_step=_oldest([r.saved for r in self.ranks.values()]),
         )
+
+
+def _oldest(saved: list[int | None]) -> int | None:
+    """The step every rank has saved: the oldest of their latest, None until each has saved one."""
+    steps = [s for s in saved if s is not None]
+    return min(steps) if steps and len(steps) == len(saved) else None
 
 
 class ProgressBook:

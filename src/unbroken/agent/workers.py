@@ -129,12 +129,15 @@ class WorkerRunner:
                                                              message="lost: node agent restarted"))
 
     def _launch(self, worker: Worker) -> None:
-        spec = self.store.get_job(worker.job).spec()
+        job = self.store.get_job(worker.job)
+        spec = job.spec()
+        # The attempt's placement is its size: an elastic job runs on fewer nodes than spec.nodes.
+        nnodes = len(job.nodes) if job.attempt == worker.attempt and job.nodes else spec.nodes
         log_dir = self.layout.worker_log_dir(worker.job, worker.attempt, self.node)
         checkpoint_dir = spec.checkpoint.dir or self.layout.checkpoint_dir(worker.job)
         try:
             running = launcher.launch(spec, worker, cluster_dir=self.layout.root, node=self.node, log_dir=log_dir,
-                                      checkpoint_dir=checkpoint_dir, settings=self.launch_settings())
+                                      checkpoint_dir=checkpoint_dir, settings=self.launch_settings(), nnodes=nnodes)
         except OSError as exc:
             # e.g. the working_dir was deleted: the job's fault, not the node's. Report it
             # as a failed worker instead of letting the agent die and the node look lost.
@@ -175,6 +178,6 @@ class WorkerRunner:
 def _progress_update(progress: WorkerProgress | None) -> dict[str, Any]:
     if progress is None:
         return {}
-    fields = ("ranks", "first_step", "first_progress_at", "last_step", "last_progress_at", "restored_step", "checkpoint_stall_s")
+    fields = ("ranks", "first_step", "first_progress_at", "last_step", "last_progress_at", "restored_step", "checkpoint_stall_s", "saved_step")
     return {name: value for name in fields if (value := getattr(progress, name)) is not None}
 

@@ -31,10 +31,13 @@ def start(
     auto_resume: Annotated[bool | None, typer.Option("--auto-resume/--no-auto-resume", help="Override resilience.auto_resume")] = None,
     max_retry: Annotated[int | None, typer.Option("--max-retry", min=0, help="Override resilience.max_retry")] = None,
     name: Annotated[str | None, typer.Option("--name", help="Override the job's name (names are unique per cluster)")] = None,
+    nodes: Annotated[str | None, typer.Option("--nodes", help="Override nodes: N, or MIN:MAX for an elastic job that "
+                                              "shrinks to MIN when nodes are lost and grows back to MAX", show_default=False)] = None,
     wait: Annotated[bool, typer.Option("--wait", help="Follow the job with a progress bar until it ends; exit 1 unless it Succeeded")] = False,
     total_steps: Annotated[int | None, typer.Option("--steps", help="With --wait: steps in the whole run, for the progress bar")] = None,
 ) -> None:
-    """Submit a job; the controller places it on schedulable nodes (all or nothing).
+    """Submit a job; the controller places it on schedulable nodes (all or nothing; an elastic job, --nodes 2:4,
+    on as many as are free between its min and max).
 
     Example:  unbroken job start -f examples/job.yaml --auto-resume --max-retry 2
     """
@@ -45,10 +48,13 @@ def start(
         overrides["resilience.max_retry"] = max_retry
     if name is not None:
         overrides["name"] = name
+    if nodes is not None:
+        overrides["nodes"] = nodes
+        overrides["min_nodes"] = None  # the flag replaces the file's range, whichever form it had
     spec = load_job(file, overrides=overrides)
     runtime = open_runtime(directory)
     jobs.submit(runtime.cluster, spec)
-    console.print(f"job [bold]{spec.name}[/] submitted ({spec.nodes} x {spec.procs_per_node}); "
+    console.print(f"job [bold]{spec.name}[/] submitted ({spec.size}); "
                   f"follow it with: unbroken job describe {spec.name}")
     if wait:
         job = follow(runtime, spec.name, total_steps)
@@ -108,9 +114,10 @@ def describe(name: JobArg, directory: DirOption = None, output: OutputOption = O
     lines = [
         ("name", job.name),
         ("phase", f"{job.phase.value}" + (f" ({job.reason})" if job.reason else "")),
-        ("restarts", f"{job.attempt} of max {res.max_retry} (auto_resume {'on' if res.auto_resume else 'off'}, "
+        ("restarts", f"{job.attempt - job.resizes} of max {res.max_retry}" + (f", {job.resizes} resizes" if job.resizes else "")
+                     + f" (auto_resume {'on' if res.auto_resume else 'off'}, "
                      f"restart_policy {res.restart_policy.value}, hang_timeout {res.hang_timeout:g}s)"),
-        ("size", f"{spec.nodes} nodes x {spec.procs_per_node} procs"),
+        ("size", spec.size + (f", now {len(job.nodes)}" if spec.elastic and job.nodes else "")),
         ("command", " ".join(spec.command)),
         ("step", summary.step),
         ("steps lost", summary.steps_lost),

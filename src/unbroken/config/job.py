@@ -76,6 +76,11 @@ class JobSpec(_Strict):
     name: str = Field(pattern=NAME_PATTERN)
     """A DNS label, so the same name works as a PyTorchJob name on Kubernetes."""
     nodes: int = Field(default=1, ge=1, le=64)
+    """Nodes the job runs on; for an elastic job, the most it grows to. Written ``nodes: 4``,
+    or elastic ``nodes: {min: 2, max: 4}`` / ``nodes: "2:4"`` (torchrun's ``--nnodes`` form)."""
+    min_nodes: int | None = Field(default=None, ge=1, le=64)
+    """Elastic: the fewest nodes the job keeps running on when nodes are lost and none is free.
+    Set through ``nodes: {min, max}``; None: always exactly ``nodes``."""
     procs_per_node: int = Field(default=1, ge=1, le=64)
     command: list[str] = Field(min_length=1)
     """Entry script then its arguments; ``["-m", "pkg.module", ...]`` runs a module."""
@@ -84,6 +89,43 @@ class JobSpec(_Strict):
     """Default: the job file's folder."""
     resilience: ResilienceSpec = Field(default_factory=ResilienceSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _node_range(cls, data: Any) -> Any:
+        """``nodes: {min: 2, max: 4}`` or ``nodes: "2:4"`` into ``nodes: 4, min_nodes: 2``."""
+        if not isinstance(data, dict) or not isinstance(data.get("nodes"), (dict, str)):
+            return data
+        value = data["nodes"]
+        if isinstance(value, str):
+            low, colon, high = value.partition(":")
+            if not (low.strip().isdigit() and (high.strip().isdigit() or not colon)):
+                shown = value if len(value) <= 40 else value[:37] + "..."
+                raise ValueError(f"nodes: {shown!r} is not N or MIN:MAX (e.g. 4 or \"2:4\")")
+            return {**data, "nodes": int(high or low), "min_nodes": int(low) if colon else None}
+        if set(value) != {"min", "max"}:
+            raise ValueError(f"nodes: {value!r} must have exactly the keys min and max (e.g. {{min: 2, max: 4}})")
+        return {**data, "nodes": value["max"], "min_nodes": value["min"]}
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> "JobSpec":
+        if self.min_nodes is not None and self.min_nodes > self.nodes:
+            raise ValueError(f"nodes: min {self.min_nodes} is more than max {self.nodes}")
+        return self
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_nodes is not None and self.min_nodes < self.nodes
+
+    @property
+    def fewest_nodes(self) -> int:
+        return self.min_nodes if self.min_nodes is not None else self.nodes
+
+    @property
+    def size(self) -> str:
+        """``2 nodes x 2 procs``, or ``1-2 nodes (elastic) x 2 procs``: how a person reads the job's shape."""
+        nodes = f"{self.fewest_nodes}-{self.nodes} nodes (elastic)" if self.elastic else f"{self.nodes} nodes"
+        return f"{nodes} x {self.procs_per_node} procs"
 
     @field_validator("command", mode="before")
     @classmethod
@@ -132,6 +174,7 @@ class JobSpec(_Strict):
 
     @property
     def world_size(self) -> int:
+        """Ranks at full size (an elastic job may run on fewer)."""
         return self.nodes * self.procs_per_node
 
 

@@ -21,6 +21,9 @@ class Action(StrEnum):
     """Place the next attempt on ``nodes`` (from Pending or Restarting)."""
     RESTART = "Restart"
     """Stop this attempt's workers; the job goes Restarting."""
+    RESIZE = "Resize"
+    """Grow an elastic job: stop this attempt's workers right after a checkpoint; the job goes
+    Restarting and the next attempt is placed on more nodes. Not counted against max_retry."""
     FAIL = "Fail"
     """Stop this attempt's workers; the job is Failed for good."""
     SUCCEED = "Succeed"
@@ -42,12 +45,14 @@ class Failure:
 
 def decide(
     now: float, job: Job, spec: JobSpec, workers: list[Worker], nodes: dict[str, Node], free: list[str],
-    *, silent_after: float = 1.5,
+    *, silent_after: float = 1.5, grow_after: int | None = None,
 ) -> Decision:
     """``workers`` are the current attempt's; ``free`` the eligible idle nodes in preference order.
 
     ``silent_after``: a node whose heartbeat is older than this is named as a
     suspect in failure reasons (it is not declared lost until NodeLostAfterSeconds).
+    ``grow_after``: for an elastic job below its size with nodes free, the saved step seen when
+    that was first noticed (-1: none yet); it grows once a newer checkpoint is saved.
     """
     if job.phase.is_terminal:
         return Decision(Action.WAIT, "terminal")
@@ -69,11 +74,45 @@ def decide(
     if failure is not None:
         failure = _with_suspects(now, failure, workers, nodes, silent_after)
         if can_restart(job, spec, failure):
-            return Decision(Action.RESTART, f"{failure.reason}; restart {job.attempt + 1} of {spec.resilience.max_retry}")
+            return Decision(Action.RESTART, f"{failure.reason}; restart {restarts_used(job) + 1} of {spec.resilience.max_retry}")
         return Decision(Action.FAIL, _final_reason(job, spec, failure))
     if workers and all(w.phase is WorkerPhase.SUCCEEDED for w in workers):
         return Decision(Action.SUCCEED, f"all {len(workers)} workers succeeded")
+    growable = growth(job, spec, free)
+    if growable:
+        return _grow(job, spec, workers, growable, grow_after)
     return Decision(Action.WAIT, "running")
+
+
+def restarts_used(job: Job) -> int:
+    """Restarts after faults so far: attempts started to grow an elastic job are not faults."""
+    return job.attempt - job.resizes
+
+
+def growth(job: Job, spec: JobSpec, free: list[str]) -> list[str]:
+    """The free nodes an elastic job running below its size would grow onto, in preference order."""
+    if not spec.elastic or job.phase is not JobPhase.RUNNING or not job.nodes or len(job.nodes) >= spec.nodes:
+        return []
+    return [n for n in free if n not in job.nodes][: spec.nodes - len(job.nodes)]
+
+
+def saved_step(workers: list[Worker]) -> int | None:
+    """The newest step every worker of the attempt has saved, or None."""
+    saved = [w.saved_step for w in workers]
+    return min(s for s in saved if s is not None) if saved and None not in saved else None
+
+
+def _grow(job: Job, spec: JobSpec, workers: list[Worker], growable: list[str], grow_after: int | None) -> Decision:
+    """Grow at a checkpoint: once a step saved after the nodes were noticed is behind every rank
+    (each has run a step past it, so its save is published), stop and resume larger from it."""
+    size = len(job.nodes) + len(growable)
+    saved = saved_step(workers)
+    reached = min((w.last_step for w in workers if w.last_step is not None), default=None) if all(
+        w.last_step is not None for w in workers) else None
+    if grow_after is not None and saved is not None and saved > grow_after and reached is not None and reached > saved:
+        return Decision(Action.RESIZE, f"growing from {len(job.nodes)} to {size} nodes ({', '.join(growable)} schedulable) "
+                                       f"at the checkpoint of step {saved}", nodes=tuple(growable))
+    return Decision(Action.WAIT, f"running on {len(job.nodes)} of {spec.nodes} nodes; growing to {size} after the next checkpoint")
 
 
 _PEER_LOST = re.compile(
@@ -176,7 +215,7 @@ def can_restart(job: Job, spec: JobSpec, failure: Failure) -> bool:
         return False
     if not failure.retryable:
         return False
-    return job.attempt < policy.max_retry
+    return restarts_used(job) < policy.max_retry
 
 
 def eligible(node: Node, spec: JobSpec, now: float, silent_after: float) -> bool:
@@ -188,9 +227,11 @@ def eligible(node: Node, spec: JobSpec, now: float, silent_after: float) -> bool
 
 
 def _place(spec: JobSpec, free: list[str], waiting: str) -> Decision:
-    if len(free) >= spec.nodes:
+    """As many free nodes as the job wants; an elastic job starts (or resumes) on fewer, down to its min."""
+    if len(free) >= spec.fewest_nodes:
         return Decision(Action.SCHEDULE, "placed", nodes=tuple(free[: spec.nodes]))
-    return Decision(Action.WAIT, f"{waiting}: needs {spec.nodes} schedulable idle nodes, {len(free)} available")
+    needs = f"at least {spec.fewest_nodes} (up to {spec.nodes})" if spec.elastic else str(spec.nodes)
+    return Decision(Action.WAIT, f"{waiting}: needs {needs} schedulable idle nodes, {len(free)} available")
 
 
 def _retryable_exit(spec: JobSpec, exit_code: int | None) -> bool:

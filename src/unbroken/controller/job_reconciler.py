@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 
 from unbroken.backends.base import Backend
+from unbroken.config.job import JobSpec
 from unbroken.controller import job_decisions
 from unbroken.controller.job_decisions import Action, Decision
 from unbroken.state.phases import JobPhase
@@ -22,7 +23,7 @@ from unbroken.state.updates import JobUpdate
 log = logging.getLogger("unbroken.controller.jobs")
 
 _STOPPED = {Action.RESTART: (JobPhase.RESTARTING, "JobRestarting"), Action.FAIL: (JobPhase.FAILED, "JobFailed"),
-            Action.CANCEL: (JobPhase.CANCELLED, "JobCancelled")}
+            Action.CANCEL: (JobPhase.CANCELLED, "JobCancelled"), Action.RESIZE: (JobPhase.RESTARTING, "JobResizing")}
 
 
 class JobReconciler:
@@ -30,6 +31,9 @@ class JobReconciler:
         self.store = store
         self.backend = backend
         self.silent_after = silent_after
+        self._grow_noticed: dict[tuple[str, int], int] = {}
+        """(job, attempt) of an elastic job that could grow → the step it had saved when first seen
+        so; it grows after a newer one. Memory only: a new controller notices again, one checkpoint later."""
 
     def reconcile_all(self, now: float) -> None:
         """One pass: nodes and busy nodes are read once and shared by every job."""
@@ -58,7 +62,8 @@ class JobReconciler:
         taken = busy - {w.node for w in workers}
         free = [n.name for n in nodes.values()
                 if n.name not in taken and job_decisions.eligible(n, spec, now, self.silent_after)]
-        decision = job_decisions.decide(now, job, spec, workers, nodes, free, silent_after=self.silent_after)
+        decision = job_decisions.decide(now, job, spec, workers, nodes, free, silent_after=self.silent_after,
+                                        grow_after=self._noticed_growth(job, spec, workers, free))
         if decision.action is not Action.WAIT:
             log.info("job %s: %s: %s", job.name, decision.action.value, decision.reason, extra={"job": job.name})
         # A resume the attempt reported goes before what this pass decides: when an attempt's
@@ -67,6 +72,17 @@ class JobReconciler:
         self._note_cause(job, workers)
         self._apply(now, job, decision, nodes)
         return decision
+
+    def _noticed_growth(self, job: Job, spec: JobSpec, workers: list[Worker], free: list[str]) -> int | None:
+        key = (job.name, job.attempt)
+        if not job_decisions.growth(job, spec, free):
+            self._grow_noticed.pop(key, None)
+            return None
+        if key not in self._grow_noticed:
+            saved = job_decisions.saved_step(workers)
+            self._grow_noticed[key] = saved if saved is not None else -1
+            log.info("job %s: can grow; after the next checkpoint", job.name, extra={"job": job.name})
+        return self._grow_noticed[key]
 
     def release_workers_on_lost_nodes(self, now: float, nodes: dict[str, Node]) -> list[Worker]:
         """Workers whose node's agent is gone can never report that they stopped: the backend
@@ -97,21 +113,35 @@ class JobReconciler:
                 phase=JobPhase.RUNNING, attempt=attempt, nodes=decision.nodes, started_at=job.started_at or now, reason=None,
             ), expect_version=job.version)
             endpoint = self.backend.launch_attempt(placed, attempt, [nodes[n] for n in decision.nodes])
+            if job.nodes and len(job.nodes) != len(decision.nodes):
+                self._note_resize(job, decision.nodes)
             self.store.add_event("Job", job.name, "JobScheduled",
                                  f"attempt {attempt} on {', '.join(decision.nodes)} (rendezvous {endpoint})")
         elif action in _STOPPED:
             phase, reason = _STOPPED[action]
-            self.store.update_job(job.name, JobUpdate(phase=phase, reason=decision.reason, ended_at=now if phase.is_terminal else None),
-                                  expect_version=job.version)
+            resizes = job.resizes + 1 if action is Action.RESIZE else job.resizes
+            self.store.update_job(job.name, JobUpdate(phase=phase, reason=decision.reason, ended_at=now if phase.is_terminal else None,
+                                                      resizes=resizes), expect_version=job.version)
             self.backend.stop_attempt(job.name, job.attempt)
             self.store.add_event("Job", job.name, reason, decision.reason,
-                                 type=EventType.NORMAL if action is Action.CANCEL else EventType.WARNING)
+                                 type=EventType.NORMAL if action in (Action.CANCEL, Action.RESIZE) else EventType.WARNING)
         elif action is Action.SUCCEED:
             self.store.update_job(job.name, JobUpdate(phase=JobPhase.SUCCEEDED, reason=decision.reason, ended_at=now),
                                   expect_version=job.version)
             self.store.add_event("Job", job.name, "JobSucceeded", decision.reason)
         elif job.reason != decision.reason and job.phase is JobPhase.PENDING:
             self.store.update_job(job.name, JobUpdate(reason=decision.reason), expect_version=job.version)
+
+    def _note_resize(self, job: Job, placement: tuple[str, ...]) -> None:
+        """A JobResized event: the old and new size, the job's range, and why."""
+        spec = job.spec()
+        before, after = len(job.nodes), len(placement)
+        if after > before:
+            why = f"grown onto {', '.join(n for n in placement if n not in job.nodes)}"
+        else:
+            why = f"only {after} schedulable node{'s' if after > 1 else ''} free after: {job.reason}"
+        self.store.add_event("Job", job.name, "JobResized",
+                             f"{before} → {after} nodes (min {spec.fewest_nodes}, max {spec.nodes}): {why}")
 
     def _note_cause(self, job: Job, workers: list[Worker]) -> None:
         """A restart decided on a peer-lost symptom names its cause once that has reported: one

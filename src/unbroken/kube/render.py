@@ -91,6 +91,9 @@ def job_annotations(spec: JobSpec, placement: Placement) -> dict[str, str]:
 
 
 def render_pytorchjob(spec: JobSpec, placement: Placement) -> dict[str, Any]:
+    if spec.elastic:
+        raise UsageError(f"job {spec.name}: nodes {spec.fewest_nodes}-{spec.nodes} (elastic) runs on the local backend only in "
+                         f"this version; on Kubernetes give a fixed size (nodes: {spec.nodes})")
     if spec.checkpoint.memory is not None or spec.checkpoint.persistent is not None:
         raise UsageError(f"job {spec.name}: checkpoint.memory/persistent (the tiered checkpoint) is not available on "
                          "Kubernetes yet; remove them and checkpoint to checkpoint.dir on a shared volume (--checkpoint-claim)")

@@ -405,7 +405,7 @@ class KubernetesStore:
             started_at=saved.get("started_at"), ended_at=saved.get("ended_at"),
             phase_changed_at=saved.get("phase_changed_at", created),
             cancel_requested=saved.get("cancel_requested", False),
-            nodes=tuple(saved.get("nodes", ())), version=saved.get("version", 0),
+            nodes=tuple(saved.get("nodes", ())), resizes=saved.get("resizes", 0), version=saved.get("version", 0),
         )
 
     def update_job(self, name: str, update: JobUpdate, *, expect_version: int | None = None) -> Job:

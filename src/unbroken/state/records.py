@@ -93,7 +93,7 @@ class Job:
     spec_json: str
     phase: JobPhase
     attempt: int = 0
-    """0 for the first run; each restart adds one, so it is also the retries used."""
+    """0 for the first run; each restart adds one (``attempt - resizes`` is the retries used)."""
     reason: str | None = None
     created_at: float = 0.0
     started_at: float | None = None
@@ -103,6 +103,8 @@ class Job:
     nodes: tuple[str, ...] = ()
     """Where the current attempt was placed: written with the decision, before the backend
     launches it, so a controller killed in between launches the same placement again."""
+    resizes: int = 0
+    """Attempts started to grow an elastic job: restarts of choice, not counted against max_retry."""
     version: int = 0
 
     def spec(self) -> "JobSpec":
@@ -136,6 +138,8 @@ class Worker:
     restored_step: int | None = None
     ranks: tuple[RankInfo, ...] = field(default_factory=tuple)
     checkpoint_stall_s: float | None = None
+    saved_step: int | None = None
+    """The newest step every rank of the worker has saved (an elastic job grows after one)."""
     """Time its ranks spent blocked in checkpoint saves (the most of any rank), for badput."""
 
 
@@ -155,6 +159,8 @@ class WorkerProgress:
     last_progress_at: float | None = None
     restored_step: int | None = None
     checkpoint_stall_s: float | None = None
+    saved_step: int | None = None
+    """The newest step every rank of the worker has saved (an elastic job grows after one)."""
 
 
 @dataclass(frozen=True)

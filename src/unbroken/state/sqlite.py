@@ -49,7 +49,7 @@ from unbroken.state.updates import JobUpdate, NodeUpdate, WorkerUpdate
 
 __all__ = ["SCHEMA_VERSION", "SqliteStore", "StaleUpdate"]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS cluster (
@@ -68,7 +68,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     name TEXT PRIMARY KEY, spec_json TEXT NOT NULL, phase TEXT NOT NULL,
     attempt INTEGER NOT NULL, reason TEXT, created_at REAL NOT NULL,
     started_at REAL, ended_at REAL, phase_changed_at REAL NOT NULL,
-    cancel_requested INTEGER NOT NULL, nodes TEXT NOT NULL DEFAULT '[]', version INTEGER NOT NULL DEFAULT 0
+    cancel_requested INTEGER NOT NULL, nodes TEXT NOT NULL DEFAULT '[]', resizes INTEGER NOT NULL DEFAULT 0,
+    version INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS workers (
     id INTEGER PRIMARY KEY AUTOINCREMENT, job TEXT NOT NULL REFERENCES jobs(name),
@@ -77,7 +78,7 @@ CREATE TABLE IF NOT EXISTS workers (
     pid INTEGER, created_at REAL NOT NULL, started_at REAL, ended_at REAL,
     exit_code INTEGER, message TEXT, log_dir TEXT,
     first_step INTEGER, first_progress_at REAL, last_step INTEGER, last_progress_at REAL,
-    restored_step INTEGER, ranks TEXT NOT NULL, checkpoint_stall_s REAL,
+    restored_step INTEGER, ranks TEXT NOT NULL, checkpoint_stall_s REAL, saved_step INTEGER,
     UNIQUE (job, attempt, node)
 );
 CREATE INDEX IF NOT EXISTS workers_by_node ON workers(node, phase);
@@ -125,6 +126,10 @@ _NEW_IN_V3 = (
     ("workers", "checkpoint_stall_s", "REAL"),
     ("nodes", "metrics_address", "TEXT"),
 )
+_NEW_IN_V4 = (
+    ("jobs", "resizes", "INTEGER NOT NULL DEFAULT 0"),
+    ("workers", "saved_step", "INTEGER"),
+)
 
 _NODES = "SELECT nodes.*, leases.renewed_at AS heartbeat_at FROM nodes LEFT JOIN leases ON leases.node = nodes.name"
 
@@ -165,7 +170,8 @@ class SqliteStore:
                 if version == 2:
                     for statement in _statements(_FROM_V2):
                         conn.execute(statement)
-                    for table, column, declaration in _NEW_IN_V3:
+                if version in (2, 3):
+                    for table, column, declaration in (*_NEW_IN_V3, *_NEW_IN_V4):
                         if column not in {row["name"] for row in conn.execute(f"PRAGMA table_info({table})")}:
                             conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
                 conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")

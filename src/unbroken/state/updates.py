@@ -60,6 +60,7 @@ class JobUpdate(_Update):
     ended_at: float | None | _Unset = UNSET
     cancel_requested: bool | _Unset = UNSET
     nodes: tuple[str, ...] | _Unset = UNSET
+    resizes: int | _Unset = UNSET
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,3 +80,4 @@ class WorkerUpdate(_Update):
     last_progress_at: float | None | _Unset = UNSET
     restored_step: int | None | _Unset = UNSET
     checkpoint_stall_s: float | None | _Unset = UNSET
+    saved_step: int | None | _Unset = UNSET
