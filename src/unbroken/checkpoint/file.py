@@ -72,7 +72,7 @@ class FileCheckpointer:
         self.rank = rank
         self.world_size = world_size
         self.keep = keep
-        self._observer = observer
+        self.observer = observer
 
     def fence(self) -> None:
         """Nothing to wait for: ``save`` returns with the state on disk."""
@@ -98,8 +98,8 @@ class FileCheckpointer:
             if cause is None:
                 raise
             raise CheckpointError(f"cannot write checkpoint step {step} to {target}: {cause.strerror or cause}") from exc
-        if self._observer is not None:
-            self._observer.saved(SaveReport(step, "file", time.perf_counter() - started, path.stat().st_size))
+        if self.observer is not None:
+            self.observer.saved(SaveReport(step, "file", time.perf_counter() - started, path.stat().st_size))
 
     def restore(self) -> Restored | None:
         """Newest committed step that *every* rank loads cleanly; older steps on any failure."""
@@ -110,8 +110,8 @@ class FileCheckpointer:
                 assert payload is not None
                 self._discard_abandoned(after=step)
                 rng.apply(payload["rng"])
-                if self._observer is not None:
-                    self._observer.restored(RestoreReport(step, "file", time.perf_counter() - started))
+                if self.observer is not None:
+                    self.observer.restored(RestoreReport(step, "file", time.perf_counter() - started))
                 return Restored(step=step, state=payload["state"], source=str(step_dir(self.directory, step)))
         self._discard_abandoned(after=-1)
         return None

@@ -253,6 +253,16 @@ def _final_reason(job: Job, spec: JobSpec, failure: Failure) -> str:
     return f"{failure.reason}; {why}"
 
 
+def unavailable(now: float, name: str, node: Node | None, silent_after: float) -> str:
+    """Why a node the job was on cannot take its next attempt, for the resize event."""
+    if node is None:
+        return f"{name} is gone"
+    fault = f" ({node.fault_type}: {node.fault_reason})" if node.fault_type else ""
+    if node.state is NodeState.SCHEDULABLE and node.heartbeat_at is not None and now - node.heartbeat_at > silent_after:
+        return f"{name} is silent for {now - node.heartbeat_at:.1f} s"
+    return f"{name} is {node.state.value}{fault}"
+
+
 def agent_gone(now: float, node: Node, silent_after: float) -> bool:
     """Nobody will stop this node's workers but the backend: it was retired or rebooted
     (the backend killed everything), or its heartbeat is overdue."""

@@ -114,7 +114,7 @@ class JobReconciler:
             ), expect_version=job.version)
             endpoint = self.backend.launch_attempt(placed, attempt, [nodes[n] for n in decision.nodes])
             if job.nodes and len(job.nodes) != len(decision.nodes):
-                self._note_resize(job, decision.nodes)
+                self._note_resize(now, job, decision.nodes, nodes)
             self.store.add_event("Job", job.name, "JobScheduled",
                                  f"attempt {attempt} on {', '.join(decision.nodes)} (rendezvous {endpoint})")
         elif action in _STOPPED:
@@ -132,14 +132,15 @@ class JobReconciler:
         elif job.reason != decision.reason and job.phase is JobPhase.PENDING:
             self.store.update_job(job.name, JobUpdate(reason=decision.reason), expect_version=job.version)
 
-    def _note_resize(self, job: Job, placement: tuple[str, ...]) -> None:
+    def _note_resize(self, now: float, job: Job, placement: tuple[str, ...], nodes: dict[str, Node]) -> None:
         """A JobResized event: the old and new size, the job's range, and why."""
         spec = job.spec()
         before, after = len(job.nodes), len(placement)
         if after > before:
             why = f"grown onto {', '.join(n for n in placement if n not in job.nodes)}"
         else:
-            why = f"only {after} schedulable node{'s' if after > 1 else ''} free after: {job.reason}"
+            left = [job_decisions.unavailable(now, n, nodes.get(n), self.silent_after) for n in job.nodes if n not in placement]
+            why = f"{'; '.join(left)}; no other schedulable node free"
         self.store.add_event("Job", job.name, "JobResized",
                              f"{before} → {after} nodes (min {spec.fewest_nodes}, max {spec.nodes}): {why}")
 

@@ -14,12 +14,12 @@ import re
 import shutil
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from unbroken.checkpoint.api import SaveReport
 from unbroken.checkpoint.file import FileCheckpointer
 from unbroken.checkpoint.tiered import TieredCheckpointer
 from unbroken.train import Context
@@ -40,12 +40,11 @@ class ShardedCheckpoint:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
         self.tiered = ctx.checkpoint if isinstance(ctx.checkpoint, TieredCheckpointer) else None
-        self.directory: Path | None = None
-        self.keep = 2
+        self.files: FileCheckpointer | None = None
         if self.tiered is None:
             if not isinstance(ctx.checkpoint, FileCheckpointer):
                 raise TypeError(f"no DCP storage for a {type(ctx.checkpoint).__name__}")
-            self.directory, self.keep = ctx.checkpoint.directory, ctx.checkpoint.keep
+            self.files = ctx.checkpoint
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         """Every rank, together. Returns once this step is committed (tiered: in shared memory)."""
@@ -53,12 +52,18 @@ class ShardedCheckpoint:
             from unbroken.checkpoint.dcp import TieredStorageWriter
 
             dcp.save(state, storage_writer=TieredStorageWriter(self.tiered, step))
+            # Published (checksummed, told to the agent) before the next step: the controller grows an
+            # elastic job once every rank has stepped past a save, and must find that save committed.
+            self.tiered.wait()
             return
-        assert self.directory is not None
-        dcp.save(state, checkpoint_id=self.directory / f"dcp-step-{step:09d}")
+        assert self.files is not None
+        started = time.perf_counter()
+        dcp.save(state, checkpoint_id=self.files.directory / f"dcp-step-{step:09d}")
+        if self.files.observer is not None:  # the agent counts the stall, and an elastic job grows after a save
+            self.files.observer.saved(SaveReport(step, "file", time.perf_counter() - started, 0))
         if self.ctx.rank == 0:  # DCP wrote .metadata last, after every rank's data: the step is whole
-            for old in self._committed()[self.keep :]:
-                shutil.rmtree(self.directory / f"dcp-step-{old:09d}", ignore_errors=True)
+            for old in self._committed()[self.files.keep :]:
+                shutil.rmtree(self.files.directory / f"dcp-step-{old:09d}", ignore_errors=True)
 
     def load(self, state: dict[str, Any]) -> Loaded | None:
         """Load the newest step every rank can read into ``state`` (in place); None: start fresh."""
@@ -77,16 +82,16 @@ class ShardedCheckpoint:
         newest = self._agreed(steps[0] if steps else None)
         if newest is None:
             return None
-        assert self.directory is not None
-        path = self.directory / f"dcp-step-{newest:09d}"
+        assert self.files is not None
+        path = self.files.directory / f"dcp-step-{newest:09d}"
         dcp.load(state, checkpoint_id=path)
         return Loaded(newest, str(path), time.perf_counter() - started)
 
     def _committed(self) -> list[int]:
-        assert self.directory is not None
-        if not self.directory.is_dir():
+        assert self.files is not None
+        if not self.files.directory.is_dir():
             return []
-        found = (_STEP_DIR.match(p.name) for p in self.directory.iterdir() if (p / ".metadata").exists())
+        found = (_STEP_DIR.match(p.name) for p in self.files.directory.iterdir() if (p / ".metadata").exists())
         return sorted((int(m.group(1)) for m in found if m), reverse=True)
 
     def _agreed(self, value: Any) -> Any:
