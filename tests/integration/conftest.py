@@ -28,3 +28,11 @@ def reference(tmp_path_factory) -> Path:
     return output
 
 
+
+
+@pytest.fixture(scope="session")
+def kjv_tokens(kjv: Path, tmp_path_factory) -> Path:
+    """The King James Bible as token shards (a 2048-token BPE), for the LLM workload."""
+    out = tmp_path_factory.mktemp("kjv-tokens")
+    run_cli("data", "prepare-text", str(kjv), "--out", str(out), "--vocab-size", "2048", "--shard-tokens", "262144", "-o", "json")
+    return out

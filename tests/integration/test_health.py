@@ -128,12 +128,14 @@ def test_deep_checks_on_join_pass_healthy_nodes_and_take_out_a_slow_one(make_clu
     assert cluster.store.get_node(bad["name"]).deep_health is DeepHealthStatus.FAILED
 
 
-def test_validate_prints_one_verdict_per_node_and_runs_a_real_job(make_cluster):
+def test_validate_prints_one_verdict_per_node_and_runs_a_real_job(make_cluster, kjv_tokens):
+    """The burn-in is the LLM workload (FSDP2 across both nodes); the default MLP one is the same code path."""
     cluster = make_cluster("--nodes", "2")
-    verdicts = json.loads(cluster.cli("validate", "-o", "json", "--steps", "10", timeout=300).stdout)
+    verdicts = json.loads(cluster.cli("validate", "-o", "json", "--steps", "10", "--workload", "llm", "--data", str(kjv_tokens),
+                                      timeout=300).stdout)
     assert [(v["node"], v["verdict"], v["stress"], v["collective"], v["training"], v["devices"]) for v in verdicts] == [
         ("node-1", "Pass", "Pass", "Pass", "Pass", "Skip"), ("node-2", "Pass", "Pass", "Pass", "Pass", "Skip")]
     job = next(j for j in cluster.store.list_jobs() if j.name.startswith("validate-"))
-    assert job.phase.value == "Succeeded"
+    assert job.phase.value == "Succeeded" and "unbroken.workloads.llm" in job.spec().command
     listed = cluster.json("check", "list")
     assert {c["id"] for c in listed} >= {"devices.inventory", "stress.matmul", "collective.allreduce", "storage.checkpoint"}

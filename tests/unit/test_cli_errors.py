@@ -243,7 +243,7 @@ def test_top_level_help_lists_the_groups(tmp_path: Path) -> None:
         ("chaos", ["kill-worker", "hang-worker", "kill-node", "kill-controller", "xid", "slow-link"]),
         ("check", ["list", "run", "collective"]),
         ("k8s", ["render", "start"]),
-        ("data", ["prepare-text"]),
+        ("data", ["prepare-text", "imagenet-val"]),
     ],
 )
 def test_group_help_lists_exactly_its_commands(tmp_path: Path, group: str, commands: list[str]) -> None:
@@ -287,3 +287,12 @@ def test_operator_help_and_a_missing_kubeconfig(tmp_path: Path) -> None:
     assert missing.returncode == 2
     assert f"kubeconfig {tmp_path / 'nope'} does not exist" in missing.stdout + missing.stderr
     assert "Traceback" not in missing.stdout + missing.stderr
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--workload", "llm"], "error: --workload llm needs --data DIR: token shards from unbroken data prepare-text"),
+    (["--workload", "gpt"], "error: --workload 'gpt': one of mlp, llm"),
+])
+def test_validate_refuses_a_burn_in_it_cannot_run_before_touching_the_cluster(tmp_path: Path, args: list[str], message: str) -> None:
+    result = run_cli("validate", *args, cluster_dir=tmp_path / "none", check=False)
+    assert result.returncode == 2 and result.stderr.strip() == message

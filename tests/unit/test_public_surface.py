@@ -27,6 +27,7 @@ CLI = {
     "check list": ["--output/-o"],
     "check run": ["--dir", "--node/-n", "--output/-o", "--suite/-s"],
     "ckpt list": ["--dir", "--output/-o", "JOB"],
+    "data imagenet-val": ["--output/-o", "--solutions", "VAL_DIR"],
     "data prepare-text": ["--out", "--output/-o", "--shard-tokens", "--tokenizer", "--vocab-size", "INPUTS"],
     "ckpt prune": ["--dir", "--dry-run", "--keep", "JOB"],
     "ckpt verify": ["--dir", "--output/-o", "--step", "JOB"],
@@ -52,7 +53,7 @@ CLI = {
     "node reboot": ["--dir", "NAME"],
     "node replace": ["--dir", "NAME"],
     "node uncordon": ["--dir", "NAME"],
-    "validate": ["--dir", "--output/-o", "--steps", "--timeout"],
+    "validate": ["--config", "--data", "--dir", "--output/-o", "--steps", "--timeout", "--workload"],
 }
 
 

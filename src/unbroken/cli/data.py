@@ -55,3 +55,33 @@ def _print_summary(folder: Path, output: Output) -> None:
         return
     rows = [[key, ", ".join(value) if isinstance(value, list) else value] for key, value in summary.items()]
     console.print(table(None, ["", ""], rows))
+
+
+@app.command("imagenet-val")
+def imagenet_val_command(
+    val_dir: Annotated[Path, typer.Argument(help="ImageNet's flat val/ folder of ILSVRC2012_val_*.JPEG images", show_default=False)],
+    solutions: Annotated[Path, typer.Option("--solutions", help="LOC_val_solution.csv (ImageId,PredictionString)", show_default=False)],
+    output: OutputOption = Output.table,
+) -> None:
+    """Move ImageNet's validation images into one folder per class (val/<synset>/<image>.JPEG), the ImageFolder
+    layout the ResNet workload reads. Safe to interrupt and run again; exits 1 if an image the CSV names is missing.
+
+    Example:  unbroken data imagenet-val ~/imagenet/val --solutions ~/imagenet/LOC_val_solution.csv
+    """
+    from unbroken.data.imagenet_val import sort_into_classes
+
+    with Progress(TextColumn("sorting"), BarColumn(), TextColumn("{task.completed}/{task.total} images"),
+                  console=console, transient=True, disable=output is Output.json) as bar:
+        task = bar.add_task("sorting", total=None)
+        report = sort_into_classes(val_dir, solutions, progress=lambda done, total: bar.update(task, completed=done, total=total))
+    summary = {"folder": str(val_dir), "classes": report.classes, "moved": report.moved, "already_in_place": report.already_in_place,
+               "missing": len(report.missing), "not_in_solutions": report.not_in_solutions}
+    if output is Output.json:
+        print_json({**summary, "missing_images": report.missing})
+    else:
+        console.print(table(None, ["", ""], [[k, v] for k, v in summary.items()]))
+        if report.missing:
+            console.print(f"[yellow]missing:[/] {', '.join(report.missing[:10])}" + (" ..." if len(report.missing) > 10 else ""),
+                          highlight=False)
+    if report.missing:
+        raise typer.Exit(1)

@@ -66,12 +66,20 @@ def validate_command(
     output: cluster.OutputOption = cluster.Output.table,
     steps: int = typer.Option(20, help="Steps of the end-to-end training job"),
     timeout: float = typer.Option(300.0, help="Seconds the training job may take"),
+    workload: str = typer.Option("mlp", "--workload", help="The burn-in job: mlp (synthetic, no data) or llm (the "
+                                 "Llama-style FSDP2 job on --data)"),
+    data: Annotated[Path | None, typer.Option("--data", help="With --workload llm: token shards from unbroken data prepare-text",
+                                              show_default=False)] = None,
+    config: str = typer.Option("tiny", "--config", help="With --workload llm: the model size (tiny, small, llama3-1b, llama3-8b)"),
 ) -> None:
     """Validate an idle cluster before a big run: all checks on every node, the collective sweep, and a short
-    training job across all nodes; one verdict row per node (exit 1 if any node fails)."""
-    from unbroken.cli.validate import run_validate
+    training job across all nodes; one verdict row per node (exit 1 if any node fails).
 
-    run_validate(directory, output, steps, timeout)
+    Example:  unbroken validate --workload llm --data data/kjv --config small --steps 50
+    """
+    from unbroken.cli.validate import BurnIn, run_validate
+
+    run_validate(directory, output, steps, timeout, BurnIn.parse(workload, data, config))
 
 
 @app.command("dashboard")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import typer
@@ -19,9 +20,42 @@ from unbroken.state.phases import JobPhase, NodeState
 from unbroken.state.updates import JobUpdate
 
 _STYLE = {Status.PASS: "green", Status.WARN: "yellow", Status.FAIL: "red", Status.SKIP: "dim"}
+_WORKLOADS = ("mlp", "llm")
 
 
-def run_validate(directory: Path | None, output: Output, steps: int, timeout: float) -> None:
+@dataclass(frozen=True)
+class BurnIn:
+    """The training job validate runs across every node (one rank each)."""
+
+    workload: str = "mlp"
+    data: Path | None = None
+    config: str = "tiny"
+
+    @classmethod
+    def parse(cls, workload: str, data: Path | None, config: str) -> BurnIn:
+        if workload not in _WORKLOADS:
+            raise UsageError(f"--workload {workload!r}: one of {', '.join(_WORKLOADS)}")
+        if workload == "llm":
+            from unbroken.data.token_shards import read_index
+            from unbroken.workloads.llama import CONFIGS as LLM_CONFIGS  # torch: only for --workload llm
+
+            if data is None:
+                raise UsageError("--workload llm needs --data DIR: token shards from unbroken data prepare-text")
+            read_index(data)  # a clear error now rather than a failed job on every node
+            if config not in LLM_CONFIGS:
+                raise UsageError(f"--config {config!r}: one of {', '.join(LLM_CONFIGS)}")
+            data = data.resolve()
+        return cls(workload, data, config)
+
+    def command(self, steps: int, ranks: int) -> list[str]:
+        if self.workload == "mlp":
+            return ["-m", "unbroken.workloads.mlp", "--steps", str(steps)]
+        return ["-m", "unbroken.workloads.llm", "--data", str(self.data), "--config", self.config, "--steps", str(steps),
+                "--global-batch", str(2 * ranks), "--micro-batch", "2", "--checkpoint-every", str(steps), "--warmup", "1"]
+
+
+def run_validate(directory: Path | None, output: Output, steps: int, timeout: float, burn_in: BurnIn | None = None) -> None:
+    burn_in = burn_in or BurnIn()
     runtime = open_runtime(directory)
     layout, store = runtime.layout, runtime.cluster
     nodes = [n for n in store.list_nodes() if n.state is NodeState.SCHEDULABLE]
@@ -34,10 +68,10 @@ def run_validate(directory: Path | None, output: Output, steps: int, timeout: fl
     names = [n.name for n in nodes]
     if output is Output.table:
         console.print(f"validating {len(nodes)} nodes: device, stress, storage and network checks, "
-                      f"the collective sweep, and a {steps}-step training job across all of them")
+                      f"the collective sweep, and a {steps}-step {burn_in.workload} training job across all of them")
     results = run_checks(layout, store, runtime.config, nodes, [Suite.INSTANCE_STRESS, Suite.INSTANCE_CONNECTIVITY],
                          params={"ops": ["all_reduce", "all_gather", "reduce_scatter"]})
-    training = training_job(runtime, names, steps=steps, timeout=timeout, base_dir=str(layout.root))
+    training = training_job(runtime, names, steps=steps, timeout=timeout, base_dir=str(layout.root), burn_in=burn_in)
     verdicts = validate.tabulate(names, results, training)
     if output is Output.json:
         print_json(validate.to_json(verdicts))
@@ -52,12 +86,13 @@ def run_validate(directory: Path | None, output: Output, steps: int, timeout: fl
         raise typer.Exit(1)
 
 
-def training_job(runtime: Runtime, nodes: list[str], *, steps: int, timeout: float, base_dir: str) -> dict[str, tuple[Status, str]]:
-    """Run the shipped MLP workload across ``nodes`` (one rank each) and report per node."""
+def training_job(runtime: Runtime, nodes: list[str], *, steps: int, timeout: float, base_dir: str,
+                 burn_in: BurnIn | None = None) -> dict[str, tuple[Status, str]]:
+    """Run a shipped workload across ``nodes`` (one rank each) and report per node."""
     store = runtime.cluster
     name = f"validate-{int(time.time())}"
-    spec = JobSpec.model_validate({"name": name, "nodes": len(nodes), "procs_per_node": 1,
-                                   "command": ["-m", "unbroken.workloads.mlp", "--steps", str(steps)],
+    command = (burn_in or BurnIn()).command(steps, len(nodes))
+    spec = JobSpec.model_validate({"name": name, "nodes": len(nodes), "procs_per_node": 1, "command": command,
                                    "resilience": {"auto_resume": False}}, context={"base_dir": base_dir})
     jobs.submit(store, spec, note="unbroken validate")
     deadline = time.monotonic() + timeout

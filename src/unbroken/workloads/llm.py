@@ -25,7 +25,6 @@ import argparse
 import hashlib
 import json
 import logging
-import math
 import sys
 import time
 from pathlib import Path
@@ -40,6 +39,7 @@ import unbroken
 from unbroken.data.token_shards import TokenStream
 from unbroken.errors import ConfigError, UnbrokenError
 from unbroken.workloads.llama import CONFIGS, Llama, LlamaConfig, init_module
+from unbroken.workloads.schedule import learning_rate
 from unbroken.workloads.sharded_checkpoint import ShardedCheckpoint
 
 log = logging.getLogger("unbroken.workloads.llm")
@@ -80,14 +80,6 @@ class TokenBatches:
 
     def seek(self, epoch: int, used: int) -> None:
         self.epoch, self.used = epoch, used
-
-
-def learning_rate(step: int, *, peak: float, warmup: int, total: int, floor: float) -> float:
-    """Linear warm-up to ``peak`` over ``warmup`` steps, then cosine down to ``floor * peak`` at ``total``."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def build(config: LlamaConfig, seed: int, device: torch.device, world_size: int) -> Llama:
