@@ -37,9 +37,10 @@ import torch.nn.functional as F
 
 import unbroken
 from unbroken.data.token_shards import TokenStream
-from unbroken.errors import ConfigError, UnbrokenError
+from unbroken.errors import ConfigError
 from unbroken.workloads.llama import CONFIGS, Llama, LlamaConfig, init_module
 from unbroken.workloads.schedule import learning_rate
+from unbroken.workloads.script import add_common_arguments, pace, run
 from unbroken.workloads.sharded_checkpoint import ShardedCheckpoint
 
 log = logging.getLogger("unbroken.workloads.llm")
@@ -115,30 +116,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--data", type=Path, required=True, help="a folder written by unbroken data prepare-text")
     parser.add_argument("--config", choices=sorted(CONFIGS), default="tiny", help="model size")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the config's max)")
-    parser.add_argument("--steps", type=int, default=200, help="optimizer steps in total")
+    add_common_arguments(parser, steps=200, warmup=20, checkpoint_every=20)
     parser.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step, at any world size")
     parser.add_argument("--micro-batch", type=int, default=2, help="sequences per rank per forward pass")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    parser.add_argument("--warmup", type=int, default=20, help="warm-up steps")
     parser.add_argument("--min-lr-ratio", type=float, default=0.1, help="the cosine's floor, as a fraction of --lr")
-    parser.add_argument("--checkpoint-every", type=int, default=20, help="steps between checkpoints")
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--step-time", type=float, default=0.0,
-                        help="extra seconds per step, standing in for a bigger model's compute (tests and benchmarks)")
-    parser.add_argument("--log-every", type=int, default=10, help="steps between loss log lines of rank 0")
     parser.add_argument("--loss-log", type=Path, help="rank 0 appends {step, loss, world_size, attempt} per step here (JSON lines)")
-    parser.add_argument("--output", type=Path, help="rank 0 writes {step, params_sha256} here at the end")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str]) -> int:
-    args = parse_args(argv)
-    ctx = unbroken.init()
-    try:
-        return _train(args, ctx)
-    except UnbrokenError as exc:  # bad data folder or options: one clear line, not a traceback per rank
-        log.error(str(exc))
-        return 2
+    return run(_train, parse_args(argv), log)
 
 
 def _train(args: argparse.Namespace, ctx: unbroken.Context) -> int:
@@ -200,9 +188,7 @@ def _train(args: argparse.Namespace, ctx: unbroken.Context) -> int:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        remaining = args.step_time - (time.perf_counter() - started)
-        if remaining > 0:
-            time.sleep(remaining)  # simulated compute, not synchronisation
+        pace(started, args.step_time)
         if sharded:
             dist.all_reduce(total, op=dist.ReduceOp.AVG if device.type == "cuda" else dist.ReduceOp.SUM)
             if device.type != "cuda":

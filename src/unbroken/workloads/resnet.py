@@ -35,6 +35,7 @@ from unbroken.errors import UnbrokenError
 from unbroken.workloads.image_folder import ImageFolder
 from unbroken.workloads.resnet_model import DEPTHS, ResNet
 from unbroken.workloads.schedule import learning_rate
+from unbroken.workloads.script import add_common_arguments, pace, run
 
 log = logging.getLogger("unbroken.workloads.resnet")
 
@@ -78,28 +79,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--arch", choices=sorted(DEPTHS), default="resnet50")
     parser.add_argument("--width", type=int, default=64, help="channels of the first stage (64: the paper's; tests use 8)")
     parser.add_argument("--image-size", type=int, default=224, help="training crop, pixels")
-    parser.add_argument("--steps", type=int, default=1000, help="optimizer steps in total")
+    add_common_arguments(parser, steps=1000, warmup=50, checkpoint_every=100)
     parser.add_argument("--batch-size", type=int, default=32, help="images per rank per step")
     parser.add_argument("--lr", type=float, default=None, help="peak learning rate (default 0.1 x global batch / 256)")
-    parser.add_argument("--warmup", type=int, default=50, help="warm-up steps")
-    parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
     parser.add_argument("--workers", type=int, default=0, help="data loader processes per rank (0: load in the training process)")
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--step-time", type=float, default=0.0,
-                        help="extra seconds per step, standing in for a bigger model's compute (tests and benchmarks)")
-    parser.add_argument("--log-every", type=int, default=10, help="steps between log lines of rank 0")
-    parser.add_argument("--output", type=Path, help="rank 0 writes {step, params_sha256, loss} here at the end")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str]) -> int:
-    args = parse_args(argv)
-    ctx = unbroken.init()
-    try:
-        return _train(args, ctx)
-    except UnbrokenError as exc:  # a bad data folder: one clear line, not a traceback per rank
-        log.error(str(exc))
-        return 2
+    return run(_train, parse_args(argv), log)
 
 
 def _train(args: argparse.Namespace, ctx: unbroken.Context) -> int:
@@ -158,9 +146,7 @@ def _train(args: argparse.Namespace, ctx: unbroken.Context) -> int:
         loss.backward()
         optimizer.step()
         step += 1
-        remaining = args.step_time - (time.perf_counter() - started)
-        if remaining > 0:
-            time.sleep(remaining)  # simulated compute, not synchronisation
+        pace(started, args.step_time)
         images_per_s = global_batch / (time.perf_counter() - started)
         started = time.perf_counter()
         ctx.progress(step, loss=loss.item(), images_per_s=images_per_s)

@@ -1,0 +1,41 @@
+"""What every shipped training script shares: its common flags, and how it starts and fails."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import unbroken
+from unbroken.errors import UnbrokenError
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, *, steps: int, warmup: int, checkpoint_every: int) -> None:
+    parser.add_argument("--steps", type=int, default=steps, help="optimizer steps in total")
+    parser.add_argument("--warmup", type=int, default=warmup, help="warm-up steps of the learning rate")
+    parser.add_argument("--checkpoint-every", type=int, default=checkpoint_every, help="steps between checkpoints")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--step-time", type=float, default=0.0,
+                        help="extra seconds per step, standing in for a bigger model's compute (tests and benchmarks)")
+    parser.add_argument("--log-every", type=int, default=10, help="steps between log lines of rank 0")
+    parser.add_argument("--output", type=Path, help="rank 0 writes {step, params_sha256, ...} here at the end (JSON)")
+
+
+def run(train: Callable[[argparse.Namespace, unbroken.Context], int], args: argparse.Namespace, log: logging.Logger) -> int:
+    """Join the job and train; a user mistake (bad data folder, batch that does not divide) is one
+    clear log line and exit code 2, not a traceback from every rank."""
+    ctx = unbroken.init()
+    try:
+        return train(args, ctx)
+    except UnbrokenError as exc:
+        log.error(str(exc))
+        return 2
+
+
+def pace(started: float, step_time: float) -> None:
+    """Stretch a step to ``step_time`` seconds: simulated compute, not synchronisation."""
+    remaining = step_time - (time.perf_counter() - started)
+    if remaining > 0:
+        time.sleep(remaining)
