@@ -100,6 +100,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--step-time", type=float, default=0.0,
                         help="extra seconds per step, standing in for a bigger model's compute")
     parser.add_argument("--output", help="rank 0 writes the final parameters here (torch.save)")
+    parser.add_argument("--progress-log", help="rank 0 appends '<step> <unix time> <pid>' per step here: the step timeline "
+                                               "benchmarks read under any launcher (benchmarks/goodput.py)")
     parser.add_argument("--crash-at-step", type=int, default=None,
                         help="fault injection: --crash-rank exits with code 3 when it reaches this step")
     parser.add_argument("--crash-rank", type=int, default=0)
@@ -139,6 +141,7 @@ def main(argv: list[str]) -> int:
         log.info(f"rank {ctx.rank}: resumed at step {step} from {restored.source} in {time.monotonic() - restore_started:.3f} s",
                  extra={"step": step, "source": restored.source})
 
+    progress_log = open(args.progress_log, "a") if args.progress_log and ctx.rank == 0 else None  # noqa: SIM115 - open for the run
     loss_fn = nn.CrossEntropyLoss()
     loss: torch.Tensor | None = None  # stays None when resumed from the final step
     first_loss = None
@@ -160,6 +163,9 @@ def main(argv: list[str]) -> int:
         if remaining > 0:
             time.sleep(remaining)  # simulated compute, not synchronisation
         ctx.progress(step, loss=loss.item())
+        if progress_log is not None:
+            progress_log.write(f"{step} {time.time():.3f} {os.getpid()}\n")
+            progress_log.flush()
         if first_step_of_process is None:
             first_step_of_process = step
             # Wall-clock mark of this process's first step: benchmarks read it to time

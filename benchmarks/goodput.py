@@ -1,0 +1,330 @@
+"""Goodput under a stream of faults: unbroken vs plain torchrun vs torchrun in a retry loop, one run.
+
+The same 2-node x 2-rank job (``unbroken.workloads.mlp``, 50 ms/step, a checkpoint every
+20 steps, files) runs for ``--minutes`` under each system. Faults arrive on a seeded
+schedule (exponential gaps of mean ``--mtbf-seconds``), kinds in turn: kill-worker (SIGKILL
+rank 3), hang-worker (SIGSTOP rank 3), kill-node (every process of rank 3's node), xid79.
+
+The systems:
+
+* **unbroken**: a 3-node local cluster (one spare, automatic node recovery), auto-resume with
+  a budget larger than the faults, hang_timeout 10 s. Xid 79 is written to the node's kernel
+  log (``chaos xid``): the agent takes the node out and the job moves.
+* **torchrun**: two torchrun agents (c10d rendezvous) with ``--max-restarts 3`` and the
+  script's own disk checkpoint, as the PyTorch DDP tutorial runs it. A lost node does not
+  come back. Xid 79 is a SIGKILL of rank 3 here: on a GPU the rank dies with its device,
+  and nothing but a kernel log (which nobody reads) says more.
+* **retry-loop**: the same two agents with ``--max-restarts 0``, relaunched together with a new
+  rendezvous whenever either exits: what a Kubernetes ``restartPolicy: OnFailure`` gives a
+  job. A lost node is relaunched like a rescheduled pod.
+
+Every system's rank 0 writes its step timeline (``--progress-log``), read the same way for all:
+
+* **goodput** = the steps of the final trajectory x the median step time / wall time;
+* **recovery** per fault = fault → the first step of a new rank-0 process (none: unrecovered);
+* **badput** by cause:
+  - startup: the first launch to the first step;
+  - recovery: fault → first step after, for recovered faults;
+  - lost_steps: steps recomputed, at the step time;
+  - hang_wait / down: stuck in a hang / not running after an unrecovered fault, to the end.
+
+  For unbroken, recovery is split further from its own report: detection, restart
+  (placement) and startup.
+
+    .venv/bin/python benchmarks/goodput.py [--minutes 10] [--mtbf-seconds 120] [--seed 1] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from recovery import _free_port, _rank_pid  # noqa: E402
+
+from unbroken import chaos, jobs, procs, report  # noqa: E402
+from unbroken.config.cluster import ClusterConfig  # noqa: E402
+from unbroken.config.job import JobSpec  # noqa: E402
+from unbroken.layout import ClusterLayout  # noqa: E402
+from unbroken.runtime import local_cluster  # noqa: E402
+
+FAULTS = ("kill-worker", "hang-worker", "kill-node", "xid79")
+STEP_TIME = 0.05
+CHECKPOINT_EVERY = 20
+HANG_TIMEOUT = 10.0
+QUIET_TAIL = 10.0  # no fault in the last seconds: each one gets a chance to recover
+
+
+@dataclass(frozen=True)
+class Fault:
+    at: float
+    """Seconds after the start."""
+    kind: str
+
+
+def schedule(minutes: float, mtbf: float, seed: int) -> list[Fault]:
+    rng = random.Random(seed)
+    faults: list[Fault] = []
+    at = 0.0
+    while True:
+        at += rng.expovariate(1.0 / mtbf)
+        if at > minutes * 60 - QUIET_TAIL:
+            return faults
+        faults.append(Fault(round(at, 2), FAULTS[len(faults) % len(FAULTS)]))
+
+
+def workload(progress_log: Path) -> list[str]:
+    return ["-m", "unbroken.workloads.mlp", "--steps", "10000000", "--checkpoint-every", str(CHECKPOINT_EVERY),
+            "--step-time", str(STEP_TIME), "--progress-log", str(progress_log)]
+
+
+# -- reading a step timeline -----------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    system: str
+    goodput: float
+    badput: dict[str, float]
+    faults: list[dict[str, Any]] = field(default_factory=list)
+
+    def recovery_quantiles(self) -> tuple[float | None, float | None]:
+        times = sorted(f["recover_s"] for f in self.faults if f["recover_s"] is not None)
+        if not times:
+            return None, None
+        return round(statistics.median(times), 2), round(times[min(len(times) - 1, int(0.95 * len(times)))], 2)
+
+    def to_dict(self) -> dict[str, Any]:
+        p50, p95 = self.recovery_quantiles()
+        per_kind = {kind: [f["recover_s"] for f in self.faults if f["kind"] == kind] for kind in FAULTS}
+        return {"system": self.system, "goodput": round(self.goodput, 4), "badput": {k: round(v, 1) for k, v in self.badput.items()},
+                "faults": len(self.faults), "recover_p50_s": p50, "recover_p95_s": p95, "fault_log": self.faults,
+                "recover_by_kind": {k: [None if v is None else round(v, 2) for v in vs] for k, vs in per_kind.items() if vs}}
+
+
+def analyse(system: str, timeline: list[tuple[int, float, int]], started: float, ended: float,
+            injected: list[tuple[float, str, str | None]]) -> Outcome:
+    """Goodput, badput and per-fault recovery from rank 0's (step, time, pid) lines."""
+    wall = ended - started
+    intervals = [b[1] - a[1] for a, b in zip(timeline, timeline[1:], strict=False) if b[2] == a[2] and b[0] == a[0] + 1]
+    step_s = statistics.median(intervals) if intervals else STEP_TIME
+    final_step = timeline[-1][0] if timeline else 0
+    badput = {"startup": (timeline[0][1] - started) if timeline else wall, "recovery": 0.0, "lost_steps": 0.0,
+              "hang_wait": 0.0, "down": 0.0}
+    faults = []
+    for index, (at, kind, error) in enumerate(injected):
+        if error is not None:  # nothing to hit (the job was down already): no recovery to measure
+            faults.append({"kind": kind, "at_s": round(at - started, 1), "recover_s": None, "lost_steps": None, "note": error})
+            continue
+        before = [t for t in timeline if t[1] <= at]
+        until = next((later for later, _, failed in injected[index + 1 :] if failed is None), ended)
+        pid = before[-1][2] if before else None
+        after = next((t for t in timeline if t[1] > at and t[2] != pid), None)
+        if after is not None and after[1] <= until:
+            lost = max(0, (before[-1][0] if before else 0) - (after[0] - 1))
+            badput["recovery"] += after[1] - at
+            badput["lost_steps"] += lost * step_s
+            faults.append({"kind": kind, "at_s": round(at - started, 1), "recover_s": round(after[1] - at, 2), "lost_steps": lost})
+            continue
+        # not recovered before the next fault (or the end): stuck if a hang, else not running
+        progressed = [t for t in timeline if at < t[1] <= until and t[2] == pid]
+        stuck_from = progressed[-1][1] if progressed else at
+        badput["hang_wait" if kind == "hang-worker" else "down"] += until - stuck_from
+        faults.append({"kind": kind, "at_s": round(at - started, 1), "recover_s": None, "lost_steps": None})
+    return Outcome(system, min(1.0, final_step * step_s / wall), badput, faults)
+
+
+def read_timeline(path: Path) -> list[tuple[int, float, int]]:
+    lines = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        parts = line.split()
+        if len(parts) == 3:
+            lines.append((int(parts[0]), float(parts[1]), int(parts[2])))
+    return lines
+
+
+def run_faults(faults: list[Fault], started: float, minutes: float, inject: Callable[[Fault], None],
+               between: Callable[[], None] = lambda: None) -> list[tuple[float, str, str | None]]:
+    """Inject each fault at its time, calling ``between`` every 0.2 s (a supervisor's pass);
+    returns (time, kind, why it could not be injected or None)."""
+    injected = []
+    pending = list(faults)
+    end = started + minutes * 60
+    while time.time() < end:
+        if pending and time.time() >= started + pending[0].at:
+            fault = pending.pop(0)
+            try:
+                inject(fault)
+                injected.append((time.time(), fault.kind, None))
+            except Exception as exc:  # noqa: BLE001 - a fault that cannot land (no rank running) is reported, not fatal
+                injected.append((time.time(), fault.kind, f"not injected: {exc}"))
+        between()
+        time.sleep(0.2)  # the benchmark's own clock tick, not a wait for a condition
+    return injected
+
+
+# -- the systems ------------------------------------------------------------------------
+
+
+def run_unbroken(faults: list[Fault], minutes: float, root: Path) -> Outcome:
+    layout = ClusterLayout.at(root / "unbroken")
+    runtime, _ = local_cluster.up(layout, ClusterConfig.with_nodes(3, name="goodput"))
+    store, backend = runtime.cluster, runtime.backend
+    timeline_path = root / "unbroken-progress.log"
+    try:
+        local_cluster.wait_ready(runtime, 120)
+        spec = JobSpec.model_validate({
+            "name": "goodput", "nodes": 2, "procs_per_node": 2, "command": workload(timeline_path),
+            "resilience": {"auto_resume": True, "max_retry": 1000, "hang_timeout": HANG_TIMEOUT, "require_deep_health_passed": False},
+            "checkpoint": {"dir": str(root / "unbroken-ckpt")},
+        })
+        started = time.time()
+        jobs.submit(store, spec, note="benchmarks/goodput.py")
+
+        def inject(fault: Fault) -> None:
+            job = store.get_job("goodput")
+            if fault.kind in ("kill-worker", "hang-worker"):
+                target = chaos.pick_rank(runtime, "goodput", rank=3)
+                sig = signal.SIGKILL if fault.kind == "kill-worker" else signal.SIGSTOP
+                chaos.signal_rank(runtime, target, sig, "ChaosKillWorker" if fault.kind == "kill-worker" else "ChaosHangWorker")
+                return
+            node = next(w.node for w in backend.observe_attempt("goodput", job.attempt) if w.node_rank == 1)
+            if fault.kind == "kill-node":
+                chaos.kill_node(runtime, node)
+            else:
+                chaos.inject_xid(runtime, node, 79)
+
+        injected = run_faults(faults, started, minutes, inject)
+        ended = time.time()
+        outcome = analyse("unbroken", read_timeline(timeline_path), started, ended, injected)
+        summary = report.summarize(store.get_job("goodput"), backend.worker_history("goodput"),
+                                   store.list_events(object_kind="Job", object_name="goodput"), now=ended)
+        for recovery in summary.recoveries:
+            outcome.badput["detection"] = outcome.badput.get("detection", 0.0) + recovery.detected_at - recovery.fault_at
+            outcome.badput["restart"] = outcome.badput.get("restart", 0.0) + recovery.scheduled_at - recovery.detected_at
+            outcome.badput["restart_startup"] = outcome.badput.get("restart_startup", 0.0) + recovery.first_step_at - recovery.scheduled_at
+        stall = sum(a.checkpoint_stall_s for a in summary.attempts)
+        outcome.badput["checkpoint_stall"] = stall
+        return outcome
+    finally:
+        local_cluster.down(layout)
+
+
+class TorchrunPair:
+    """Two torchrun agents ("nodes") of one rendezvous; relaunchable as a pair."""
+
+    def __init__(self, work: Path, max_restarts: int, timeline: Path) -> None:
+        self.work, self.max_restarts, self.timeline = work, max_restarts, timeline
+        self.groups: list[subprocess.Popen[bytes]] = []
+        self.launches = 0
+
+    def launch(self) -> None:
+        self.launches += 1
+        port = _free_port()
+        self.groups = []
+        for node_rank in range(2):
+            env = {**os.environ, "UNBROKEN_CHECKPOINT_DIR": str(self.work / "ckpt"), "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
+            argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"goodput-{self.launches}",
+                    "--rdzv-conf", f"is_host={1 if node_rank == 0 else 0}", "--max-restarts", str(self.max_restarts),
+                    "--monitor-interval", "0.2", *workload(self.timeline)]
+            log = open(self.work / f"launch{self.launches}-node{node_rank}.log", "wb")  # noqa: SIM115 - closed with the process
+            self.groups.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+
+    def any_exited(self) -> bool:
+        return any(g.poll() is not None for g in self.groups)
+
+    def stop(self) -> None:
+        for group in self.groups:
+            procs.kill_now(procs.tree(group.pid))
+        for group in self.groups:
+            group.wait()
+
+    def inject(self, fault: Fault) -> None:
+        node = self.groups[1]
+        if node.poll() is not None:
+            raise RuntimeError("rank 3's node is not running")
+        if fault.kind == "kill-node":
+            procs.kill_now(procs.tree(node.pid))
+            return
+        os.kill(_rank_pid(node.pid, local_rank=1), signal.SIGSTOP if fault.kind == "hang-worker" else signal.SIGKILL)
+
+
+def run_torchrun(system: str, faults: list[Fault], minutes: float, root: Path, *, retry_loop: bool) -> Outcome:
+    work = root / system
+    work.mkdir(parents=True)
+    timeline = work / "progress.log"
+    pair = TorchrunPair(work, 0 if retry_loop else 3, timeline)
+    started = time.time()
+    pair.launch()
+
+    def supervise() -> None:
+        if retry_loop and pair.any_exited():
+            pair.stop()
+            pair.launch()
+
+    try:
+        injected = run_faults(faults, started, minutes, pair.inject, supervise)
+    finally:
+        pair.stop()
+    outcome = analyse(system, read_timeline(timeline), started, time.time(), injected)
+    outcome.badput["relaunches"] = float(pair.launches - 1)
+    return outcome
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minutes", type=float, default=10.0, help="wall time of each system's run")
+    parser.add_argument("--mtbf-seconds", type=float, default=120.0, help="mean time between faults")
+    parser.add_argument("--seed", type=int, default=1, help="of the fault schedule (the same for every system)")
+    parser.add_argument("--systems", default="unbroken,torchrun,retry-loop")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    args = parser.parse_args()
+    faults = schedule(args.minutes, args.mtbf_seconds, args.seed)
+    systems = args.systems.split(",")
+    print(f"{len(faults)} faults in {args.minutes:g} min: " + ", ".join(f"{f.kind}@{f.at:.0f}s" for f in faults), file=sys.stderr)
+    outcomes = []
+    with tempfile.TemporaryDirectory(prefix="unbroken-goodput-") as tmp:
+        root = Path(tmp)
+        for system in systems:
+            print(f"running {system} for {args.minutes:g} min", file=sys.stderr)
+            if system == "unbroken":
+                outcomes.append(run_unbroken(faults, args.minutes, root))
+            else:
+                outcomes.append(run_torchrun(system, faults, args.minutes, root, retry_loop=system == "retry-loop"))
+    results = [o.to_dict() for o in outcomes]
+    if args.json:
+        print(json.dumps({"minutes": args.minutes, "mtbf_seconds": args.mtbf_seconds, "seed": args.seed, "results": results}))
+        return 0
+    print(f"goodput over {args.minutes:g} min, mtbf {args.mtbf_seconds:g} s, seed {args.seed}: "
+          + ", ".join(f"{f.kind}@{f.at:.0f}s" for f in faults) + "\n")
+    print("| system | goodput | recover p50 (s) | recover p95 (s) | unrecovered | badput (s) |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        unrecovered = sum(1 for f in r["fault_log"] if f["recover_s"] is None)
+        spent = ", ".join(f"{k} {v:g}" for k, v in r["badput"].items() if v)
+        print(f"| {r['system']} | {r['goodput']:.1%} | {r['recover_p50_s']} | {r['recover_p95_s']} | {unrecovered} of {r['faults']} | {spent} |")
+    print("\nrecovery per fault (s; - = not recovered before the next fault or the end)\n")
+    print("| system | " + " | ".join(f"{f.kind}@{f.at:.0f}s" for f in faults) + " |")
+    print("|---|" + "---|" * len(faults))
+    for r in results:
+        row = ["-" if f["recover_s"] is None else f"{f['recover_s']:g}" for f in r["fault_log"]]
+        print(f"| {r['system']} | " + " | ".join(row) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
