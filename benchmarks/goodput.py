@@ -2,7 +2,8 @@
 
 The same 2-node x 2-rank job (``unbroken.workloads.mlp``, 50 ms/step, a checkpoint every
 20 steps, files) runs for ``--minutes`` under each system. Faults arrive on a seeded
-schedule (exponential gaps of mean ``--mtbf-seconds``), kinds in turn: kill-worker (SIGKILL
+schedule (exponential gaps of mean ``--mtbf-seconds``, counted from the job's first
+step), kinds in turn: kill-worker (SIGKILL
 rank 3), hang-worker (SIGSTOP rank 3), kill-node (every process of rank 3's node), xid79.
 
 The systems:
@@ -66,6 +67,7 @@ STEP_TIME = 0.05
 CHECKPOINT_EVERY = 20
 HANG_TIMEOUT = 10.0
 QUIET_TAIL = 10.0  # no fault in the last seconds: each one gets a chance to recover
+FIRST_STEP_ALLOWANCE = 10.0  # faults count from the first step, which comes ~7 s after launch
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,7 @@ def schedule(minutes: float, mtbf: float, seed: int) -> list[Fault]:
     at = 0.0
     while True:
         at += rng.expovariate(1.0 / mtbf)
-        if at > minutes * 60 - QUIET_TAIL:
+        if at > minutes * 60 - QUIET_TAIL - FIRST_STEP_ALLOWANCE:
             return faults
         faults.append(Fault(round(at, 2), FAULTS[len(faults) % len(FAULTS)]))
 
@@ -156,15 +158,23 @@ def read_timeline(path: Path) -> list[tuple[int, float, int]]:
     return lines
 
 
-def run_faults(faults: list[Fault], started: float, minutes: float, inject: Callable[[Fault], None],
+def run_faults(faults: list[Fault], started: float, minutes: float, inject: Callable[[Fault], None], timeline: Path,
                between: Callable[[], None] = lambda: None) -> list[tuple[float, str, str | None]]:
-    """Inject each fault at its time, calling ``between`` every 0.2 s (a supervisor's pass);
-    returns (time, kind, why it could not be injected or None)."""
+    """Inject each fault at its time after the job's first step, calling ``between`` every 0.2 s (a
+    supervisor's pass) until ``minutes`` after ``started``; returns (time, kind, why it could not be injected or None)."""
+
+    def first_step() -> float | None:
+        lines = read_timeline(timeline)
+        return lines[0][1] if lines else None
+
     injected = []
     pending = list(faults)
     end = started + minutes * 60
+    clock: float | None = None  # the fault clock starts at the job's first step: every system is hit at the same point
     while time.time() < end:
-        if pending and time.time() >= started + pending[0].at:
+        if clock is None and first_step() is not None:
+            clock = time.time()
+        if pending and clock is not None and time.time() >= clock + pending[0].at:
             fault = pending.pop(0)
             try:
                 inject(fault)
@@ -207,7 +217,7 @@ def run_unbroken(faults: list[Fault], minutes: float, root: Path) -> Outcome:
             else:
                 chaos.inject_xid(runtime, node, 79)
 
-        injected = run_faults(faults, started, minutes, inject)
+        injected = run_faults(faults, started, minutes, inject, timeline_path)
         ended = time.time()
         outcome = analyse("unbroken", read_timeline(timeline_path), started, ended, injected)
         summary = report.summarize(store.get_job("goodput"), backend.worker_history("goodput"),
@@ -277,7 +287,7 @@ def run_torchrun(system: str, faults: list[Fault], minutes: float, root: Path, *
             pair.launch()
 
     try:
-        injected = run_faults(faults, started, minutes, pair.inject, supervise)
+        injected = run_faults(faults, started, minutes, pair.inject, timeline, supervise)
     finally:
         pair.stop()
     outcome = analyse(system, read_timeline(timeline), started, time.time(), injected)
