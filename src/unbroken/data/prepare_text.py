@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -269,7 +268,3 @@ def _write_index(out: Path, index: ShardIndex) -> None:
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
-
-def copy_tokenizer(folder: Path, to: Path) -> None:
-    """The prepared folder's tokenizer, for a model that continues from it."""
-    shutil.copyfile(folder / TOKENIZER, to)

@@ -22,7 +22,6 @@ schedule, and changes only the accumulation.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import sys
@@ -40,7 +39,7 @@ from unbroken.data.token_shards import TokenStream
 from unbroken.errors import ConfigError
 from unbroken.workloads.llama import CONFIGS, Llama, LlamaConfig, init_module
 from unbroken.workloads.schedule import learning_rate
-from unbroken.workloads.script import add_common_arguments, pace, run
+from unbroken.workloads.script import add_common_arguments, finish, pace, run, state_digest
 from unbroken.workloads.sharded_checkpoint import ShardedCheckpoint
 
 log = logging.getLogger("unbroken.workloads.llm")
@@ -168,6 +167,7 @@ def _train(args: argparse.Namespace, ctx: unbroken.Context) -> int:
                  f"{args.global_batch} = {args.micro_batch} x {ctx.world_size} x {accumulation}, {seq_len} tokens each")
 
     sharded = ctx.world_size > 1
+    loss_log = open(args.loss_log, "a") if args.loss_log is not None and ctx.rank == 0 else None  # noqa: SIM115 - open for the run
     while step < args.steps:
         started = time.perf_counter()
         lr = learning_rate(step, peak=args.lr, warmup=args.warmup, total=args.steps, floor=args.min_lr_ratio)
@@ -197,9 +197,9 @@ def _train(args: argparse.Namespace, ctx: unbroken.Context) -> int:
         tokens_per_s = args.global_batch * seq_len / (time.perf_counter() - started)
         ctx.progress(step, loss=loss_value, tokens_per_s=tokens_per_s)
         if ctx.rank == 0:
-            if args.loss_log is not None:
-                with open(args.loss_log, "a") as f:
-                    f.write(json.dumps({"step": step, "loss": loss_value, "world_size": ctx.world_size, "attempt": ctx.attempt}) + "\n")
+            if loss_log is not None:
+                loss_log.write(json.dumps({"step": step, "loss": loss_value, "world_size": ctx.world_size, "attempt": ctx.attempt}) + "\n")
+                loss_log.flush()  # a killed rank's last steps must be on disk: the tests compare every one
             if step % args.log_every == 0 or step == args.steps:
                 log.info(f"step {step} loss {loss_value:.4f} lr {lr:.2e} {tokens_per_s:,.0f} tokens/s",
                          extra={"step": step, "loss": loss_value, "tokens_per_s": round(tokens_per_s, 1)})
@@ -207,14 +207,7 @@ def _train(args: argparse.Namespace, ctx: unbroken.Context) -> int:
             checkpoint.save(step, state())
 
     digest = parameters_digest(model)  # every rank: it gathers
-    if ctx.rank == 0:
-        log.info(f"done: {step} steps, params sha256 {digest}", extra={"step": step})
-        if args.output is not None:
-            args.output.write_text(json.dumps({"step": step, "params_sha256": digest}))
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    ctx.progress(step)
+    finish(ctx, step, digest, args.output, log)
     return 0
 
 
@@ -223,14 +216,7 @@ def parameters_digest(model: torch.nn.Module) -> str:
     sharded model, meaningful on rank 0 only."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    digest = hashlib.sha256()
-    for name, tensor in sorted(full.items()):
-        if not isinstance(tensor, torch.Tensor):
-            continue
-        digest.update(name.encode())
-        digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
+    return state_digest(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ Runs under ``unbroken job start`` and under plain ``torchrun``::
 from __future__ import annotations
 
 import argparse
-import hashlib
 import logging
 import os
 import sys
@@ -26,6 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import unbroken
+from unbroken.workloads.script import state_digest
 
 log = logging.getLogger("unbroken.workloads.mlp")
 
@@ -81,14 +81,6 @@ def build_model(seed: int) -> nn.Module:
         nn.Linear(128, 128), nn.ReLU(), nn.Dropout(0.1),
         nn.Linear(128, CLASSES),
     )
-
-
-def parameters_digest(model: nn.Module) -> str:
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -183,7 +175,7 @@ def main(argv: list[str]) -> int:
 
     if ctx.rank == 0:
         final = f"{loss.item():.4f}" if loss is not None else "- (resumed at the end)"
-        log.info(f"done: {step} steps, first loss {first_loss}, final loss {final}, params sha256 {parameters_digest(model)}",
+        log.info(f"done: {step} steps, first loss {first_loss}, final loss {final}, params sha256 {state_digest(model.state_dict())}",
                  extra={"step": step})
         if args.output:
             torch.save(model.state_dict(), args.output)

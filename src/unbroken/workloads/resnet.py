@@ -16,8 +16,6 @@ batches consumed) is saved with the weights and every augmentation draw is seede
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import logging
 import sys
 import time
@@ -26,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
@@ -35,7 +32,7 @@ from unbroken.errors import UnbrokenError
 from unbroken.workloads.image_folder import ImageFolder
 from unbroken.workloads.resnet_model import DEPTHS, ResNet
 from unbroken.workloads.schedule import learning_rate
-from unbroken.workloads.script import add_common_arguments, pace, run
+from unbroken.workloads.script import add_common_arguments, finish, pace, run, state_digest
 
 log = logging.getLogger("unbroken.workloads.resnet")
 
@@ -157,25 +154,10 @@ def _train(args: argparse.Namespace, ctx: unbroken.Context) -> int:
             state: dict[str, Any] = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
             ctx.checkpoint.save(step, state)
 
-    if ctx.rank == 0:
-        digest = parameters_digest(model)
-        log.info(f"done: {step} steps, params sha256 {digest}", extra={"step": step})
-        if args.output is not None:
-            args.output.write_text(json.dumps({"step": step, "params_sha256": digest, "loss": loss.item()}))
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    ctx.progress(step)
+    # parameters and buffers (BatchNorm's running statistics included): replicated, so rank 0's alone
+    finish(ctx, step, state_digest(model.state_dict()) if ctx.rank == 0 else None, args.output, log, loss=loss.item())
     return 0
 
-
-def parameters_digest(model: torch.nn.Module) -> str:
-    """sha256 of the parameters and buffers (BatchNorm's running statistics included)."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
 
 
 if __name__ == "__main__":

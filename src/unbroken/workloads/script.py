@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import unbroken
 from unbroken.errors import UnbrokenError
@@ -39,3 +42,30 @@ def pace(started: float, step_time: float) -> None:
     remaining = step_time - (time.perf_counter() - started)
     if remaining > 0:
         time.sleep(remaining)
+
+
+def state_digest(state: Mapping[str, Any]) -> str:
+    """sha256 of a state dict's tensors in name order: equal digests, bit-identical runs."""
+    import torch
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(state.items()):
+        if isinstance(tensor, torch.Tensor):
+            digest.update(name.encode())
+            digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def finish(ctx: unbroken.Context, step: int, digest: str | None, output: Path | None, log: logging.Logger, **extra: Any) -> None:
+    """Rank 0 logs (and with ``output`` writes) the final parameters' digest; every rank leaves the
+    process group together and reports the last step (winding down is progress, not a hang)."""
+    import torch.distributed as dist
+
+    if ctx.rank == 0 and digest is not None:
+        log.info(f"done: {step} steps, params sha256 {digest}", extra={"step": step})
+        if output is not None:
+            output.write_text(json.dumps({"step": step, "params_sha256": digest, **extra}))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    ctx.progress(step)
