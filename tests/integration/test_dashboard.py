@@ -134,8 +134,8 @@ def test_job_page_follows_a_fault_live_and_a_node_page_turns_red(make_cluster, t
         page.goto(base(url))
         page.wait_for_selector("#jobs tr[data-name='live']")
         assert "1 of 3" in (page.text_content("#jobs tr[data-name='live']") or "")
-        # The spare shows its fault, unless its replacement has already joined and retired it (seconds, since
-        # a cluster's killed processes no longer wait for init to reap them).
+        # The spare shows its fault, unless its replacement has already joined and retired it: a few seconds
+        # after the Xid, which can be before the overview loads.
         row = f"#nodes tr[data-name='{spare}']"
         wait_until(lambda: cluster.store.get_node(spare).state is NodeState.RETIRED
                    or "health-UnschedulablePendingReplacement" in (page.get_attribute(row, "class") or ""),
