@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,8 +33,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from corpus import write_kjv  # noqa: E402
+from recovery import _free_port  # noqa: E402
 from imagenet_fixture import make_imagenet_val  # noqa: E402
 
 from unbroken import chaos, jobs  # noqa: E402
@@ -181,11 +182,6 @@ def run_elastic(data: Path, steps: int, root: Path) -> Resize:
     finally:
         local_cluster.down(layout)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main() -> int:
