@@ -107,8 +107,8 @@ def _grow(job: Job, spec: JobSpec, workers: list[Worker], growable: list[str], g
     (each has run a step past it, so its save is published), stop and resume larger from it."""
     size = len(job.nodes) + len(growable)
     saved = saved_step(workers)
-    reached = min((w.last_step for w in workers if w.last_step is not None), default=None) if all(
-        w.last_step is not None for w in workers) else None
+    steps = [w.last_step for w in workers]
+    reached = min(s for s in steps if s is not None) if steps and None not in steps else None
     if grow_after is not None and saved is not None and saved > grow_after and reached is not None and reached > saved:
         return Decision(Action.RESIZE, f"growing from {len(job.nodes)} to {size} nodes ({', '.join(growable)} schedulable) "
                                        f"at the checkpoint of step {saved}", nodes=tuple(growable))
