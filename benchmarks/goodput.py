@@ -11,6 +11,8 @@ The systems:
 * **unbroken**: a 3-node local cluster (one spare, automatic node recovery), auto-resume with
   a budget larger than the faults, hang_timeout 10 s. Xid 79 is written to the node's kernel
   log (``chaos xid``): the agent takes the node out and the job moves.
+* **unbroken+warm**: the same with ``resilience.warm_spares: 1``: restarts take a torchrun
+  (and ranks) that imported torch before the fault.
 * **torchrun**: two torchrun agents (c10d rendezvous) with ``--max-restarts 3`` and the
   script's own disk checkpoint, as the PyTorch DDP tutorial runs it. A lost node does not
   come back. Xid 79 is a SIGKILL of rank 3 here: on a GPU the rank dies with its device,
@@ -54,7 +56,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from recovery import _free_port, _rank_pid  # noqa: E402
+from recovery import _free_port, _rank_pid, quantiles  # noqa: E402
 
 from unbroken import chaos, jobs, procs, report  # noqa: E402
 from unbroken.config.cluster import ClusterConfig  # noqa: E402
@@ -104,10 +106,7 @@ class Outcome:
     faults: list[dict[str, Any]] = field(default_factory=list)
 
     def recovery_quantiles(self) -> tuple[float | None, float | None]:
-        times = sorted(f["recover_s"] for f in self.faults if f["recover_s"] is not None)
-        if not times:
-            return None, None
-        return round(statistics.median(times), 2), round(times[min(len(times) - 1, int(0.95 * len(times)))], 2)
+        return quantiles([f["recover_s"] for f in self.faults])
 
     def to_dict(self) -> dict[str, Any]:
         p50, p95 = self.recovery_quantiles()
@@ -189,8 +188,11 @@ def run_faults(faults: list[Fault], started: float, minutes: float, inject: Call
 # -- the systems ------------------------------------------------------------------------
 
 
-def run_unbroken(faults: list[Fault], minutes: float, root: Path) -> Outcome:
-    layout = ClusterLayout.at(root / "unbroken")
+def run_unbroken(faults: list[Fault], minutes: float, root: Path, *, warm: bool = False) -> Outcome:
+    system = "unbroken+warm" if warm else "unbroken"
+    root = root / system
+    root.mkdir()
+    layout = ClusterLayout.at(root / "cluster")
     runtime, _ = local_cluster.up(layout, ClusterConfig.with_nodes(3, name="goodput"))
     store, backend = runtime.cluster, runtime.backend
     timeline_path = root / "unbroken-progress.log"
@@ -198,7 +200,8 @@ def run_unbroken(faults: list[Fault], minutes: float, root: Path) -> Outcome:
         local_cluster.wait_ready(runtime, 120)
         spec = JobSpec.model_validate({
             "name": "goodput", "nodes": 2, "procs_per_node": 2, "command": workload(timeline_path),
-            "resilience": {"auto_resume": True, "max_retry": 1000, "hang_timeout": HANG_TIMEOUT, "require_deep_health_passed": False},
+            "resilience": {"auto_resume": True, "max_retry": 1000, "hang_timeout": HANG_TIMEOUT, "require_deep_health_passed": False,
+                           "warm_spares": 1 if warm else 0},
             "checkpoint": {"dir": str(root / "unbroken-ckpt")},
         })
         started = time.time()
@@ -219,7 +222,7 @@ def run_unbroken(faults: list[Fault], minutes: float, root: Path) -> Outcome:
 
         injected = run_faults(faults, started, minutes, inject, timeline_path)
         ended = time.time()
-        outcome = analyse("unbroken", read_timeline(timeline_path), started, ended, injected)
+        outcome = analyse(system, read_timeline(timeline_path), started, ended, injected)
         summary = report.summarize(store.get_job("goodput"), backend.worker_history("goodput"),
                                    store.list_events(object_kind="Job", object_name="goodput"), now=ended)
         for recovery in summary.recoveries:
@@ -300,7 +303,7 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=10.0, help="wall time of each system's run")
     parser.add_argument("--mtbf-seconds", type=float, default=120.0, help="mean time between faults")
     parser.add_argument("--seed", type=int, default=1, help="of the fault schedule (the same for every system)")
-    parser.add_argument("--systems", default="unbroken,torchrun,retry-loop")
+    parser.add_argument("--systems", default="unbroken,unbroken+warm,torchrun,retry-loop")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = parser.parse_args()
     faults = schedule(args.minutes, args.mtbf_seconds, args.seed)
@@ -311,8 +314,8 @@ def main() -> int:
         root = Path(tmp)
         for system in systems:
             print(f"running {system} for {args.minutes:g} min", file=sys.stderr)
-            if system == "unbroken":
-                outcomes.append(run_unbroken(faults, args.minutes, root))
+            if system in ("unbroken", "unbroken+warm"):
+                outcomes.append(run_unbroken(faults, args.minutes, root, warm=system == "unbroken+warm"))
             else:
                 outcomes.append(run_torchrun(system, faults, args.minutes, root, retry_loop=system == "retry-loop"))
     results = [o.to_dict() for o in outcomes]

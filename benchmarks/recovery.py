@@ -13,7 +13,11 @@ past a checkpoint, and we measure:
 
 unbroken runs once per checkpointer (``--checkpoints file,tiered``): the
 foundation's file checkpointer (one torch.save file per rank, fsynced) and the
-tiered one (shared memory, one replica, no persistent tier here). ``--state-mb``
+tiered one (shared memory, one replica, no persistent tier here). A ``+warm``
+suffix (``file+warm``) runs the job with ``resilience.warm_spares: 1`` and
+injects the fault once every node of the job (and the idle third node) holds a
+ready spare: the restart then skips importing torch in torchrun and every rank.
+``--repeat N`` runs every scenario N times and adds p50/p95 rows. ``--state-mb``
 adds that much per-rank state to every checkpoint so that save and restore
 cost something (the MLP itself is ~0.3 MB per rank).
 
@@ -32,6 +36,7 @@ import os
 import re
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,6 +45,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from unbroken import chaos, jobs, procs, report
+from unbroken.agent.warm_spare import READY_MARK
 from unbroken.runtime import local_cluster
 from unbroken.config.cluster import ClusterConfig
 from unbroken.config.job import JobSpec
@@ -98,16 +104,17 @@ def poll(predicate, timeout: float, interval: float = 0.05):
 # -- unbroken -------------------------------------------------------------------------
 
 
-def run_unbroken(fault: str, root: Path, checkpoint: str) -> Result:
-    system = f"unbroken ({checkpoint})"
-    layout = ClusterLayout.at(root / f"unbroken-{fault}-{checkpoint}")
+def run_unbroken(fault: str, root: Path, variant: str) -> Result:
+    system = f"unbroken ({variant})"
+    checkpoint, _, warm = variant.partition("+")
+    layout = ClusterLayout.at(Path(tempfile.mkdtemp(prefix=f"unbroken-{fault}-{checkpoint}-", dir=root)))
     runtime, _ = local_cluster.up(layout, ClusterConfig.with_nodes(3, name="bench"))
     store, backend = runtime.cluster, runtime.backend
     try:
         local_cluster.wait_ready(runtime, 120)
         spec = JobSpec.model_validate({
             "name": "bench", "nodes": 2, "procs_per_node": 2, "command": workload_args(),
-            "resilience": {"auto_resume": True, "max_retry": 3, "hang_timeout": HANG_TIMEOUT},
+            "resilience": {"auto_resume": True, "max_retry": 3, "hang_timeout": HANG_TIMEOUT, "warm_spares": 1 if warm else 0},
             "checkpoint": {"memory": {"keep": 2, "replicas": 1}} if checkpoint == "tiered" else {},
         })
         jobs.submit(store, spec, note="benchmarks/recovery.py")
@@ -117,6 +124,8 @@ def run_unbroken(fault: str, root: Path, checkpoint: str) -> Result:
 
         if not poll(lambda: step() >= FAULT_AT_STEP, 180):
             return Result(system, fault, None, None, None, "job never reached the fault step")
+        if warm and not poll(lambda: _spares_ready(layout), 120):
+            return Result(system, fault, None, None, None, "the warm spares never became ready")
         if fault == "kill-node":
             victim = next(w.node for w in backend.observe_attempt("bench", 0) if w.node_rank == 1)
             chaos.kill_node(runtime, victim)
@@ -194,6 +203,10 @@ def run_torchrun(fault: str, root: Path) -> Result:
             group.wait()
 
 
+def _spares_ready(layout: ClusterLayout) -> bool:
+    return all(READY_MARK in _read(layout.node_dir(node) / "spares-bench.log") for node in ("node-1", "node-2", "node-3"))
+
+
 def _read(path: Path) -> str:
     try:
         return path.read_text(errors="replace")
@@ -234,7 +247,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--faults", default="kill-worker,hang-worker,kill-node")
-    parser.add_argument("--checkpoints", default="file,tiered", help="unbroken's checkpointers to compare")
+    parser.add_argument("--checkpoints", default="file,tiered",
+                        help="unbroken's variants to compare: a checkpointer (file, tiered), +warm for warm spares")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of every scenario; more than one adds p50/p95 rows")
     parser.add_argument("--state-mb", type=float, default=0.0, help="extra per-rank checkpoint state (MB)")
     parser.add_argument("--no-torchrun", action="store_true", help="skip the plain torchrun runs")
     args = parser.parse_args()
@@ -246,22 +261,36 @@ def main() -> int:
             runs = [lambda f, r, c=c: run_unbroken(f, r, c) for c in args.checkpoints.split(",")]
             if not args.no_torchrun:
                 runs.append(run_torchrun)
-            for runner in runs:
-                result = runner(fault, Path(tmp))
-                results.append(result)
-                print(f"# {result.system:<18} {fault:<12} recover {result.recover_s} s  {result.note}", file=sys.stderr, flush=True)
+            for _ in range(args.repeat):
+                for runner in runs:
+                    result = runner(fault, Path(tmp))
+                    results.append(result)
+                    print(f"# {result.system:<18} {fault:<12} recover {result.recover_s} s  {result.note}", file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps({"step_time_s": STEP_TIME, "hang_timeout_s": HANG_TIMEOUT, "state_mb": STATE_MB,
                           "results": [asdict(r) for r in results]}))
         return 0
+    fmt = lambda v: "-" if v is None else str(v)  # noqa: E731
     print("| fault | system | fault -> first step after resume (s) | detect (s) | reschedule (s) | startup (s) | restore (s) | steps lost | note |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        fmt = lambda v: "-" if v is None else str(v)  # noqa: E731
         print(f"| {r.fault} | {r.system} | {fmt(r.recover_s)} | {fmt(r.detect_s)} | {fmt(r.reschedule_s)} | "
               f"{fmt(r.startup_s)} | {fmt(r.restore_s)} | {fmt(r.steps_lost)} | {r.note} |")
+    if args.repeat > 1:
+        print()
+        print("| fault | system | runs | recover p50 (s) | recover p95 (s) | startup p50 (s) | steps lost p50 |")
+        print("|---|---|---|---|---|---|---|")
+        for key in dict.fromkeys((r.fault, r.system) for r in results):
+            rows = [r for r in results if (r.fault, r.system) == key and r.recover_s is not None]
+            recover_p50, recover_p95 = quantiles([r.recover_s for r in rows])
+            print(f"| {key[0]} | {key[1]} | {len(rows)} | {fmt(recover_p50)} | {fmt(recover_p95)} | "
+                  f"{fmt(quantiles([r.startup_s for r in rows])[0])} | {fmt(quantiles([r.steps_lost for r in rows])[0])} |")
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def quantiles(values: list) -> tuple[float | None, float | None]:
+    """p50 (the median) and p95 (nearest rank) of what was measured; None where nothing was."""
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None, None
+    return round(statistics.median(values), 2), round(values[min(len(values) - 1, int(0.95 * len(values)))], 2)

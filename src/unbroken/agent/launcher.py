@@ -14,7 +14,9 @@ from pathlib import Path
 
 import psutil
 
-from unbroken import procs
+from unbroken import procs, rank_registry
+from unbroken.agent import warm_spare
+from unbroken.agent.spare_pool import Spare
 from unbroken.config.job import JobSpec
 from unbroken.launch_env import LaunchEnv
 from unbroken.state.records import Worker
@@ -26,7 +28,7 @@ short enough that a hung (SIGSTOPped) group does not delay the restart."""
 # Sets PDEATHSIG then execs torchrun: if the agent dies (a node losing power),
 # the kernel kills torchrun too. Done in a trampoline instead of preexec_fn
 # because the agent is multi-threaded and preexec_fn is not fork-safe there.
-_TRAMPOLINE = (
+TRAMPOLINE = (
     "import ctypes, os, signal, sys; "
     "ctypes.CDLL('libc.so.6').prctl(1, signal.SIGKILL); "
     "os.getppid() == 1 and os._exit(137); "
@@ -34,12 +36,12 @@ _TRAMPOLINE = (
 )
 
 
-def torchrun_argv(spec: JobSpec, worker: Worker, log_dir: Path, local_addr: str | None = None, *, nnodes: int | None = None) -> list[str]:
-    """``nnodes``: the attempt's nodes (default ``spec.nodes``; fewer for an elastic job below its size)."""
+def torchrun_args(spec: JobSpec, worker: Worker, log_dir: Path, local_addr: str | None = None, *, nnodes: int | None = None) -> list[str]:
+    """torchrun's arguments (what follows ``python -m torch.distributed.run``) for the worker.
+    ``nnodes``: the attempt's nodes (default ``spec.nodes``; fewer for an elastic job below its size)."""
     host, port = worker.rdzv_endpoint.rsplit(":", 1)
     is_host = "1" if worker.node_rank == 0 else "0"
     argv = [
-        "-m", "torch.distributed.run",
         "--nnodes", str(nnodes or spec.nodes),
         "--nproc-per-node", str(spec.procs_per_node),
         "--node-rank", str(worker.node_rank),
@@ -86,6 +88,9 @@ class RunningWorker:
     members: list[psutil.Process] = field(default_factory=list)
     reported: bool = False
     """Its failure is written already (a rank seen dying): its exit closes nothing more."""
+    warm: bool = False
+    """A warm spare became this torchrun: its ranks are forks of the spare's forkserver, and say who they are
+    in ``log_dir/ranks`` (rank_registry.py), not in their environment."""
 
     def begin_stop(self) -> None:
         """SIGTERM (+SIGCONT) the whole tree once; :meth:`continue_stop` escalates."""
@@ -114,26 +119,48 @@ class RunningWorker:
         return code
 
 
+def job_environ(spec: JobSpec, launch_env: LaunchEnv) -> dict[str, str]:
+    """The job's part of a rank's environment, on top of the agent's own."""
+    return {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **spec.env, **launch_env.to_environ()}
+
+
 def launch(
     spec: JobSpec, worker: Worker, *, cluster_dir: Path, node: str, log_dir: Path, checkpoint_dir: Path, settings: NodeSettings,
-    nnodes: int | None = None,
+    nnodes: int | None = None, spare: Spare | None = None,
 ) -> RunningWorker:
+    """Start the worker's torchrun: a new process, or ``spare`` (a warm one, see agent/warm_spare.py) given its identity."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    tiers = spec.checkpoint.tiers
-    launch_env = LaunchEnv(
-        cluster_dir=cluster_dir.resolve(), node=node, job=worker.job, attempt=worker.attempt,
-        checkpoint_dir=checkpoint_dir, checkpoint_keep=spec.checkpoint.keep,
-        checkpoint_tiers=tiers.model_dump_json() if tiers else None, checkpoint_endpoint=settings.checkpoint_endpoint,
-        agent_socket=settings.agent_socket,
-    )
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **spec.env, **launch_env.to_environ()}
-    argv = [sys.executable, "-c", _TRAMPOLINE, *torchrun_argv(spec, worker, log_dir, settings.local_addr, nnodes=nnodes)]
+    job_env = job_environ(spec, launch_environ(spec, worker.job, worker.attempt, cluster_dir=cluster_dir, node=node,
+                                               checkpoint_dir=checkpoint_dir, settings=settings))
+    args = torchrun_args(spec, worker, log_dir, settings.local_addr, nnodes=nnodes)
+    if spare is not None and spare.process.stdin is not None:
+        identity = warm_spare.Identity(args, {**job_env, rank_registry.REGISTRY_DIR: str(log_dir / "ranks")},
+                                       str(spec.working_dir or Path.cwd()), str(log_dir / "torchrun.log"))
+        try:
+            spare.process.stdin.write(identity.to_line())
+            spare.process.stdin.close()
+            return RunningWorker(worker_id=worker.id, process=spare.process, log_dir=log_dir, warm=True)
+        except BrokenPipeError:
+            spare.process.wait()  # it died since it was taken: start cold, as without a spare
+    env = {**os.environ, **job_env}
+    argv = [sys.executable, "-c", TRAMPOLINE, "-m", "torch.distributed.run", *args]
     with open(log_dir / "torchrun.log", "ab") as out:
         process = subprocess.Popen(
             argv, cwd=spec.working_dir, env=env, stdout=out, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True,
         )
     return RunningWorker(worker_id=worker.id, process=process, log_dir=log_dir)
+
+
+def launch_environ(spec: JobSpec, job: str, attempt: int, *, cluster_dir: Path, node: str, checkpoint_dir: Path,
+                   settings: NodeSettings) -> LaunchEnv:
+    tiers = spec.checkpoint.tiers
+    return LaunchEnv(
+        cluster_dir=cluster_dir.resolve(), node=node, job=job, attempt=attempt,
+        checkpoint_dir=checkpoint_dir, checkpoint_keep=spec.checkpoint.keep,
+        checkpoint_tiers=tiers.model_dump_json() if tiers else None, checkpoint_endpoint=settings.checkpoint_endpoint,
+        agent_socket=settings.agent_socket,
+    )
 
 
 _ROOT_CAUSE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)", re.MULTILINE)
@@ -159,7 +186,7 @@ def describe_exit(code: int, log_dir: Path) -> tuple[int, str]:
     return code, f"torchrun {_exit_words(code)}"
 
 
-def rank_exit_message(rank: int | str, local_rank: int, code: int, log_dir: Path) -> str:
+def rank_exit_message(rank: int | str, local_rank: int, code: int | None, log_dir: Path) -> str:
     """``rank 3 (local rank 1) exited with signal 9 (SIGKILL)``, with the exception it died of if it left one."""
     error = _rank_error(log_dir, local_rank)
     detail = f": {error}" if error else ""
@@ -191,7 +218,10 @@ def _one_line(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _exit_words(code: int) -> str:
+def _exit_words(code: int | None) -> str:
+    if code is None:
+        # a warm spare's rank, reaped by its forkserver before the agent could read the status
+        return "was killed by a signal (torchrun's log names it)"
     if code < 0:
         try:
             name = signal.Signals(-code).name

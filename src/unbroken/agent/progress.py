@@ -127,6 +127,12 @@ class ProgressBook:
                 del self._workers[key]
             return [progress.report(job, attempt) for (job, attempt), progress in sorted(self._workers.items())]
 
+    def stepped(self, job: str, attempt: int) -> bool:
+        """A rank of the worker has reported a training step (its startup is over)."""
+        with self._lock:
+            progress = self._workers.get((job, attempt))
+            return progress is not None and progress.report(job, attempt).first_step is not None
+
     def take(self, job: str, attempt: int) -> WorkerProgress | None:
         """The worker's report and its end in this book (it finished)."""
         with self._lock:

@@ -10,7 +10,8 @@ or the exit code as well as torchrun will.
 
 Ranks are the direct children of a worker's torchrun that carry ``LOCAL_RANK``
 in their environment (their own children, a data loader's workers, are not
-ranks). One thread finds new ranks and waits on all pidfds, waking at least
+ranks). A warm spare's ranks are children of its forkserver, one level down,
+and name themselves in the worker's rank registry (rank_registry.py). One thread finds new ranks and waits on all pidfds, waking at least
 every ``SCAN_SECONDS`` to look for the ranks of workers not all found yet.
 """
 
@@ -25,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+
+from unbroken import procs, rank_registry
 
 log = logging.getLogger("unbroken.agent.rank_watch")
 
@@ -45,6 +48,9 @@ class RankDeath:
     rank: Rank
     exit_code: int | None
     """Negative: killed by that signal; None: reaped before the agent looked (torchrun will tell)."""
+    warm: bool = False
+    """A warm spare's rank: its forkserver reaps it at once, so a None code is a death by some signal
+    (a rank that ends on its own records its code), not a clean exit the agent was too late to see."""
 
 
 def wait_status(pid: int, proc: Path = Path("/proc")) -> int | None:
@@ -69,6 +75,8 @@ class _Tracked:
     expected: int
     """Ranks torchrun starts (``--nproc-per-node``); once all were found the worker is not scanned again
     (it never restarts one: ``--max-restarts 0``), so a running job costs the node no /proc reads."""
+    registry: Path | None = None
+    """Where a warm spare's ranks register (None: a cold torchrun's, known by their environment)."""
     found: set[int] = field(default_factory=set)
     """Pids of its ranks found so far."""
 
@@ -81,15 +89,16 @@ class RankWatch:
         self._lock = threading.Lock()
         self._workers: dict[int, _Tracked] = {}  # by worker id
         self._ranks: dict[int, Rank] = {}  # by pidfd
+        self._registries: dict[int, Path] = {}  # by pidfd, for a warm worker's ranks
         self._poll = select.poll()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rank-watch", daemon=True)
         self._thread.start()
 
-    def track(self, worker_id: int, torchrun_pid: int, ranks: int) -> None:
+    def track(self, worker_id: int, torchrun_pid: int, ranks: int, registry: Path | None = None) -> None:
         """Watch the ``ranks`` rank processes the worker's torchrun (``torchrun_pid``) starts."""
         with self._lock:
-            self._workers[worker_id] = _Tracked(torchrun_pid, ranks)
+            self._workers[worker_id] = _Tracked(torchrun_pid, ranks, registry)
 
     def forget(self, worker_id: int) -> None:
         with self._lock:
@@ -122,33 +131,41 @@ class RankWatch:
             if len(tracked.found) >= tracked.expected:
                 continue
             try:
-                children = psutil.Process(tracked.torchrun_pid).children()
+                torchrun = psutil.Process(tracked.torchrun_pid)
+                # a warm spare's ranks are its forkserver's children
+                children = torchrun.children(recursive=True) if tracked.registry else torchrun.children()
             except psutil.Error:
                 continue
             for child in children:
                 if child.pid in tracked.found:
                     continue
-                try:
-                    env = child.environ()
-                except psutil.Error:
-                    continue  # gone already, or not readable yet: the next scan looks again
-                if "LOCAL_RANK" not in env:
-                    continue  # not a rank, or forked and not yet exec'ed (torchrun's own environment)
+                # None: not a rank, or one not exec'ed (still torchrun's environment) or registered yet,
+                # which the next scan sees. A warm worker's ranks count only by the registry: a rank's
+                # own children (a data loader's) may carry RANK in their environment.
+                identity = rank_registry.identify(child.pid, {} if tracked.registry else procs.environ(child), tracked.registry)
+                if identity is None:
+                    continue
                 tracked.found.add(child.pid)
                 try:
                     fd = os.pidfd_open(child.pid)
                 except OSError:
                     continue  # exited between the listing and now: torchrun reports it
-                self._ranks[fd] = Rank(worker_id, child.pid, env.get("RANK", "?"), int(env["LOCAL_RANK"]))
+                self._ranks[fd] = Rank(worker_id, child.pid, str(identity.rank), identity.local_rank)
+                if tracked.registry is not None:
+                    self._registries[fd] = tracked.registry
                 self._poll.register(fd, select.POLLIN)
 
     def _died(self, fd: int) -> None:
         rank = self._ranks[fd]
         code = wait_status(rank.pid)
+        registry = self._registries.get(fd)
+        if code is None and registry is not None:
+            code = rank_registry.exit_code(registry, rank.pid)
         self._unwatch(fd)
-        self.on_death(RankDeath(rank, code))
+        self.on_death(RankDeath(rank, code, warm=registry is not None))
 
     def _unwatch(self, fd: int) -> None:
         self._poll.unregister(fd)
         os.close(fd)
         del self._ranks[fd]
+        self._registries.pop(fd, None)

@@ -26,14 +26,20 @@ from unbroken import doorbell, procs
 from unbroken.agent import launcher
 from unbroken.agent.progress import ProgressBook
 from unbroken.agent.rank_watch import RankDeath, RankWatch
+from unbroken.agent.spare_pool import SparePool
+from unbroken.config.job import JobSpec
+from unbroken.launch_env import LaunchEnv
 from unbroken.layout import ClusterLayout
-from unbroken.state.phases import WorkerPhase
+from unbroken.state.phases import NodeState, WorkerPhase
 from unbroken.state.records import Desired, Worker, WorkerProgress
 from unbroken.state.store import ClusterStore
 from unbroken.state.updates import WorkerUpdate
 from unbroken.state.worker_table import WorkerTable
 
 log = logging.getLogger("unbroken.agent.workers")
+
+JOBS_READ_SECONDS = 2.0
+"""How often an agent looks for running jobs it could keep a warm spare for (a SQLite read)."""
 
 
 class WorkerRunner:
@@ -50,6 +56,11 @@ class WorkerRunner:
         self._lock = threading.Lock()
         """Held by a pass and by ``rank_died`` (the watch's thread): one writer of a worker's closing row."""
         self.watch = RankWatch(self.rank_died)
+        self.spares = SparePool(node, layout.node_dir(node), launcher.TRAMPOLINE)
+        self._spare_wants: dict[int, tuple[JobSpec, dict[str, str]]] = {}
+        """By worker id, for the running workers whose job keeps warm spares: its spec and environment."""
+        self._jobs_wanting: dict[str, tuple[JobSpec, dict[str, str]]] = {}
+        self._jobs_read_at = float("-inf")
 
     def reconcile(self) -> None:
         with self._lock:
@@ -57,7 +68,7 @@ class WorkerRunner:
 
     def rank_died(self, death: RankDeath) -> None:
         """A rank of a running worker exited non-zero on its own: the worker has failed; say so now."""
-        if death.exit_code in (None, 0):
+        if death.exit_code == 0 or (death.exit_code is None and not death.warm):
             return  # done, or reaped before we looked: torchrun's exit tells the rest
         with self._lock:
             running = self.running.get(death.rank.worker_id)
@@ -77,6 +88,7 @@ class WorkerRunner:
 
     def close(self) -> None:
         self.watch.close()
+        self.spares.close()
 
     def _reconcile(self) -> None:
         active = self.table.list_workers(node=self.node, active=True)
@@ -92,6 +104,39 @@ class WorkerRunner:
             elif worker.desired is Desired.STOP:
                 running.begin_stop()
                 running.continue_stop()
+        self._keep_spares(active)
+
+    def _keep_spares(self, active: list[Worker]) -> None:
+        """Warm spares for the unfinished jobs that want them: those that run here, and, on a
+        Schedulable node, the others (a lost node's replacement then starts warm too; and a job
+        between two attempts keeps its spares here). New ones only once every worker here has
+        stepped: warming never competes with a startup for the node's cores."""
+        wanted = dict(self._jobs_wanting_spares())
+        starting = False
+        for worker in active:
+            if worker.id not in self.running:
+                continue
+            if worker.desired is not Desired.STOP:
+                starting = starting or not self.book.stepped(worker.job, worker.attempt)
+            if worker.id in self._spare_wants:
+                wanted[worker.job] = self._spare_wants[worker.id]
+        self.spares.keep(wanted, may_start=not starting)
+
+    def _jobs_wanting_spares(self) -> dict[str, tuple[JobSpec, dict[str, str]]]:
+        """The unfinished jobs with warm spares, if this node is Schedulable: read every few seconds, not every pass."""
+        now = time.monotonic()
+        if now - self._jobs_read_at < JOBS_READ_SECONDS:
+            return self._jobs_wanting
+        self._jobs_read_at = now
+        self._jobs_wanting = {}
+        if self.store.get_node(self.node).state is NodeState.SCHEDULABLE:
+            for job in self.store.list_jobs():
+                if job.phase.is_terminal:
+                    continue
+                spec = job.spec()
+                if spec.resilience.warm_spares:
+                    self._jobs_wanting[job.name] = (spec, launcher.job_environ(spec, self._launch_env(spec, job.name, job.attempt)))
+        return self._jobs_wanting
 
     def stop_orphans(self) -> None:
         """Workers this node ran before the agent restarted are gone or unmanageable: stop them."""
@@ -111,6 +156,7 @@ class WorkerRunner:
                 continue
             if running.exited() is not None:
                 del self.running[worker_id]
+                self._spare_wants.pop(worker_id, None)
                 self.watch.forget(worker_id)
             else:
                 running.begin_stop()
@@ -135,9 +181,10 @@ class WorkerRunner:
         nnodes = len(job.nodes) if job.attempt == worker.attempt and job.nodes else spec.nodes
         log_dir = self.layout.worker_log_dir(worker.job, worker.attempt, self.node)
         checkpoint_dir = spec.checkpoint.dir or self.layout.checkpoint_dir(worker.job)
+        spare = self.spares.take(worker.job)
         try:
             running = launcher.launch(spec, worker, cluster_dir=self.layout.root, node=self.node, log_dir=log_dir,
-                                      checkpoint_dir=checkpoint_dir, settings=self.launch_settings(), nnodes=nnodes)
+                                      checkpoint_dir=checkpoint_dir, settings=self.launch_settings(), nnodes=nnodes, spare=spare)
         except OSError as exc:
             # e.g. the working_dir was deleted: the job's fault, not the node's. Report it
             # as a failed worker instead of letting the agent die and the node look lost.
@@ -147,13 +194,22 @@ class WorkerRunner:
             log.error(message, extra={"node": self.node, "job": worker.job})
             return
         self.running[worker.id] = running
-        self.watch.track(worker.id, running.process.pid, spec.procs_per_node)
+        if spec.resilience.warm_spares:
+            self._spare_wants[worker.id] = (spec, launcher.job_environ(spec, self._launch_env(spec, worker.job, worker.attempt)))
+        self.watch.track(worker.id, running.process.pid, spec.procs_per_node, log_dir / "ranks" if running.warm else None)
         self.table.update_worker(worker.id, WorkerUpdate(phase=WorkerPhase.RUNNING, pid=running.process.pid,
                                                          started_at=time.time(), log_dir=str(log_dir)))
-        log.info("launched worker", extra={"node": self.node, "job": worker.job, "attempt": worker.attempt, "pid": running.process.pid})
+        log.info("launched worker%s", " on a warm spare" if running.warm else "",
+                 extra={"node": self.node, "job": worker.job, "attempt": worker.attempt, "pid": running.process.pid})
+
+    def _launch_env(self, spec: JobSpec, job: str, attempt: int) -> LaunchEnv:
+        checkpoint_dir = spec.checkpoint.dir or self.layout.checkpoint_dir(job)
+        return launcher.launch_environ(spec, job, attempt, cluster_dir=self.layout.root, node=self.node,
+                                       checkpoint_dir=checkpoint_dir, settings=self.launch_settings())
 
     def _record_exit(self, worker: Worker, running: launcher.RunningWorker, code: int) -> None:
         del self.running[worker.id]
+        self._spare_wants.pop(worker.id, None)
         self.watch.forget(worker.id)
         # Stopped only if we stopped it: a worker that died on its own before the stop request
         # reached it keeps its real exit, which is what names the cause of a restart.

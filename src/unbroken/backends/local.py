@@ -26,7 +26,7 @@ from pathlib import Path
 
 import psutil
 
-from unbroken import procs
+from unbroken import procs, rank_registry
 from unbroken.backends import netns_launch
 from unbroken.config.cluster import ClusterConfig
 from unbroken.errors import BackendError, ConflictError
@@ -162,24 +162,26 @@ class LocalBackend:
 
     def rank_processes(self, worker: Worker) -> list[RankProcess]:
         """The worker's rank processes, from its process tree: whatever the script does,
-        torchrun gives each rank ``RANK`` and ``LOCAL_RANK``. Processes a rank starts
-        (data loader workers) inherit them; only the topmost one per rank counts."""
+        torchrun gives each rank ``RANK`` and ``LOCAL_RANK``, or, for a warm spare's forked
+        ranks, they register in the worker's log folder (rank_registry.py). Processes a rank
+        starts (data loader workers) may inherit them; only the topmost one per rank counts."""
+        registry = Path(worker.log_dir) / "ranks" if worker.log_dir else None
+
+        def identify(proc: psutil.Process) -> rank_registry.RankIdentity | None:
+            return rank_registry.identify(proc.pid, procs.environ(proc), registry)
+
         found: dict[int, RankProcess] = {}
         for proc in procs.tree(worker.pid or 0):
-            env = procs.environ(proc)
-            if "RANK" not in env or "LOCAL_RANK" not in env:
+            identity = identify(proc)
+            if identity is None:
                 continue
             try:
-                parent_env = procs.environ(proc.parent()) if proc.parent() else {}
+                parent = proc.parent()
             except psutil.Error:
-                parent_env = {}
-            if "RANK" in parent_env:
+                parent = None
+            if parent is not None and identify(parent) is not None:
                 continue
-            try:
-                rank = int(env["RANK"])
-                found[rank] = RankProcess(rank, int(env["LOCAL_RANK"]), proc.pid)
-            except ValueError:
-                continue
+            found[identity.rank] = RankProcess(identity.rank, identity.local_rank, proc.pid)
         return [found[r] for r in sorted(found)]
 
     # -- the controller and the whole cluster ---------------------------------------

@@ -48,6 +48,14 @@ class ResilienceSpec(_Strict):
     restore. Longer than ``hang_timeout`` because a cold start is slower than a step."""
     require_deep_health_passed: bool = True
     """Only place the job on nodes whose deep-health-check-status is Passed."""
+    warm_spares: int = Field(default=0, ge=0, le=4)
+    """Warm spares each of the job's nodes keeps for it (0: off): torchrun processes that have
+    imported torch and started a forkserver whose ranks need not import it again. A restart
+    takes one instead of starting torchrun and every rank cold. Each costs a few hundred MB of
+    host memory, nothing on the GPU; 1 is enough (a node runs one worker per job)."""
+    warm_imports: list[str] = Field(default_factory=list)
+    """Modules the spares' forkserver imports besides torch (the script's heavy imports:
+    ``transformers``, your model package). Never the script itself: importing runs it."""
 
 
 class CheckpointSpec(_Strict):

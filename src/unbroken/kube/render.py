@@ -97,6 +97,10 @@ def render_pytorchjob(spec: JobSpec, placement: Placement) -> dict[str, Any]:
     if spec.checkpoint.memory is not None or spec.checkpoint.persistent is not None:
         raise UsageError(f"job {spec.name}: checkpoint.memory/persistent (the tiered checkpoint) is not available on "
                          "Kubernetes yet; remove them and checkpoint to checkpoint.dir on a shared volume (--checkpoint-claim)")
+    if spec.resilience.warm_spares:
+        raise UsageError(f"job {spec.name}: resilience.warm_spares {spec.resilience.warm_spares} needs a node agent that "
+                         "launches the ranks (the local backend); on Kubernetes the pod's container starts them: "
+                         "remove warm_spares")
     client = kubernetes.client
     checkpoint_dir = spec.checkpoint.dir or DEFAULT_CHECKPOINT_DIR
     if not checkpoint_dir.is_absolute():

@@ -1,0 +1,165 @@
+"""A warm spare: a torchrun that has imported torch and started its ranks' forkserver, waiting for a job.
+
+Most of a restart's startup used to be Python importing torch: once in each node's
+torchrun, then again in every rank (``benchmarks/recovery.py``: 6.3-7.0 s of a
+7-8 s recovery was startup). A spare does that work before the fault, at no one's
+expense: the agent starts it once the job is training, and it
+
+1. starts a ``multiprocessing`` forkserver that imports torch, torch.distributed,
+   DDP and ``unbroken.train`` (plus the job's ``resilience.warm_imports``), then
+2. imports torchrun itself, and waits on stdin for an identity: one JSON line with
+   torchrun's arguments, the job's environment, the working folder and the log file.
+
+Given one, it is that worker's torchrun, with one difference: its ranks are not
+``python script.py`` processes but forks of the warm forkserver (torchrun's own
+function entrypoint with ``start_method="forkserver"``), which run the script
+with ``runpy``, so a script needs no change. Its rendezvous, monitoring, log
+files, error files and exit codes are torchrun's, so the agent watches and
+stops it as it does a cold torchrun. A spare released unused (stdin closed)
+exits 0.
+
+Started by the agent (``SPARE_ARGV``), never by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from unbroken import rank_registry
+
+PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch.distributed.elastic.multiprocessing", "unbroken.train")
+"""What every rank of every job imports; the job's ``warm_imports`` come on top."""
+WARM_IMPORTS = "UNBROKEN_WARM_IMPORTS"
+"""Comma-separated modules the job asks its spares to import too."""
+SPARE_ARGV = ("-c", "import sys; from unbroken.agent.warm_spare import main; sys.exit(main())")
+"""Python's arguments for a spare. Not ``-m``: the ranks' entrypoint must pickle as
+``unbroken.agent.warm_spare.run_rank``, not as ``__main__.run_rank``."""
+READY_MARK = "warm spare ready"
+"""Printed (to the spare's log) once torch is imported everywhere: the agent hands out only ready spares."""
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What turns a spare into one worker's torchrun."""
+
+    torchrun_args: list[str]
+    env: dict[str, str]
+    """The job's part of the environment (its own ``env`` and the launch variables), applied to torchrun and every rank."""
+    working_dir: str
+    log: str
+    """The worker's ``torchrun.log``: the spare's stdout and stderr go there from now on."""
+
+    def to_line(self) -> bytes:
+        return (json.dumps({"torchrun_args": self.torchrun_args, "env": self.env, "working_dir": self.working_dir,
+                            "log": self.log}) + "\n").encode()
+
+    @classmethod
+    def from_line(cls, line: str) -> "Identity":
+        data = json.loads(line)
+        return cls(list(data["torchrun_args"]), dict(data["env"]), str(data["working_dir"]), str(data["log"]))
+
+
+def main() -> int:
+    import multiprocessing
+    import multiprocessing.forkserver
+
+    started = time.monotonic()
+    extra = [m for m in os.environ.get(WARM_IMPORTS, "").split(",") if m]
+    multiprocessing.set_forkserver_preload([*PRELOAD, *extra])
+    multiprocessing.forkserver.ensure_running()
+    import torch.distributed.run  # noqa: F401 - the import is the point: torchrun's own startup, done now
+
+    # The forkserver imports in parallel with us; a spare is ready when both are done. A fork
+    # request waits for the preload, so connecting once proves it.
+    _wait_for_forkserver()
+    print(f"{READY_MARK} (pid {os.getpid()}, {time.monotonic() - started:.1f} s)", flush=True)
+
+    line = sys.stdin.readline()
+    if not line.strip():
+        return 0  # released unused
+    identity = Identity.from_line(line)
+    log = os.open(identity.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.chdir(identity.working_dir)
+    os.environ.update(identity.env)
+    print(f"unbroken: this torchrun is a warm spare (pid {os.getpid()}), warmed {time.monotonic() - started:.1f} s ago",
+          flush=True)
+    return _torchrun(identity)
+
+
+def _wait_for_forkserver() -> None:
+    """Start and join one trivial process through the forkserver: it returns once the preload is done."""
+    import multiprocessing
+
+    process = multiprocessing.get_context("forkserver").Process(target=_nothing)
+    process.start()
+    process.join()
+
+
+def _nothing() -> None:
+    return None
+
+
+def _torchrun(identity: Identity) -> int:
+    from torch.distributed import run as torch_run
+    from torch.distributed.elastic.multiprocessing.errors import record
+    from torch.distributed.launcher.api import elastic_launch
+
+    @record
+    def launch() -> None:
+        args = torch_run.parse_args(identity.torchrun_args)
+        if args.master_port is None:
+            args.master_port = 29500  # as torchrun's run(); unused by the c10d rendezvous
+        config, _, command = torch_run.config_from_args(args)
+        config.start_method = "forkserver"
+        elastic_launch(config=config, entrypoint=run_rank)(json.dumps(identity.env), identity.working_dir, *command)
+
+    launch()
+    return 0
+
+
+def run_rank(env_json: str, working_dir: str, *command: str) -> None:
+    """One rank, in a fork of the warm forkserver: become the job's process, then run its script.
+
+    ``command`` is what torchrun would have exec'ed after ``python``: ``-u script.py args``
+    or ``-u -m module args``.
+    """
+    os.environ.update(json.loads(env_json))
+    registry = Path(os.environ[rank_registry.REGISTRY_DIR]) if os.environ.get(rank_registry.REGISTRY_DIR) else None
+    if registry is not None:
+        identity = rank_registry.RankIdentity(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]))
+        rank_registry.register(registry, os.getpid(), identity)
+    os.chdir(working_dir)
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads and threads.isdigit():
+        import torch
+
+        torch.set_num_threads(int(threads))  # the forkserver's torch read it at import; the job may differ
+    code = 1  # an exception, unless the script returns or exits
+    try:
+        _run_script(list(command[1:] if command and command[0] == "-u" else command))
+        code = 0
+    except SystemExit as exc:
+        code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
+        raise
+    finally:
+        if registry is not None:
+            rank_registry.record_exit(registry, os.getpid(), code)
+
+
+def _run_script(args: list[str]) -> None:
+    if args[0] == "-m":
+        sys.argv = [args[1], *args[2:]]
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(args)
+        sys.path.insert(0, str(Path(args[0]).resolve().parent))
+        runpy.run_path(args[0], run_name="__main__")
