@@ -294,3 +294,7 @@ def quantiles(values: list) -> tuple[float | None, float | None]:
     if not values:
         return None, None
     return round(statistics.median(values), 2), round(values[min(len(values) - 1, int(0.95 * len(values)))], 2)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
