@@ -40,15 +40,19 @@ def torchrun_args(spec: JobSpec, worker: Worker, log_dir: Path, local_addr: str 
     """torchrun's arguments (what follows ``python -m torch.distributed.run``) for the worker.
     ``nnodes``: the attempt's nodes (default ``spec.nodes``; fewer for an elastic job below its size)."""
     host, port = worker.rdzv_endpoint.rsplit(":", 1)
-    is_host = "1" if worker.node_rank == 0 else "0"
     argv = [
         "--nnodes", str(nnodes or spec.nodes),
         "--nproc-per-node", str(spec.procs_per_node),
         "--node-rank", str(worker.node_rank),
-        "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", f"{host}:{port}",
+        # The controller has placed the attempt already (its nodes, their ranks, node 0's address
+        # and port), so the static rendezvous: node 0's torchrun hosts the store, the others
+        # connect, and they meet at once. c10d's rendezvous found the same answer by polling
+        # its store once a second, which cost a restart up to a second.
+        "--rdzv-backend", "static",
+        "--master-addr", host,
+        "--master-port", port,
         "--rdzv-id", f"{worker.job}-attempt-{worker.attempt}",
-        "--rdzv-conf", f"is_host={is_host},join_timeout={int(spec.resilience.startup_timeout)}",
+        "--rdzv-conf", f"timeout={int(spec.resilience.startup_timeout)}",
         # unbroken owns restarts (on healthy nodes, with a retry budget), not torchrun.
         "--max-restarts", "0",
         "--monitor-interval", "0.2",
