@@ -244,6 +244,7 @@ def _free_port() -> int:
 
 
 def main() -> int:
+    global STATE_MB, CHECKPOINT_EVERY
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--faults", default="kill-worker,hang-worker,kill-node")
@@ -251,10 +252,11 @@ def main() -> int:
                         help="unbroken's variants to compare: a checkpointer (file, tiered), +warm for warm spares")
     parser.add_argument("--repeat", type=int, default=1, help="runs of every scenario; more than one adds p50/p95 rows")
     parser.add_argument("--state-mb", type=float, default=0.0, help="extra per-rank checkpoint state (MB)")
+    parser.add_argument("--checkpoint-every", type=int, default=CHECKPOINT_EVERY,
+                        help="steps between the workload's saves (1: every step, to the memory tier with 'tiered')")
     parser.add_argument("--no-torchrun", action="store_true", help="skip the plain torchrun runs")
     args = parser.parse_args()
-    global STATE_MB
-    STATE_MB = args.state_mb
+    STATE_MB, CHECKPOINT_EVERY = args.state_mb, args.checkpoint_every
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="unbroken-bench-") as tmp:
         for fault in args.faults.split(","):
