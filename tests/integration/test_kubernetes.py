@@ -254,7 +254,7 @@ def test_a_rank_killed_restarts_the_job_which_resumes_from_its_checkpoint(cluste
     wait_until(resumed, 120, "attempt 1's pods to resume from a checkpoint")
     wait_until(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Succeeded", 180, "the job to finish")
     assert cluster.annotations(name)[names.RESTART_COUNT] == "1"
-    assert cluster.reasons(name)[-1] == "JobSucceeded"
+    wait_until(lambda: cluster.reasons(name)[-1:] == ["JobSucceeded"], 10, "the JobSucceeded event")  # a write after the phase
 
 
 def test_a_spent_retry_budget_fails_the_job_with_the_reason(cluster: Cluster, tmp_path: Path) -> None:
@@ -264,7 +264,9 @@ def test_a_spent_retry_budget_fails_the_job_with_the_reason(cluster: Cluster, tm
     rank_process(cluster, f"{name}-master-0").send_signal(signal.SIGKILL)
 
     wait_until(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Failed", 30, "the job to fail")
-    failed = next(m for _, r, m in cluster.events(name) if r == "JobFailed")
+    # The phase annotation and the Event are two API writes: the Event may land a moment later.
+    failed = wait_until(lambda: next((m for _, r, m in cluster.events(name) if r == "JobFailed"), None), 10,
+                        "the JobFailed event")
     assert "max_retry 0 restarts used" in failed and "SIGKILL" in failed, failed
     assert cluster.job(name)["spec"]["runPolicy"]["suspend"] is True  # its pods are stopped
     wait_until(lambda: not cluster.pods(name), 30, "its pods to be gone")
@@ -615,7 +617,7 @@ def test_a_trainjob_rank_killed_restarts_the_job_which_resumes_from_its_checkpoi
 
     wait_until(lambda: annotations().get(names.JOB_PHASE) == "Succeeded", 180, "the TrainJob to finish")
     assert annotations()[names.RESTART_COUNT] == "1"
-    assert cluster.reasons("tj")[-1] == "JobSucceeded"
+    wait_until(lambda: cluster.reasons("tj")[-1:] == ["JobSucceeded"], 10, "the JobSucceeded event")  # a write after the phase
     # the Trainer's own verdict follows through JobSet and Jobs
     wait_until(lambda: any(c["type"] == "Complete" and c["status"] == "True" for c in train().get("status", {}).get("conditions", [])),
                30, "the TrainJob's Complete condition")
