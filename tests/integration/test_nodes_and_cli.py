@@ -131,13 +131,16 @@ def test_training_script_runs_under_plain_torchrun(tmp_path):
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-000000010", "step-000000020"]
 
 
-def test_demo_completes_and_prints_the_summary(tmp_path):
-    result = run_cli("demo", "--steps", "150", "--dir", str(tmp_path / "demo"), timeout=400)
-    out = result.stdout
-    for expected in ("demo summary", "Succeeded", "fault -> first step after resume", "goodput", "NodeReplaced",
-                     "cluster torn down (no process left)"):
-        assert expected in out, f"{expected!r} missing from:\n{out}"
-    assert not procs.cluster_processes(tmp_path / "demo")
+def test_demo_completes_and_prints_the_summary_again_when_run_again(tmp_path):
+    # Twice in one directory (`make demo` twice): the second must not resume from the first one's checkpoints.
+    for run in (1, 2):
+        result = run_cli("demo", "--steps", "150", "--dir", str(tmp_path / "demo"), timeout=400)
+        out = result.stdout
+        for expected in ("demo summary", "Succeeded", "fault -> first step after resume", "goodput", "NodeReplaced",
+                         "cluster torn down (no process left)"):
+            assert expected in out, f"run {run}: {expected!r} missing from:\n{out}"
+        assert re.search(r"#0 on \S+ from step 0;", out), f"run {run}: attempt 0 did not start afresh:\n{out}"
+        assert not procs.cluster_processes(tmp_path / "demo")
 
 
 def test_job_start_wait_exits_0_on_success_and_1_on_failure(make_cluster, tmp_path):

@@ -44,7 +44,8 @@ SPARE_ARGV = ("-c", "import sys; from unbroken.agent.warm_spare import main; sys
 """Python's arguments for a spare. Not ``-m``: the ranks' entrypoint must pickle as
 ``unbroken.agent.warm_spare.run_rank``, not as ``__main__.run_rank``."""
 READY_MARK = "warm spare ready"
-"""Printed (to the spare's log) once torch is imported everywhere: the agent hands out only ready spares."""
+"""Printed (to the spare's log) once torch is imported everywhere. The agent hands out a spare ready
+or not (a half-warm one is still ahead of a cold start); tests and benchmarks wait for the mark."""
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,7 @@ def _torchrun(identity: Identity) -> int:
     def launch() -> None:
         args = torch_run.parse_args(identity.torchrun_args)
         if args.master_port is None:
-            args.master_port = 29500  # as torchrun's run(); unused by the c10d rendezvous
+            args.master_port = 29500  # as torchrun's run() when none is given
         config, _, command = torch_run.config_from_args(args)
         config.start_method = "forkserver"
         elastic_launch(config=config, entrypoint=run_rank)(json.dumps(identity.env), identity.working_dir, *command)

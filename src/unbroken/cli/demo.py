@@ -2,12 +2,14 @@
 
 A 3-node local cluster; the MLP job on 2 nodes with auto-resume; one of its
 nodes loses power mid-run (every process SIGKILLed at once); the job resumes
-on the spare from its last checkpoint while a replacement node joins; then a
+on the spare node from its last checkpoint, on warm spare processes (torch
+already imported), while a replacement node joins; then a
 summary of what the fault cost, and the cluster is torn down.
 """
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -35,7 +37,10 @@ def run_demo(directory: Path | None, *, steps: int, keep: bool) -> None:
         with _spinner() as bar:
             task = bar.add_task("nodes joining")
             local_cluster.wait_ready(runtime, 120, lambda c: bar.update(task, description=f"nodes: {c}"))
-        job = _submit(runtime, steps, layout.root / "persistent")
+        persistent = layout.root / "persistent"
+        # The demo's own checkpoints: a previous demo's would make this job resume at its last step.
+        shutil.rmtree(persistent, ignore_errors=True)
+        job = _submit(runtime, steps, persistent)
         console.print(f"job [bold]{job.name}[/]: 2 nodes x 2 ranks, {steps} steps, checkpoint every {CHECKPOINT_EVERY}, auto-resume")
         final = _run_with_fault(runtime, job.name, steps)
         _print_summary(runtime, final)
@@ -55,7 +60,9 @@ def _submit(runtime: Runtime, steps: int, persistent_dir: Path) -> Job:
             "name": "demo-mlp", "nodes": 2, "procs_per_node": 2,
             "command": ["-m", "unbroken.workloads.mlp", "--steps", str(steps),
                         "--checkpoint-every", str(CHECKPOINT_EVERY), "--step-time", "0.05"],
-            "resilience": {"auto_resume": True, "max_retry": 2, "hang_timeout": 30},
+            # warm spares: once the job trains, every node keeps a torchrun that has imported
+            # torch, so the restart after the fault skips most of its startup
+            "resilience": {"auto_resume": True, "max_retry": 2, "hang_timeout": 30, "warm_spares": 1},
             # The tiered checkpoint: shared memory every checkpoint, one replica on the next
             # node (the killed node's ranks resume from it), a file:// tier every 50 steps.
             "checkpoint": {
