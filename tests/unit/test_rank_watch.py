@@ -1,4 +1,5 @@
-"""The agent's own watch on its ranks (agent/rank_watch.py) and the controller's doorbell (doorbell.py).
+"""The agent's own watch on its ranks (agent/rank_watch.py), what the agent makes of the deaths it sees
+(agent/workers.py), and the controller's doorbell (doorbell.py).
 
 Real processes throughout: a stand-in for torchrun that starts two "ranks" (children with LOCAL_RANK in
 their environment) and, like torchrun between two monitor passes, does not reap them at once.
@@ -7,6 +8,7 @@ their environment) and, like torchrun between two monitor passes, does not reap 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import queue
 import signal
@@ -20,7 +22,15 @@ import psutil
 import pytest
 
 from unbroken import doorbell
-from unbroken.agent.rank_watch import RankDeath, RankWatch, wait_status
+from unbroken.agent.launcher import NodeSettings, RunningWorker
+from unbroken.agent.progress import ProgressBook
+from unbroken.agent.rank_watch import Rank, RankDeath, RankWatch, wait_status
+from unbroken.agent.workers import WorkerRunner
+from unbroken.config.cluster import ClusterConfig
+from unbroken.layout import ClusterLayout
+from unbroken.runtime import create_local
+from unbroken.state.phases import JobPhase, WorkerPhase
+from unbroken.state.records import Desired, Job, Worker
 from unbroken.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -129,3 +139,29 @@ def test_the_doorbell_wakes_its_listener_and_a_ring_without_one_is_dropped(tmp_p
     finally:
         bell.close()
     assert doorbell.ring(path) is False  # the bell is there but nobody listens
+
+
+def test_a_rank_torchrun_reaped_first_is_named_when_torchrun_then_stops_the_others(tmp_path: Path) -> None:
+    """On a busy node torchrun may reap a dead rank before the watch reads its status; then it
+    stops the other ranks with SIGTERM, whose status the watch does read. The worker's failure
+    must name the rank that ended first, not one torchrun stopped because of it."""
+    runtime = create_local(ClusterLayout.at(tmp_path / "cluster"), ClusterConfig.with_nodes(1))
+    table = runtime.worker_table
+    assert table is not None
+    runtime.cluster.add_job(Job(name="j", spec_json=json.dumps({"name": "j"}), phase=JobPhase.RUNNING))
+    [worker] = table.add_workers([Worker(job="j", attempt=0, node="node-1", node_rank=1, desired=Desired.RUN,
+                                         phase=WorkerPhase.RUNNING, rdzv_endpoint="127.0.0.1:29500")])
+    runner = WorkerRunner("node-1", table, runtime.cluster, runtime.layout, ProgressBook(), lambda: NodeSettings(tmp_path / "agent.sock", None, "127.0.0.1"))
+    torchrun = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        runner.running[worker.id] = RunningWorker(worker.id, torchrun, tmp_path / "logs")
+        runner.rank_died(RankDeath(Rank(worker.id, 101, "3", 1), exit_code=None))  # reaped before it was read
+        assert table.list_workers(node="node-1")[0].phase is WorkerPhase.RUNNING  # maybe a clean exit: wait
+        runner.rank_died(RankDeath(Rank(worker.id, 100, "2", 0), exit_code=-signal.SIGTERM))  # torchrun's teardown
+        [failed] = table.list_workers(node="node-1")
+        assert failed.phase is WorkerPhase.FAILED and failed.exit_code is None
+        assert failed.message is not None and failed.message.startswith("rank 3 (local rank 1) ended first"), failed.message
+    finally:
+        runner.close()
+        torchrun.kill()
+        torchrun.wait()

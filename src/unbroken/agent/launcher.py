@@ -224,8 +224,9 @@ def _one_line(text: str, limit: int) -> str:
 
 def _exit_words(code: int | None) -> str:
     if code is None:
-        # a warm spare's rank, reaped by its forkserver before the agent could read the status
-        return "was killed by a signal (torchrun's log names it)"
+        # reaped (by a warm spare's forkserver, or by a cold torchrun on a busy node) before the
+        # agent could read its status
+        return "ended first; torchrun's log says how (it reaped the rank before the agent read its status)"
     if code < 0:
         try:
             name = signal.Signals(-code).name

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import select
+import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -115,8 +116,10 @@ class RankWatch:
         while not self._stopping.is_set():
             try:
                 self._scan()
-                for fd, _ in self._poll.poll(SCAN_SECONDS * 1000):
-                    self._died(fd)
+                deaths = [self._died(fd) for fd, _ in self._poll.poll(SCAN_SECONDS * 1000)]
+                # Seen together, the cause before the teardown: torchrun stops the other ranks with SIGTERM.
+                for death in sorted(deaths, key=lambda d: d.exit_code == -signal.SIGTERM):
+                    self.on_death(death)
             except Exception:  # noqa: BLE001 - the watch is a shortcut; torchrun's own exit still reports every death
                 log.exception("rank watch pass failed")
                 self._stopping.wait(1.0)
@@ -155,14 +158,14 @@ class RankWatch:
                     self._registries[fd] = tracked.registry
                 self._poll.register(fd, select.POLLIN)
 
-    def _died(self, fd: int) -> None:
+    def _died(self, fd: int) -> RankDeath:
         rank = self._ranks[fd]
         code = wait_status(rank.pid)
         registry = self._registries.get(fd)
         if code is None and registry is not None:
             code = rank_registry.exit_code(registry, rank.pid)
         self._unwatch(fd)
-        self.on_death(RankDeath(rank, code, warm=registry is not None))
+        return RankDeath(rank, code, warm=registry is not None)
 
     def _unwatch(self, fd: int) -> None:
         self._poll.unregister(fd)

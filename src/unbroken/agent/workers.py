@@ -17,6 +17,7 @@ closing write (stopped, succeeded, failed at torchrun's exit) rings it too.
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -61,6 +62,8 @@ class WorkerRunner:
         """By worker id, for the running workers whose job keeps warm spares: its spec and environment."""
         self._jobs_wanting: dict[str, tuple[JobSpec, dict[str, str]]] = {}
         self._jobs_read_at = float("-inf")
+        self._unread_deaths: dict[int, RankDeath] = {}
+        """By worker id: its first rank that ended with a status torchrun reaped before the watch read it."""
 
     def reconcile(self) -> None:
         with self._lock:
@@ -68,9 +71,18 @@ class WorkerRunner:
 
     def rank_died(self, death: RankDeath) -> None:
         """A rank of a running worker exited non-zero on its own: the worker has failed; say so now."""
-        if death.exit_code == 0 or (death.exit_code is None and not death.warm):
-            return  # done, or reaped before we looked: torchrun's exit tells the rest
+        if death.exit_code == 0:
+            return
+        if death.exit_code is None and not death.warm:
+            # torchrun reaped it before we read how it ended (a busy node): maybe a clean exit.
+            # If torchrun now stops the others with SIGTERM, this one failed first: name it, not them.
+            with self._lock:
+                self._unread_deaths.setdefault(death.rank.worker_id, death)
+            return
         with self._lock:
+            first = self._unread_deaths.pop(death.rank.worker_id, None)
+            if first is not None and death.exit_code == -signal.SIGTERM:
+                death = first
             running = self.running.get(death.rank.worker_id)
             if running is None or running.stop_started is not None or running.reported:
                 return
@@ -156,6 +168,7 @@ class WorkerRunner:
                 continue
             if running.exited() is not None:
                 del self.running[worker_id]
+                self._unread_deaths.pop(worker_id, None)
                 self._spare_wants.pop(worker_id, None)
                 self.watch.forget(worker_id)
             else:
@@ -209,6 +222,7 @@ class WorkerRunner:
 
     def _record_exit(self, worker: Worker, running: launcher.RunningWorker, code: int) -> None:
         del self.running[worker.id]
+        self._unread_deaths.pop(worker.id, None)
         self._spare_wants.pop(worker.id, None)
         self.watch.forget(worker.id)
         # Stopped only if we stopped it: a worker that died on its own before the stop request
