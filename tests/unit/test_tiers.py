@@ -8,6 +8,7 @@ Each test plays both sides: ranks (``TieredCheckpointer``) and node agents
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import random
@@ -388,31 +389,31 @@ def test_a_reader_holding_a_slot_neither_blocks_saves_nor_sees_its_bytes_rewritt
 
 
 def test_when_readers_hold_every_free_slot_the_save_is_skipped_not_blocked_forever(make_rig, capsys) -> None:
-    rig = make_rig({"keep": 1, "replicas": 0})  # three slots at most: 1 kept + 1 being written + 1 spare
+    # keep 1: five slots at most (1 kept + 1 being written + 3 held by readers)
+    rig = make_rig({"keep": 1, "replicas": 0})
     ck = rig.checkpointer()
     ck.save_wait_seconds = 0.2
-    rig.save(ck, 1, small_state(1))
-    with shm.SharedRead(rig.own(1)) as reading_1:
-        assert reading_1.ok
-        rig.save(ck, 2, small_state(2))
-        rig.save(ck, 3, small_state(3))
-        assert len(slot_files(rig.root("node-1"), 0)) == 3
-        with shm.SharedRead(rig.own(2)) as reading_2:
-            assert reading_2.ok
-            # The only unlocked slot holds step 3, the newest: it is never overwritten.
-            ck.save(4, small_state(4))
-            ck.wait()
-            assert "step 4 not checkpointed" in capsys.readouterr().out
-            for _ in range(3):
-                rig.reconcile()
-            assert rig.steps(MEMORY) == [3]
-            loaded = ck.load_shard(3, 0)
-            assert loaded is not None
-            assert_same(loaded.payload["state"], small_state(3))
-            assert len(slot_files(rig.root("node-1"), 0)) == 3
-    rig.save(ck, 5, small_state(5))
+    with contextlib.ExitStack() as readers:
+        for step in (1, 2, 3, 4):
+            rig.save(ck, step, small_state(step))
+            reading = readers.enter_context(shm.SharedRead(rig.own(step)))
+            assert reading.ok
+        rig.save(ck, 5, small_state(5))
+        assert len(slot_files(rig.root("node-1"), 0)) == 5
+        # The only unlocked slot holds step 5, the newest: it is never overwritten.
+        ck.save(6, small_state(6))
+        ck.wait()
+        assert "step 6 not checkpointed" in capsys.readouterr().out
+        for _ in range(3):
+            rig.reconcile()
+        assert rig.steps(MEMORY) == [5]
+        loaded = ck.load_shard(5, 0)
+        assert loaded is not None
+        assert_same(loaded.payload["state"], small_state(5))
+        assert len(slot_files(rig.root("node-1"), 0)) == 5
+    rig.save(ck, 7, small_state(7))
     restored = ck.restore()
-    assert restored is not None and restored.step == 5
+    assert restored is not None and restored.step == 7
 
 
 # -- 3. a flipped byte in each tier ------------------------------------------------------------
@@ -927,6 +928,39 @@ def test_concurrent_agents_commit_each_persistent_step_once_and_never_mark_it_fa
     assert rig.store.list_events(reason="CheckpointTierFailing") == []
     assert rig.steps(PERSISTENT) == [STEPS, STEPS - 1]
     assert PersistentStore(f"file://{tmp_path}/persist").committed_steps("j") == [STEPS, STEPS - 1]
+
+
+def test_a_pushed_step_keeps_its_own_slot_until_it_survives_losing_either_node(make_rig) -> None:
+    """A rank saving every step reuses a slot as soon as nobody holds it. A push keeps holding
+    the slot it replicated until the step is fully replicated and pinned: released at once,
+    the peers would hold replicas of a step this node had overwritten, and losing a peer would
+    lose the step (a kill-node benchmark, saving every step, once resumed from step 0)."""
+    rig = make_rig({"keep": 1, "replicas": 1})
+    r0 = rig.checkpointer(node="node-1", rank=0, world_size=2)
+    r1 = rig.checkpointer(node="node-2", rank=1, world_size=2)
+    for step in (1, 2):
+        for ck in (r0, r1):
+            ck.save(step, small_state(step, ck.rank))
+            ck.wait()
+        if step == 1:
+            rig.settle(lambda: 1 not in rig.steps(MEMORY) or len(rig.copies(REPLICA, 1)) == 2, "step 1 replicated both ways")
+    node_1, node_2 = rig.services["node-1"], rig.services["node-2"]
+    node_2.reconcile()  # records rank 1's step 2; rank 0's is not recorded yet: no commit, no push
+    node_1.reconcile()  # records rank 0's, commits step 2 and pushes rank 0's shard to node-2
+    rig.wait_idle()
+    assert rig.held(2, node="node-2", rank=0).info.step == 2
+    assert rig.own(1).info.step == 1  # pinned: step 1 is still the one that survives a node loss
+    for step in (3, 4, 5):  # rank 0 trains on before its agent's next pass
+        r0.save(step, small_state(step))
+        r0.wait()
+    assert rig.own(2).info.step == 2  # not reused: the push still holds it
+    # node-2 pushes rank 1's step 2; step 2 is then on two nodes for both ranks and replaces step 1
+    rig.settle(lambda: 1 not in rig.steps(MEMORY) and 2 in rig.steps(MEMORY), "step 2 to replace step 1")
+    # Losing either node leaves every rank's step 2: node-1 has rank 0's own and rank 1's replica.
+    assert rig.own(2, node="node-1", rank=0).info.step == 2
+    assert rig.held(2, node="node-1", rank=1).info.step == 2
+    assert rig.own(2, node="node-2", rank=1).info.step == 2
+    assert rig.held(2, node="node-2", rank=0).info.step == 2
 
 
 def test_the_newest_fully_replicated_step_outlives_retention_while_replication_lags(make_rig) -> None:

@@ -25,8 +25,8 @@ The steps of a pass, for one job:
    node's shards of a draining step, and try to commit it once every rank's
    shard is there;
 6. **retain** per tier the newest ``keep`` committed steps, plus the newest step
-   every rank has a replica of (with its own slots pinned) until a newer one is
-   fully replicated; never anything newer than the newest committed step or
+   every rank has copies of on two nodes (with its own slots pinned) until a newer
+   one has; never anything newer than the newest committed step or
    being drained. A finished job's shared memory is freed once its drain is done.
 """
 
@@ -171,10 +171,13 @@ class DeleteFiles:
 
 @dataclass(frozen=True)
 class Pin:
-    """Hold a shared lock on this node's own slots of ``step`` (None: release the job's pins)."""
+    """Hold a shared lock on this node's own slots of ``step`` (None: no step survives losing a
+    node yet) and release the job's other pins, and the slots pushes hold for steps up to it."""
 
     step: int | None
     shards: tuple[LocalShard, ...] = ()
+    final: bool = False
+    """The job ended: release everything of it."""
 
 
 Action = (RecordCopy | ForgetCopies | DeleteStep | CommitMemory | Replicate | OpenDrain | TakeOverDrain | Upload
@@ -343,11 +346,11 @@ def _retain(view: JobView, policy: TierPolicy, committed: list[CheckpointStep], 
     if stale:
         actions.append(DeleteFiles(stale))  # half-written by a rank of a failed attempt: unreadable
     kept = {s.step for s in committed[: policy.memory.keep]}
-    # The replica tier's own "newest committed step": the newest step every rank has a replica
-    # of. Replication skips ahead when it falls behind, so the newest memory steps may have no
-    # replicas yet; until a newer step is fully replicated this one is what survives losing a
-    # node, and it stays (rows, replicas, pinned own slots).
-    replicated = _newest_fully_replicated(committed, copies) if policy.memory.replicas else None
+    # The replica tier's own "newest committed step": the newest step every rank has copies of
+    # on two nodes (after a node loss: on one). Replication skips ahead when it falls behind, so the newest memory steps may
+    # have no replicas yet; until a newer step is fully replicated this one is what survives
+    # losing a node, and it stays (rows, replicas, pinned own slots).
+    replicated = _newest_surviving_a_node_loss(committed, copies) if policy.memory.replicas else None
     if replicated is not None:
         kept.add(replicated)
     actions.append(Pin(replicated, tuple(s for s in view.shards if not s.held and s.info.step == replicated)))
@@ -370,17 +373,28 @@ def _retain(view: JobView, policy: TierPolicy, committed: list[CheckpointStep], 
         actions.append(DeleteFiles(tuple(doomed)))
 
 
-def _newest_fully_replicated(committed: list[CheckpointStep], copies: list[ShardCopy]) -> int | None:
-    replicas = {(c.step, c.rank, c.attempt) for c in copies if c.tier is REPLICA}
-    for row in committed:  # newest first
-        if all((row.step, rank, row.attempt) in replicas for rank in range(row.world_size)):
-            return row.step
-    return None
+def _newest_surviving_a_node_loss(committed: list[CheckpointStep], copies: list[ShardCopy]) -> int | None:
+    """The newest committed step of which every rank has copies (own slot or replica) on two
+    nodes; failing that (a node was just lost), the newest of which every rank has one.
+
+    A replica alone is not enough: a rank may have reused its own slot of the step (this node
+    forgot that copy), and then losing the replica's node loses the step.
+    """
+    nodes: dict[tuple[int, int, int], set[str]] = {}
+    for c in copies:
+        if c.tier in (MEMORY, REPLICA):
+            nodes.setdefault((c.step, c.rank, c.attempt), set()).add(c.node)
+
+    def spread(row: CheckpointStep) -> int:
+        return min(min(len(nodes.get((row.step, rank, row.attempt), ())), 2) for rank in range(row.world_size))
+
+    best = max(committed, key=lambda row: (spread(row), row.step), default=None)
+    return best.step if best is not None and spread(best) > 0 else None
 
 
 def _drop(view: JobView, here: NodeView, memory_rows: Sequence[CheckpointStep] = ()) -> list[Action]:
     """Give a finished job's shared memory back to the node: what reached the persistent tier stays there."""
-    actions: list[Action] = [Pin(None)]
+    actions: list[Action] = [Pin(None, final=True)]
     paths = tuple(path for path, _ in view.empty_slots) + tuple(s.path for s in view.shards)
     if paths:
         actions.append(DeleteFiles(paths))

@@ -80,6 +80,11 @@ class CheckpointService:
     _replicator: _Background = field(default_factory=lambda: _Background("ckpt-replicate"))
     _drainer: _Background = field(default_factory=lambda: _Background("ckpt-drain"))
     _pins: dict[Path, shm.SharedRead] = field(default_factory=dict)
+    """Own slots of each job's newest step that survives losing a node (see plan._retain)."""
+    _pushed: dict[tuple[str, int], shm.SharedRead] = field(default_factory=dict)
+    """(job, rank): the own slot of the rank's newest replicated step, held by the push."""
+    _pins_lock: threading.Lock = field(default_factory=threading.Lock)
+    """The replicator thread adds to ``_pushed``; the pass releases."""
     _policies: dict[str, TierPolicy | None] = field(default_factory=dict)
     server: ShardServer | None = None
     metrics: AgentMetrics | None = None
@@ -91,9 +96,11 @@ class CheckpointService:
         log.info("shard server listening", extra={"node": self.node, "address": self.server.address})
 
     def close(self) -> None:
-        for pin in self._pins.values():
-            pin.__exit__(None, None, None)
-        self._pins.clear()
+        with self._pins_lock:
+            for read in [*self._pins.values(), *self._pushed.values()]:
+                read.__exit__(None, None, None)
+            self._pins.clear()
+            self._pushed.clear()
         if self.server is not None:
             self.server.close()
 
@@ -173,31 +180,40 @@ class CheckpointService:
                 for path in paths:
                     shm.descriptor_path(path).unlink(missing_ok=True)
                     path.unlink(missing_ok=True)
-            case plan.Pin(shards=shards):
-                self._pin(job, shards)
+            case plan.Pin():
+                self._pin(view.job, action)
 
     # -- replication ----------------------------------------------------------------
 
     def _push(self, shards: tuple[plan.LocalShard, ...], peers: tuple[tuple[str, str], ...]) -> None:
         for shard in shards:
             info = shard.info
-            for name, address in peers:
-                try:
-                    with shm.SharedRead(shm.StoredShard(shard.path, info, shard.held)) as read:
-                        if not read.ok:
-                            break  # rewritten since: a newer step supersedes it
+            read = shm.SharedRead(shm.StoredShard(shard.path, info, shard.held)).__enter__()
+            pushed = False
+            try:
+                for name, address in peers:
+                    if not read.ok:
+                        break  # rewritten since: a newer step supersedes it
+                    try:
                         started = time.monotonic()
                         with PeerClient(address, self.credentials) as client:
                             client.put(shard.path, info)
+                    except Exception as exc:  # noqa: BLE001 - a peer going away must not stop the agent
+                        log.warning("replicating step %d rank %d to %s failed: %s", info.step, info.rank, name, exc,
+                                    extra={"node": self.node, "job": info.job, "peer": name})
+                        continue
+                    pushed = True
                     if self.metrics is not None:
                         self.metrics.checkpoint_bytes.labels("replica").inc(info.size)
                     self._durable("replica", info.saved_at)
                     log.info("replicated step %d rank %d to %s", info.step, info.rank, name,
                              extra={"node": self.node, "job": info.job, "peer": name, "bytes": info.size,
                                     "seconds": round(time.monotonic() - started, 3)})
-                except Exception as exc:  # noqa: BLE001 - a peer going away must not stop the agent
-                    log.warning("replicating step %d rank %d to %s failed: %s", info.step, info.rank, name, exc,
-                                extra={"node": self.node, "job": info.job, "peer": name})
+            finally:
+                if pushed and not shard.held:
+                    self._hold_pushed(shard, read)
+                else:
+                    read.__exit__(None, None, None)
             self._replicated.add(shard.key)
 
     # -- the persistent tier ----------------------------------------------------------
@@ -343,19 +359,41 @@ class CheckpointService:
 
     # -- pins -----------------------------------------------------------------------
 
-    def _pin(self, job: str, shards: tuple[plan.LocalShard, ...]) -> None:
-        """Hold a shared lock on these own slots so their ranks write other slots (they have a
-        spare) instead of overwriting the step a lost node would need; release the job's others."""
-        wanted = {s.path: s for s in shards}
-        for path in [p for p in self._pins if p.parent.name == job and p not in wanted]:
-            self._pins.pop(path).__exit__(None, None, None)
-        for path, shard in wanted.items():
-            if path not in self._pins:
-                pin = shm.SharedRead(shm.StoredShard(shard.path, shard.info, shard.held)).__enter__()
-                if pin.ok:
-                    self._pins[path] = pin
-                else:
-                    pin.__exit__(None, None, None)
+    def _pin(self, job: Job, pin: plan.Pin) -> None:
+        """Hold a shared lock on these own slots so their ranks write other slots (they have
+        spares) instead of overwriting the step a lost node would need; release the job's others,
+        and the pushed slots that can no longer become that step."""
+        wanted = {s.path: s for s in pin.shards}
+        with self._pins_lock:
+            for path in [p for p in self._pins if p.parent.name == job.name and p not in wanted]:
+                self._pins.pop(path).__exit__(None, None, None)
+            for path, shard in wanted.items():
+                if path not in self._pins:
+                    read = shm.SharedRead(shm.StoredShard(shard.path, shard.info, shard.held)).__enter__()
+                    if read.ok:
+                        self._pins[path] = read
+                    else:
+                        read.__exit__(None, None, None)
+            for key, read in list(self._pushed.items()):
+                info = read.stored.info
+                if key[0] == job.name and (pin.final or info.attempt < job.attempt
+                                           or (pin.step is not None and info.step <= pin.step)):
+                    del self._pushed[key]
+                    read.__exit__(None, None, None)
+
+    def _hold_pushed(self, shard: plan.LocalShard, read: shm.SharedRead) -> None:
+        """Keep the lock a push took on an own slot until the pass after the step is fully replicated.
+
+        Released now, the rank could reuse the slot before the next pass pins it (a rank saving
+        every step does): its peers would hold replicas of a step this node no longer has, and
+        that step would not survive losing a peer. One hold per rank: its newest pushed step.
+        """
+        key = (shard.info.job, shard.info.rank)
+        with self._pins_lock:
+            older = self._pushed.pop(key, None)
+            self._pushed[key] = read
+        if older is not None:
+            older.__exit__(None, None, None)
 
     # -- what a restoring rank asks ------------------------------------------------
 

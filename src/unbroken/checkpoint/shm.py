@@ -18,7 +18,8 @@ shard's commit marker on this node.
 
 Slots are allocated once (``posix_fallocate``: tmpfs pages are zeroed and
 mapped once, then rewritten at memory speed) and reused; a rank has
-``keep + 1`` of them plus one spare for when a reader holds one, so memory is
+``keep + 1`` of them, and up to three more while its agent's readers hold some
+(a drain, the pinned replicated step, the newest pushed one), so memory is
 bounded and a save never waits on a reader while a free slot exists.
 """
 
@@ -148,7 +149,11 @@ class SlotPool:
 
     @property
     def limit(self) -> int:
-        return self.keep + 2  # ``keep`` complete + one being written + one spare while a reader holds one
+        # ``keep`` complete + one being written + three readers' at most: a drain uploading a step,
+        # the pinned step that survives a node loss, and the newest replicated step (held by its
+        # push until it becomes the pinned one). Slots are made only when needed: the cap costs no
+        # memory unless readers hold that many.
+        return self.keep + 4
 
     def acquire(self, *, wait_seconds: float) -> Slot:
         """A slot locked for writing, its descriptor removed. Waits at most ``wait_seconds``."""
@@ -186,10 +191,23 @@ class SlotPool:
         return None
 
     def _new_slot(self) -> Slot:
-        """A new slot file, locked for writing (nobody else has it yet)."""
-        path = self.directory / f"a{self.attempt:04d}-r{self.rank:05d}-s{len(self.slots)}.slot"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        """A new slot file, locked for writing.
+
+        A file of that name may exist already: an earlier pool's of this rank and attempt (a
+        script that made its checkpointer twice), maybe still held by the agent (a pinned or
+        pushed step). Such a file is skipped, never waited on; an unheld one is taken over.
+        """
+        index = len(self.slots)
+        while True:
+            path = self.directory / f"a{self.attempt:04d}-r{self.rank:05d}-s{index}.slot"
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                os.close(fd)
+                index += 1
+        descriptor_path(path).unlink(missing_ok=True)  # whatever it held is being overwritten
         slot = Slot(path, fd)
         self.slots.append(slot)
         return slot
