@@ -141,7 +141,10 @@ def run_unbroken(fault: str, root: Path, variant: str) -> Result:
 
         if not poll(resumed, GIVE_UP_AFTER):
             return Result(system, fault, None, None, None, f"no resume within {GIVE_UP_AFTER:g} s")
-        poll(lambda: any(e.reason == "JobResumed" for e in store.list_events(object_kind="Job", object_name="bench")), 5)
+        # The summary reads where attempt 1 resumed from, which its workers report with their
+        # progress: only once the controller has said JobResumed is it surely in the store.
+        if not poll(lambda: any(e.reason == "JobResumed" for e in store.list_events(object_kind="Job", object_name="bench")), 30):
+            return Result(system, fault, None, None, None, "no JobResumed event within 30 s")
         job = store.get_job("bench")
         summary = report.summarize(job, backend.worker_history("bench"), store.list_events(object_kind="Job", object_name="bench"))
         note = f"resumed on {','.join(summary.attempts[1].nodes)}"

@@ -389,31 +389,31 @@ def test_a_reader_holding_a_slot_neither_blocks_saves_nor_sees_its_bytes_rewritt
 
 
 def test_when_readers_hold_every_free_slot_the_save_is_skipped_not_blocked_forever(make_rig, capsys) -> None:
-    # keep 1: five slots at most (1 kept + 1 being written + 3 held by readers)
+    # keep 1: six slots at most (1 kept + 1 being written + 4 held by readers)
     rig = make_rig({"keep": 1, "replicas": 0})
     ck = rig.checkpointer()
     ck.save_wait_seconds = 0.2
     with contextlib.ExitStack() as readers:
-        for step in (1, 2, 3, 4):
+        for step in (1, 2, 3, 4, 5):
             rig.save(ck, step, small_state(step))
             reading = readers.enter_context(shm.SharedRead(rig.own(step)))
             assert reading.ok
-        rig.save(ck, 5, small_state(5))
-        assert len(slot_files(rig.root("node-1"), 0)) == 5
-        # The only unlocked slot holds step 5, the newest: it is never overwritten.
-        ck.save(6, small_state(6))
+        rig.save(ck, 6, small_state(6))
+        assert len(slot_files(rig.root("node-1"), 0)) == 6
+        # The only unlocked slot holds step 6, the newest: it is never overwritten.
+        ck.save(7, small_state(7))
         ck.wait()
-        assert "step 6 not checkpointed" in capsys.readouterr().out
+        assert "step 7 not checkpointed" in capsys.readouterr().out
         for _ in range(3):
             rig.reconcile()
-        assert rig.steps(MEMORY) == [5]
-        loaded = ck.load_shard(5, 0)
+        assert rig.steps(MEMORY) == [6]
+        loaded = ck.load_shard(6, 0)
         assert loaded is not None
-        assert_same(loaded.payload["state"], small_state(5))
-        assert len(slot_files(rig.root("node-1"), 0)) == 5
-    rig.save(ck, 7, small_state(7))
+        assert_same(loaded.payload["state"], small_state(6))
+        assert len(slot_files(rig.root("node-1"), 0)) == 6
+    rig.save(ck, 8, small_state(8))
     restored = ck.restore()
-    assert restored is not None and restored.step == 7
+    assert restored is not None and restored.step == 8
 
 
 # -- 3. a flipped byte in each tier ------------------------------------------------------------

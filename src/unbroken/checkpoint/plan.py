@@ -19,7 +19,9 @@ The steps of a pass, for one job:
    attempt's rows and copies;
 3. **commit in memory** a step whose every rank has a copy from one attempt (the
    row is the memory tier's commit marker);
-4. **replicate** this node's shards of the newest committed step to the ring peers;
+4. **replicate** this node's shards of the newest committed step to the ring peers
+   (first those of a newer step than the one that survives a node loss, if other
+   nodes have begun replicating it);
 5. **drain** to the persistent tier: open a drain when the policy says a step is
    due (one at a time: a slow tier skips steps, never queues them), upload this
    node's shards of a draining step, and try to commit it once every rank's
@@ -202,9 +204,8 @@ def plan(view: JobView, here: NodeView) -> list[Action]:
     _commit_memory(view, here, steps, copies, actions)
     committed = committed_steps(steps, MEMORY)
     if not ended and policy.memory.replicas and not here.replicator_busy and committed:
-        todo = tuple(s for s in view.shards if not s.held and (s.info.step, s.info.attempt) == (committed[0].step, committed[0].attempt)
-                     and s.key not in here.replicated)
         peers = here.ring[: policy.memory.replicas]
+        todo = _to_replicate(view, here, committed, copies)
         if todo and peers:
             actions.append(Replicate(todo, peers))
     if policy.persistent is not None:
@@ -338,6 +339,22 @@ def _drain(view: JobView, here: NodeView, steps: list[CheckpointStep], committed
             actions.append(Upload(row, mine))
             return  # one upload at a time
         actions.append(CommitPersistent(row))
+
+
+def _to_replicate(view: JobView, here: NodeView, committed: list[CheckpointStep], copies: list[ShardCopy]) -> tuple[LocalShard, ...]:
+    """This node's shards to push next: of a step other nodes have begun replicating, newer than
+    the one that survives a node loss now, if its own slots still hold it (completing it makes
+    a newer such step); else of the newest committed step. Replication skips steps when it falls
+    behind, and nodes that skipped different steps would otherwise rarely complete one."""
+    safe = _newest_surviving_a_node_loss(committed, copies)
+    begun = {(c.step, c.attempt) for c in copies if c.tier is REPLICA}
+    rows = [r for r in committed if (r.step, r.attempt) in begun and (safe is None or r.step > safe)] + committed[:1]
+    for row in rows:
+        todo = tuple(s for s in view.shards if not s.held and (s.info.step, s.info.attempt) == (row.step, row.attempt)
+                     and s.key not in here.replicated)
+        if todo:
+            return todo
+    return ()
 
 
 def _retain(view: JobView, policy: TierPolicy, committed: list[CheckpointStep], copies: list[ShardCopy],

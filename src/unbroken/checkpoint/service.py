@@ -64,6 +64,10 @@ class _Background:
         return True
 
 
+PUSHED_HOLDS = 2
+"""Own slots a rank's pushes hold at most (besides the pinned step's): see ``_hold_pushed``."""
+
+
 @dataclass
 class CheckpointService:
     catalog: CheckpointCatalog
@@ -81,8 +85,8 @@ class CheckpointService:
     _drainer: _Background = field(default_factory=lambda: _Background("ckpt-drain"))
     _pins: dict[Path, shm.SharedRead] = field(default_factory=dict)
     """Own slots of each job's newest step that survives losing a node (see plan._retain)."""
-    _pushed: dict[tuple[str, int], shm.SharedRead] = field(default_factory=dict)
-    """(job, rank): the own slot of the rank's newest replicated step, held by the push."""
+    _pushed: dict[tuple[str, int], list[shm.SharedRead]] = field(default_factory=dict)
+    """(job, rank): the own slots of the rank's newest replicated steps, held by their pushes, oldest first."""
     _pins_lock: threading.Lock = field(default_factory=threading.Lock)
     """The replicator thread adds to ``_pushed``; the pass releases."""
     _policies: dict[str, TierPolicy | None] = field(default_factory=dict)
@@ -97,7 +101,7 @@ class CheckpointService:
 
     def close(self) -> None:
         with self._pins_lock:
-            for read in [*self._pins.values(), *self._pushed.values()]:
+            for read in [*self._pins.values(), *(r for reads in self._pushed.values() for r in reads)]:
                 read.__exit__(None, None, None)
             self._pins.clear()
             self._pushed.clear()
@@ -374,25 +378,29 @@ class CheckpointService:
                         self._pins[path] = read
                     else:
                         read.__exit__(None, None, None)
-            for key, read in list(self._pushed.items()):
-                info = read.stored.info
-                if key[0] == job.name and (pin.final or info.attempt < job.attempt
-                                           or (pin.step is not None and info.step <= pin.step)):
-                    del self._pushed[key]
-                    read.__exit__(None, None, None)
+            for key, reads in list(self._pushed.items()):
+                if key[0] != job.name:
+                    continue
+                for read in list(reads):
+                    info = read.stored.info
+                    if pin.final or info.attempt < job.attempt or (pin.step is not None and info.step <= pin.step):
+                        reads.remove(read)
+                        read.__exit__(None, None, None)
 
     def _hold_pushed(self, shard: plan.LocalShard, read: shm.SharedRead) -> None:
         """Keep the lock a push took on an own slot until the pass after the step is fully replicated.
 
         Released now, the rank could reuse the slot before the next pass pins it (a rank saving
         every step does): its peers would hold replicas of a step this node no longer has, and
-        that step would not survive losing a peer. One hold per rank: its newest pushed step.
+        that step would not survive losing a peer. At most ``PUSHED_HOLDS`` per rank, its newest:
+        the other nodes may complete either (each pushes the newest step it sees, and they differ).
         """
-        key = (shard.info.job, shard.info.rank)
         with self._pins_lock:
-            older = self._pushed.pop(key, None)
-            self._pushed[key] = read
-        if older is not None:
+            reads = self._pushed.setdefault((shard.info.job, shard.info.rank), [])
+            reads.append(read)
+            dropped = reads[:-PUSHED_HOLDS]
+            del reads[:-PUSHED_HOLDS]
+        for older in dropped:
             older.__exit__(None, None, None)
 
     # -- what a restoring rank asks ------------------------------------------------

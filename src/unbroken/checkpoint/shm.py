@@ -18,8 +18,8 @@ shard's commit marker on this node.
 
 Slots are allocated once (``posix_fallocate``: tmpfs pages are zeroed and
 mapped once, then rewritten at memory speed) and reused; a rank has
-``keep + 1`` of them, and up to three more while its agent's readers hold some
-(a drain, the pinned replicated step, the newest pushed one), so memory is
+``keep + 1`` of them, and up to four more while its agent's readers hold some
+(a drain, the pinned replicated step, the two newest pushed ones), so memory is
 bounded and a save never waits on a reader while a free slot exists.
 """
 
@@ -149,11 +149,11 @@ class SlotPool:
 
     @property
     def limit(self) -> int:
-        # ``keep`` complete + one being written + three readers' at most: a drain uploading a step,
-        # the pinned step that survives a node loss, and the newest replicated step (held by its
-        # push until it becomes the pinned one). Slots are made only when needed: the cap costs no
-        # memory unless readers hold that many.
-        return self.keep + 4
+        # ``keep`` complete + one being written + four readers' at most: a drain uploading a step,
+        # the pinned step that survives a node loss, and the two newest replicated steps (held by
+        # their pushes until one becomes the pinned one). Slots are made only when needed: the cap
+        # costs no memory unless readers hold that many.
+        return self.keep + 5
 
     def acquire(self, *, wait_seconds: float) -> Slot:
         """A slot locked for writing, its descriptor removed. Waits at most ``wait_seconds``."""
