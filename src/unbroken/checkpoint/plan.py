@@ -364,9 +364,9 @@ def _retain(view: JobView, policy: TierPolicy, committed: list[CheckpointStep], 
         actions.append(DeleteFiles(stale))  # half-written by a rank of a failed attempt: unreadable
     kept = {s.step for s in committed[: policy.memory.keep]}
     # The replica tier's own "newest committed step": the newest step every rank has copies of
-    # on two nodes (after a node loss: on one). Replication skips ahead when it falls behind, so the newest memory steps may
-    # have no replicas yet; until a newer step is fully replicated this one is what survives
-    # losing a node, and it stays (rows, replicas, pinned own slots).
+    # on two nodes (after a node loss: on one). Replication skips ahead when it falls behind,
+    # so the newest memory steps may have no replicas yet; until a newer step is on two nodes
+    # this one is what survives losing a node, and it stays (rows, replicas, pinned own slots).
     replicated = _newest_surviving_a_node_loss(committed, copies) if policy.memory.replicas else None
     if replicated is not None:
         kept.add(replicated)
