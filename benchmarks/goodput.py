@@ -1,10 +1,9 @@
 """Goodput under a stream of faults: unbroken vs plain torchrun vs torchrun in a retry loop, one run.
 
-The same 2-node x 2-rank job (``unbroken.workloads.mlp``, 50 ms/step, a checkpoint every
-20 steps, files) runs for ``--minutes`` under each system. Faults arrive on a seeded
-schedule (exponential gaps of mean ``--mtbf-seconds``, counted from the job's first
-step), kinds in turn: kill-worker (SIGKILL
-rank 3), hang-worker (SIGSTOP rank 3), kill-node (every process of rank 3's node), xid79.
+The same 2-node x 2-rank job (``unbroken.workloads.mlp``, 50 ms/step, a save every
+20 steps) runs for ``--minutes`` under each system. Faults arrive on a seeded schedule
+(exponential gaps of mean ``--mtbf-seconds``, counted from the job's first step), kinds
+in turn: kill-worker (SIGKILL rank 3), hang-worker (SIGSTOP rank 3), kill-node (every process of rank 3's node), xid79.
 
 The systems:
 
@@ -13,6 +12,12 @@ The systems:
   log (``chaos xid``): the agent takes the node out and the job moves.
 * **unbroken+warm**: the same with ``resilience.warm_spares: 1``: restarts take a torchrun
   (and ranks) that imported torch before the fault.
+
+  Both unbroken systems checkpoint the way a user of unbroken does, through its tiers
+  (``--unbroken-checkpoint tiers``, the default): every save into shared memory with a
+  replica on a peer node, and every 200th step drained to a ``file://`` persistent tier
+  by the agents. ``--unbroken-checkpoint file`` gives them the baselines' fsync'd file
+  per save instead, to compare the systems with the checkpoint held equal.
 * **torchrun**: two torchrun agents (c10d rendezvous) with ``--max-restarts 3`` and the
   script's own disk checkpoint, as the PyTorch DDP tutorial runs it. A lost node does not
   come back. Xid 79 is a SIGKILL of rank 3 here: on a GPU the rank dies with its device,
@@ -34,7 +39,8 @@ Every system's rank 0 writes its step timeline (``--progress-log``), read the sa
   For unbroken, recovery is split further from its own report: detection, restart
   (placement) and startup.
 
-    .venv/bin/python benchmarks/goodput.py [--minutes 10] [--mtbf-seconds 120] [--seed 1] [--json]
+    .venv/bin/python benchmarks/goodput.py [--minutes 10] [--mtbf-seconds 120] [--seed 1]
+        [--unbroken-checkpoint tiers|file] [--json]
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ FAULTS = ("kill-worker", "hang-worker", "kill-node", "xid79")
 STEP_TIME = 0.05
 CHECKPOINT_EVERY = 20
 HANG_TIMEOUT = 10.0
+PERSIST_EVERY = 200  # steps: ~10 s of training between copies in the persistent tier
 QUIET_TAIL = 10.0  # no fault in the last seconds: each one gets a chance to recover
 FIRST_STEP_ALLOWANCE = 10.0  # faults count from the first step, which comes ~7 s after launch
 
@@ -188,7 +195,15 @@ def run_faults(faults: list[Fault], started: float, minutes: float, inject: Call
 # -- the systems ------------------------------------------------------------------------
 
 
-def run_unbroken(faults: list[Fault], minutes: float, root: Path, *, warm: bool = False) -> Outcome:
+def checkpoint_spec(kind: str, root: Path) -> dict[str, Any]:
+    """The job file's ``checkpoint:`` section: unbroken's tiers, or one fsync'd file per save like the baselines."""
+    if kind == "file":
+        return {"dir": str(root / "unbroken-ckpt")}
+    return {"memory": {"keep": 2, "replicas": 1},
+            "persistent": {"uri": (root / "unbroken-persistent").as_uri(), "every_steps": PERSIST_EVERY}}
+
+
+def run_unbroken(faults: list[Fault], minutes: float, root: Path, *, warm: bool = False, checkpoint: str = "tiers") -> Outcome:
     system = "unbroken+warm" if warm else "unbroken"
     root = root / system
     root.mkdir()
@@ -202,7 +217,7 @@ def run_unbroken(faults: list[Fault], minutes: float, root: Path, *, warm: bool 
             "name": "goodput", "nodes": 2, "procs_per_node": 2, "command": workload(timeline_path),
             "resilience": {"auto_resume": True, "max_retry": 1000, "hang_timeout": HANG_TIMEOUT, "require_deep_health_passed": False,
                            "warm_spares": 1 if warm else 0},
-            "checkpoint": {"dir": str(root / "unbroken-ckpt")},
+            "checkpoint": checkpoint_spec(checkpoint, root),
         })
         started = time.time()
         jobs.submit(store, spec, note="benchmarks/goodput.py")
@@ -304,6 +319,9 @@ def main() -> int:
     parser.add_argument("--mtbf-seconds", type=float, default=120.0, help="mean time between faults")
     parser.add_argument("--seed", type=int, default=1, help="of the fault schedule (the same for every system)")
     parser.add_argument("--systems", default="unbroken,unbroken+warm,torchrun,retry-loop")
+    parser.add_argument("--unbroken-checkpoint", choices=("tiers", "file"), default="tiers",
+                        help="how the unbroken systems checkpoint: through unbroken's tiers (memory, peer replica, "
+                             "persistent) or the baselines' file per save")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = parser.parse_args()
     faults = schedule(args.minutes, args.mtbf_seconds, args.seed)
@@ -315,14 +333,17 @@ def main() -> int:
         for system in systems:
             print(f"running {system} for {args.minutes:g} min", file=sys.stderr)
             if system in ("unbroken", "unbroken+warm"):
-                outcomes.append(run_unbroken(faults, args.minutes, root, warm=system == "unbroken+warm"))
+                outcomes.append(run_unbroken(faults, args.minutes, root, warm=system == "unbroken+warm",
+                                             checkpoint=args.unbroken_checkpoint))
             else:
                 outcomes.append(run_torchrun(system, faults, args.minutes, root, retry_loop=system == "retry-loop"))
     results = [o.to_dict() for o in outcomes]
     if args.json:
-        print(json.dumps({"minutes": args.minutes, "mtbf_seconds": args.mtbf_seconds, "seed": args.seed, "results": results}))
+        print(json.dumps({"minutes": args.minutes, "mtbf_seconds": args.mtbf_seconds, "seed": args.seed,
+                          "unbroken_checkpoint": args.unbroken_checkpoint, "results": results}))
         return 0
-    print(f"goodput over {args.minutes:g} min, mtbf {args.mtbf_seconds:g} s, seed {args.seed}: "
+    print(f"goodput over {args.minutes:g} min, mtbf {args.mtbf_seconds:g} s, seed {args.seed}, "
+          f"unbroken checkpoints: {args.unbroken_checkpoint}: "
           + ", ".join(f"{f.kind}@{f.at:.0f}s" for f in faults) + "\n")
     print("| system | goodput | recover p50 (s) | recover p95 (s) | unrecovered | badput (s) |")
     print("|---|---|---|---|---|---|")
