@@ -679,6 +679,18 @@ class TestKubelet:
         self._test_api.merge_patch(f"/api/v1/nodes/{name}/status", {"status": {"conditions": conditions}})
         log.info("node %s failed", name)
 
+    def reboot_node(self, name: str) -> str:
+        """The machine reboots: its pods' processes die and its kubelet comes back Ready on a new
+        ``status.nodeInfo.bootID`` (returned), as a real kubelet reports after a boot."""
+        with self._lock:
+            for container in self._containers.values():
+                if container.node == name:
+                    self._kill(container)
+        boot = str(uuid.uuid4())
+        self._test_api.merge_patch(f"/api/v1/nodes/{name}/status", {"status": {"nodeInfo": {"bootID": boot}}})
+        log.info("node %s rebooted: bootID %s", name, boot)
+        return boot
+
     def pid_of(self, namespace: str, pod: str) -> int | None:
         """The pid of the pod's running process (None when it is not running)."""
         with self._lock:

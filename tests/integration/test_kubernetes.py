@@ -347,19 +347,22 @@ def test_an_operator_killed_mid_job_loses_no_restart_and_doubles_none(cluster: C
     assert time.time() - time_killed < 60
 
 
+def start_agent(cluster: Cluster, node: str) -> subprocess.Popen[bytes]:
+    """``unbroken agent --kubernetes`` for ``node`` (its DaemonSet pod), tailing the node's kernel log
+    file (``/dev/kmsg`` on a real node) and renewing its Lease."""
+    node_dir = cluster.kubelet.node_dir(node)
+    (node_dir / "kmsg.log").touch()
+    log = open(cluster.workdir / f"agent-{node}.log", "ab")
+    return subprocess.Popen(
+        [sys.executable, "-m", "unbroken.agent.kubernetes", "--kubernetes", "--node", node, "--kubeconfig", str(cluster.kubeconfig),
+         "--namespace", SYSTEM, "--kernel-log", str(node_dir / "kmsg.log"), "--socket-dir", str(node_dir / AGENT_DIR.lstrip("/")),
+         "--state-dir", str(node_dir / "state")],
+        stdout=log, stderr=subprocess.STDOUT)
+
+
 def start_agents(cluster: Cluster) -> dict[str, subprocess.Popen[bytes]]:
-    """One ``unbroken agent --kubernetes`` process per node (the DaemonSet's pods), each tailing its
-    node's kernel log file (``/dev/kmsg`` on a real node) and renewing its Lease."""
-    agents = {}
-    for node in NODES:
-        node_dir = cluster.kubelet.node_dir(node)
-        (node_dir / "kmsg.log").touch()
-        log = open(cluster.workdir / f"agent-{node}.log", "ab")
-        agents[node] = subprocess.Popen(
-            [sys.executable, "-m", "unbroken.agent.kubernetes", "--kubernetes", "--node", node, "--kubeconfig", str(cluster.kubeconfig),
-             "--namespace", SYSTEM, "--kernel-log", str(node_dir / "kmsg.log"), "--socket-dir", str(node_dir / AGENT_DIR.lstrip("/")),
-             "--state-dir", str(node_dir / "state")],
-            stdout=log, stderr=subprocess.STDOUT)
+    """One agent per node, each with its Lease renewed once."""
+    agents = {node: start_agent(cluster, node) for node in NODES}
     leases = kubernetes.client.CoordinationV1Api(cluster.api)
     wait_until(lambda: {f"{names.LEASE_PREFIX}{n}" for n in NODES} <= {l.metadata.name for l in leases.list_namespaced_lease(SYSTEM).items},
              30, "every agent's Lease")
@@ -489,6 +492,62 @@ def test_a_joining_node_is_deep_checked_by_jobs_pinned_to_it_then_admitted_or_ta
     # the nodes that were there when unbroken started were never checked nor tainted
     for old in NODES:
         assert labels(old).get(names.DEEP_HEALTH_CHECK_STATUS) is None and not check_jobs(cluster, old)
+
+
+def test_self_reboot_the_agent_reboots_its_node_which_joins_again_through_deep_checks(cluster: Cluster, tmp_path: Path) -> None:
+    """The SelfReboot remediator: an Xid 48 (a GPU reset clears it) → PendingReboot → Rebooting; the node's
+    own agent runs SelfRebootCommand (here a script that records the call: a real one reboots the host);
+    the test kubelet plays the reboot (pods die, a new bootID) and the agent starts again as its DaemonSet
+    pod would → the operator sees the new boot: Joining, the deep checks run again as a Job on the node,
+    Schedulable, unbroken's cordon lifted, and the agent on the new boot does not reboot again."""
+    from unbroken.health.chaos import xid_line
+
+    calls = tmp_path / "self-reboots.log"
+    calls.touch()
+    record = "import os, sys; open(sys.argv[1], 'a').write(os.environ['UNBROKEN_NODE'] + ' ' + os.environ['UNBROKEN_ACTION'] + chr(10))"
+    config = yaml.safe_load(cluster_file(cluster.remediations))
+    config["InstanceGroups"].append({"InstanceGroupName": "stressed", "InstanceType": "cpu-dev", "InstanceCount": 0,
+                                     "OnStartDeepHealthChecks": ["InstanceStress"]})
+    config["Kubernetes"].update(Remediator="SelfReboot", SelfRebootCommand=[sys.executable, "-c", record, str(calls)])
+    cluster.core.patch_namespaced_config_map(names.CLUSTER_CONFIGMAP, SYSTEM, {"data": {"cluster.yaml": yaml.safe_dump(config)}})
+    node = "gpu-b"
+    cluster.core.patch_node(node, {"metadata": {"labels": {f"{names.PREFIX}/instance-group": "stressed"}}})
+    agents = start_agents(cluster)  # after the ConfigMap change: agents read the cluster file when they start
+    try:
+        cluster.start_operator()
+        first_boot = cluster.core.read_node(node).status.node_info.boot_id
+        with open(cluster.kubelet.node_dir(node) / "kmsg.log", "a") as kmsg:
+            kmsg.write(xid_line(48, "PCI:0000:b9:00") + "\n")
+
+        wait_until(lambda: calls.read_text() == f"{node} Reboot\n", 30, "the node's agent to run SelfRebootCommand")
+        rebooting = cluster.core.read_node(node)
+        assert rebooting.metadata.labels[names.NODE_HEALTH_STATUS] == "UnschedulablePendingReboot"
+        assert rebooting.metadata.annotations[names.REBOOT_FROM_BOOT] == first_boot
+        assert rebooting.spec.unschedulable and rebooting.metadata.annotations[names.CORDONED] == "true"
+        assert any(t.key == names.TAINT_KEY for t in rebooting.spec.taints or [])
+
+        stop_process(agents[node], sig=signal.SIGKILL)  # the host goes down with its agent
+        new_boot = cluster.kubelet.reboot_node(node)
+        agents[node] = start_agent(cluster, node)
+
+        back = wait_until(lambda: (n := cluster.core.read_node(node)).metadata.labels.get(names.NODE_HEALTH_STATUS) == "Schedulable"
+                          and n, 120, "the rebooted node admitted again")
+        assert back.metadata.labels[names.DEEP_HEALTH_CHECK_STATUS] == "Passed"
+        assert not back.spec.unschedulable, "unbroken lifts the cordon it set"
+        assert not any(t.key == names.TAINT_KEY for t in back.spec.taints or [])
+        assert names.REBOOT_FROM_BOOT not in (back.metadata.annotations or {})
+        assert [j.metadata.annotations[f"{names.PREFIX}/check-suite"] for j in check_jobs(cluster, node)] == ["InstanceStress"]
+        events = node_events(cluster, node)
+        reasons = [r for r, _ in events]
+        expected = ["NodeRebooting", "NodeSelfRebooting", "NodeRebooted", "DeepHealthCheckStarted", "JoinChecksPassed", "NodeSchedulable"]
+        assert [r for r in reasons if r in expected] == expected, events
+        rebooted = next(m for r, m in events if r == "NodeRebooted")
+        assert first_boot in rebooted and new_boot in rebooted, rebooted
+        # the agent on the new boot saw no reboot due (the mark is gone); one call in all
+        assert calls.read_text() == f"{node} Reboot\n"
+    finally:
+        for proc in agents.values():
+            stop_process(proc, sig=signal.SIGKILL)
 
 
 def test_a_hung_rank_restarts_the_job_after_its_hang_timeout(cluster: Cluster, agents: Agents, tmp_path: Path) -> None:

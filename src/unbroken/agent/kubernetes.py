@@ -7,7 +7,8 @@ renews its Lease ``unbroken-node-<node>`` once a second with the ranks' progress
 progress, every job's latest attempt, is how the operator sees a hang), watches
 the kernel log (``/dev/kmsg`` on a real node, ``--kernel-log``) and applies
 faults to its own Node through the store (an Xid 79 → labels, taint, condition
-in one write), and serves ``/metrics``.
+in one write), serves ``/metrics``, and with the SelfReboot remediator reboots
+its host when the operator asks (``_reboot_if_asked``).
 
 Not here yet: join checks (deep health check Jobs are the operator's to run),
 continuous checks and the checkpoint memory tier (docs/kubernetes.md).
@@ -18,7 +19,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -27,17 +30,23 @@ from pathlib import Path
 from unbroken import logs, metrics
 from unbroken.agent.progress import ProgressBook
 from unbroken.channel import AgentReceiver, agent_socket
+from unbroken.config.cluster import Remediator
 from unbroken.config.health import KernelLogSource
 from unbroken.errors import StoreUnavailable, UnbrokenError
 from unbroken.health.kernel_log.sources import LineSource, open_source
 from unbroken.health.monitor import HealthMonitor
+from unbroken.kube import node_repair
 from unbroken.kube.client import api_client
+from unbroken.kube.store import KubernetesStore
 from unbroken.metrics import AgentMetrics
 from unbroken.runtime import Runtime, open_kubernetes
+from unbroken.state.records import EventType
 
 log = logging.getLogger("unbroken.agent.kubernetes")
 
 RECEIVE_SECONDS = 0.1
+SELF_REBOOT_TIMEOUT_SECONDS = 120.0
+"""A reboot command returns at once or never (the host goes down with the agent); past this it failed."""
 
 
 def kernel_log_source(spec: str) -> LineSource:
@@ -59,6 +68,8 @@ class KubernetesAgent:
         self.metrics = AgentMetrics()
         self.book = ProgressBook(self.metrics)
         self.stopping = threading.Event()
+        self.rebooted_from: set[str] = set()
+        """Boots this agent ran the SelfReboot command on (once each)."""
 
     def run(self, metrics_host: str, metrics_port: int | None) -> None:
         self.socket_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -75,6 +86,7 @@ class KubernetesAgent:
                                          "metrics": endpoint.address if endpoint else None})
         interval = self.runtime.config.Local.HeartbeatIntervalSeconds
         next_renewal = time.monotonic() + interval
+        self_reboot = self.runtime.config.Kubernetes.Remediator is Remediator.SELF_REBOOT
         try:
             while not self.stopping.wait(RECEIVE_SECONDS):
                 self.book.apply(receiver.drain())
@@ -82,12 +94,42 @@ class KubernetesAgent:
                     next_renewal += interval
                     try:
                         self.store.renew_lease(self.node, at=time.time(), progress=self.book.current())
+                        if self_reboot:
+                            self._reboot_if_asked()
                     except StoreUnavailable:
                         log.exception("lease renewal failed; retrying", extra={"node": self.node})
         finally:
             receiver.close()
             if endpoint is not None:
                 endpoint.close()
+
+    def _reboot_if_asked(self) -> None:
+        """SelfReboot: run ``Kubernetes.SelfRebootCommand`` once for a reboot asked of the boot this agent runs on.
+
+        The operator names the boot to end (``unbroken.dev/reboot-from-boot-id``): the agent on
+        the next boot never runs it, and this agent runs it once per boot (a command that failed
+        is not retried: the node stays Rebooting until ``RebootTimeoutSeconds`` makes it a
+        replacement; an agent restarted on the same boot tries once more).
+        """
+        assert isinstance(self.store, KubernetesStore)  # this agent runs on open_kubernetes's runtime
+        boot = node_repair.read_boot(self.store, self.node)
+        if not boot.reboot_due_here or boot.boot_id in self.rebooted_from:
+            return
+        assert boot.boot_id is not None
+        self.rebooted_from.add(boot.boot_id)
+        command = self.runtime.config.Kubernetes.SelfRebootCommand
+        self.store.add_event("Node", self.node, "NodeSelfRebooting", f"the agent reboots its host: {shlex.join(command)}")
+        log.warning("rebooting this node", extra={"node": self.node, "command": command})
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=SELF_REBOOT_TIMEOUT_SECONDS,
+                                  env={**os.environ, "UNBROKEN_NODE": self.node, "UNBROKEN_ACTION": "Reboot"})
+            failure = None if done.returncode == 0 else f"exited {done.returncode}: {done.stderr.strip()[-500:]}"
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            failure = str(exc)
+        if failure is not None:
+            self.store.add_event("Node", self.node, "SelfRebootFailed", f"{shlex.join(command)}: {failure}; the node stays "
+                                 "Rebooting until RebootTimeoutSeconds, then it is replaced", type=EventType.WARNING)
+            log.error("self reboot failed: %s", failure, extra={"node": self.node})
 
     def _jobs_on(self, node: str) -> list[str]:
         """Jobs with pods on this node (named in fault Events)."""

@@ -90,6 +90,9 @@ class Remediator(StrEnum):
     """Set the node condition UnbrokenHealthy=False, cordon, evict: external repair acts on it."""
     COMMAND = "Command"
     """Also run RemediationCommand + [action, node] (a cloud CLI call that reboots or replaces it)."""
+    SELF_REBOOT = "SelfReboot"
+    """Reboots: the node's own agent runs SelfRebootCommand. Replacements: as Condition (a machine
+    cannot replace itself; external repair acts on the condition)."""
 
 
 class KubernetesSettings(_Strict):
@@ -98,6 +101,11 @@ class KubernetesSettings(_Strict):
     Remediator: Remediator = Remediator.CONDITION
     RemediationCommand: list[str] = Field(default_factory=list)
     """Run as ``RemediationCommand + [Reboot|Replace, <node>]`` with Remediator Command."""
+    SelfRebootCommand: list[str] = Field(
+        default_factory=lambda: ["nsenter", "--target", "1", "--mount", "--uts", "--ipc", "--net", "--pid", "--",
+                                 "systemctl", "reboot"], min_length=1)
+    """With Remediator SelfReboot: what the agent runs to reboot its host. The default enters the
+    host's namespaces: the agent needs privilege (deploy/overlays/gpu) and ``hostPID: true``."""
     ForceDeleteGraceSeconds: float = Field(default=30.0, ge=0, le=3600)
     """A job pod on a lost node still Terminating after this long is force-deleted, so its
     workload's controller can create it again elsewhere."""

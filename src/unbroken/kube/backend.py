@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from unbroken.errors import BackendError, NotFoundError
-from unbroken.kube import names
+from unbroken.kube import names, node_repair
 from unbroken.kube.api import call, parse_time
 from unbroken.kube.store import KubernetesStore
 from unbroken.kube.workloads import Child, WorkloadKind, job_of
@@ -60,7 +60,24 @@ class ConditionRemediator:
         self.store = store
 
     def remediate(self, node: Node, action: str) -> None:
-        call(lambda: self.store.core.patch_node(node.name, {"spec": {"unschedulable": True}}))
+        node_repair.cordon(self.store, node.name)
+
+
+class SelfRebootRemediator:
+    """Reboots are the node's own agent's (``Kubernetes.SelfRebootCommand``): the operator cordons
+    the node, and the agent running on the boot named by ``unbroken.dev/reboot-from-boot-id``
+    (written by the backend before this is called) runs the command. A replacement is left to
+    external repair through the condition, as with :class:`ConditionRemediator`: a machine cannot
+    replace itself."""
+
+    def __init__(self, store: KubernetesStore) -> None:
+        self.store = store
+
+    def remediate(self, node: Node, action: str) -> None:
+        node_repair.cordon(self.store, node.name)
+        if action != "Reboot":
+            log.warning("SelfReboot cannot %s a node: the condition %s=False is the request for external repair",
+                        action.lower(), names.CONDITION_TYPE, extra={"node": node.name, "action": action})
 
 
 class CommandRemediator:
@@ -95,6 +112,7 @@ class KubernetesBackend:
 
     def reboot_node(self, node: Node) -> None:
         self._evict(node)
+        node_repair.mark_reboot(self.store, node.name)  # the boot to end: a later one is the node back
         self.remediator.remediate(node, "Reboot")
 
     def replace_node(self, node: Node) -> str | None:

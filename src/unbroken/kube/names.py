@@ -31,6 +31,13 @@ TAINT_EFFECT = "NoSchedule"
 CONDITION_TYPE = "UnbrokenHealthy"
 """Node condition for external repair (EKS node auto repair, Cluster API MachineHealthCheck, medik8s)."""
 HOSTNAME_LABEL = "kubernetes.io/hostname"
+REBOOT_FROM_BOOT = f"{PREFIX}/reboot-from-boot-id"
+"""Annotation the operator writes when it asks for a reboot: the node's ``status.nodeInfo.bootID``
+then. A different bootID later is the node back from that reboot (it joins again, deep checks
+first); with the SelfReboot remediator, the agent on that boot is the one that reboots."""
+CORDONED = f"{PREFIX}/cordoned"
+"""Annotation: unbroken cordoned this node (a remediation), so unbroken uncordons it when the node
+is back; a cordon without it is an administrator's and is left alone."""
 
 # -- jobs (annotations on a PyTorchJob / TrainJob) ----------------------------------------------------
 AUTO_RESUME = f"{PREFIX}/enable-job-auto-resume"

@@ -87,6 +87,16 @@ class KubernetesStore:
         response = call(lambda: request(*args, _preload_content=False, **kwargs))
         return json.loads(response.data)
 
+    def node_object(self, name: str) -> dict[str, Any]:
+        """The Node as the API serves it (JSON: the client's model refuses a Node missing any nodeInfo field)."""
+        obj: dict[str, Any] = self._json(self.core.read_node, name)
+        return obj
+
+    def node_objects(self) -> list[dict[str, Any]]:
+        """Every Node as the API serves it (one list call)."""
+        items: list[dict[str, Any]] = self._json(self.core.list_node)["items"]
+        return items
+
     # -- the cluster object -------------------------------------------------------------
 
     def cluster(self) -> ClusterRecord:

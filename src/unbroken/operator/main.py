@@ -2,7 +2,8 @@
 
 kopf keeps watches open on Nodes, the jobs' pods, PyTorchJobs and the deep-check Jobs (reconnecting,
 resuming from resourceVersions); every event only wakes the reconcile loop. The
-loop runs joining nodes' deep checks (:class:`DeepCheckJobs`), then the local
+loop lets nodes back from a reboot join again (:class:`RebootReturns`), runs joining
+nodes' deep checks (:class:`DeepCheckJobs`), then the local
 controller's: the same :class:`NodeReconciler` and
 :class:`JobReconciler` over the Kubernetes store and backend, a full
 level-triggered pass on every wake-up and at least every ``RESYNC_SECONDS``, so
@@ -34,6 +35,7 @@ from unbroken.errors import UnbrokenError
 from unbroken.kube import names
 from unbroken.operator import deep_checks
 from unbroken.operator.deep_checks import DeepCheckJobs
+from unbroken.operator.reboots import RebootReturns
 from unbroken.kube.client import api_client
 from unbroken.kube.leader import LeaderLease
 from unbroken.kube.store import KubernetesStore
@@ -54,6 +56,7 @@ class Operator:
         self.runtime = runtime
         self.leader = leader
         self.deep_checks = deep_checks
+        self.reboots = RebootReturns(self.store)
         self.wake = threading.Event()
         self.stopping = threading.Event()
         self.nodes = NodeReconciler(runtime.cluster, runtime.backend, runtime.config)
@@ -79,6 +82,7 @@ class Operator:
             if not self.leader.hold(now):
                 return
             self.warn_invalid()
+            self.reboots.reconcile()
             self.deep_checks.reconcile(self.runtime.config)
             self.nodes.reconcile_all(now)
             self.jobs.reconcile_all(now)

@@ -92,15 +92,21 @@ def open_kubernetes(api: "kubernetes.client.ApiClient", namespace: str, *, job_n
     """The runtime of the cluster behind ``api``: unbroken installed in ``namespace`` (its
     ConfigMap ``unbroken-cluster`` holds the cluster file); jobs in ``job_namespace`` or all."""
     from unbroken.config.cluster import Remediator
-    from unbroken.kube.backend import CommandRemediator, ConditionRemediator, KubernetesBackend
+    from unbroken.kube.backend import CommandRemediator, ConditionRemediator, KubernetesBackend, SelfRebootRemediator
+    from unbroken.kube.backend import Remediator as NodeRemediator
     from unbroken.kube.catalog import NoCheckpointCatalog
     from unbroken.kube.store import KubernetesStore
 
     store = KubernetesStore(api, namespace, job_namespace=job_namespace)
     config = store.cluster().config()
     settings = config.Kubernetes
-    remediator = (CommandRemediator(store, settings.RemediationCommand) if settings.Remediator is Remediator.COMMAND
-                  else ConditionRemediator(store))
+    remediator: NodeRemediator
+    if settings.Remediator is Remediator.COMMAND:
+        remediator = CommandRemediator(store, settings.RemediationCommand)
+    elif settings.Remediator is Remediator.SELF_REBOOT:
+        remediator = SelfRebootRemediator(store)
+    else:
+        remediator = ConditionRemediator(store)
     backend = KubernetesBackend(store, remediator, force_delete_after=settings.ForceDeleteGraceSeconds)
     return Runtime(cluster=store, catalog=NoCheckpointCatalog(), backend=backend, config=config,
                    layout=ClusterLayout.at(state_dir), clock=clock)
