@@ -22,6 +22,11 @@ CHECKPOINT_ENDPOINT = "UNBROKEN_CHECKPOINT_ENDPOINT"
 """The local agent's shard server, ``host:port``."""
 AGENT_SOCKET = "UNBROKEN_AGENT_SOCKET"
 """The node agent's socket file (``channel.py``): where ``ctx.progress`` goes."""
+SHM_BASE = "UNBROKEN_SHM_BASE"
+"""Where the memory tier's folders are (default ``/dev/shm``); agent and ranks must agree."""
+ENDPOINT_FILE = "checkpoint-endpoint"
+"""Beside the agent's socket on Kubernetes: the shard server's ``host:port``, written by the agent
+(a pod's env is fixed when it starts; the agent's port is not known then)."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,16 @@ class LaunchEnv:
     checkpoint_tiers: str | None = None
     checkpoint_endpoint: str | None = None
     agent_socket: Path | None = None
+
+    @property
+    def advertised_endpoint(self) -> str | None:
+        """``checkpoint_endpoint``, else what the agent wrote beside its socket (Kubernetes), else None."""
+        if self.checkpoint_endpoint or self.agent_socket is None:
+            return self.checkpoint_endpoint
+        try:
+            return (self.agent_socket.parent / ENDPOINT_FILE).read_text().strip() or None
+        except OSError:
+            return None
 
     @property
     def managed(self) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,11 +37,13 @@ import pytest
 import yaml
 
 from k8s_emulator import Emulator, kubernetes_emulator
+from helpers import run_cli
 from k8s_kubelet import TestKubelet
 from processes import stop_process
 from unbroken.kube import names
 from unbroken.kube.client import api_client
-from unbroken.kube.rank_env import AGENT_DIR, with_rank_env
+from unbroken.kube.catalog import KubernetesCatalog
+from unbroken.kube.rank_env import AGENT_DIR, SHM_DIR, with_rank_env
 from unbroken.waiting import WaitTimeout, wait_until
 
 pytestmark = pytest.mark.timeout(300)
@@ -152,9 +155,10 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
 
 
 def pytorchjob(name: str, checkpoints: Path, *, steps: int, step_time: float = 0.05, annotations: dict[str, str] | None = None,
-               nodes: int = 2, report_progress: bool = False) -> dict[str, Any]:
+               nodes: int = 2, report_progress: bool = False, tiers_json: str | None = None) -> dict[str, Any]:
     """A PyTorchJob as a user writes it: Master + Workers, torchrun reading training-operator's PET_* env;
-    with ``report_progress``, its pods mount the node agent's socket and name their job (kube/rank_env.py)."""
+    with ``report_progress``, its pods mount the node agent's socket and name their job (kube/rank_env.py);
+    with ``tiers_json`` they checkpoint through the tiered checkpoint (the node's memory tier, peer replicas)."""
     container = {
         "name": "pytorch", "image": "unbroken:dev",
         "command": [sys.executable, "-m", "torch.distributed.run", "-m", "unbroken.workloads.mlp",
@@ -163,8 +167,10 @@ def pytorchjob(name: str, checkpoints: Path, *, steps: int, step_time: float = 0
         "resources": {"limits": {"nvidia.com/gpu": 1}},
     }
     template: dict[str, Any] = {"spec": {"containers": [container]}}
-    if report_progress:
-        template = with_rank_env(template, "training.kubeflow.org/job-name")
+    if report_progress or tiers_json is not None:
+        template = with_rank_env(template, "training.kubeflow.org/job-name", tiers_json=tiers_json)
+    if tiers_json is not None:
+        annotations = {**(annotations or {}), names.CHECKPOINT_TIERS: tiers_json}
     replica = {"replicas": 1, "restartPolicy": "OnFailure", "template": template}
     specs = {"Master": replica}
     if nodes > 1:
@@ -357,7 +363,14 @@ def start_agent(cluster: Cluster, node: str) -> subprocess.Popen[bytes]:
         [sys.executable, "-m", "unbroken.agent.kubernetes", "--kubernetes", "--node", node, "--kubeconfig", str(cluster.kubeconfig),
          "--namespace", SYSTEM, "--kernel-log", str(node_dir / "kmsg.log"), "--socket-dir", str(node_dir / AGENT_DIR.lstrip("/")),
          "--state-dir", str(node_dir / "state")],
+        # the memory tier's hostPath (/dev/shm/unbroken), as the pods' mount of it is rewritten
+        env={**os.environ, "UNBROKEN_SHM_BASE": str(node_shm(cluster, node))},
         stdout=log, stderr=subprocess.STDOUT)
+
+
+def node_shm(cluster: Cluster, node: str) -> Path:
+    """The node's memory tier (hostPath ``/dev/shm/unbroken``) in its test-kubelet directory."""
+    return cluster.kubelet.node_dir(node) / SHM_DIR.lstrip("/")
 
 
 def start_agents(cluster: Cluster) -> dict[str, subprocess.Popen[bytes]]:
@@ -412,6 +425,55 @@ def test_an_xid_79_in_a_nodes_kernel_log_takes_it_out_and_the_job_resumes_on_oth
     events = [(r, m) for _, r, m in cluster.events(name) if r in ("JobScheduled", "JobRestarting")]
     assert [r for r, _ in events] == ["JobScheduled", "JobRestarting", "JobScheduled"], events
     assert faulty in events[1][1] and "Xid" in events[1][1], events[1]
+
+
+def test_with_the_memory_tier_an_xid_79_moves_the_job_which_restores_from_a_peer_replica(cluster: Cluster, agents: Agents,
+                                                                                        tmp_path: Path) -> None:
+    """Done-when 2 with the tiered checkpoint: the ranks save into their node's shared memory, the agents replicate
+    each shard to a peer node and keep the catalog in ConfigMaps; the faulty node's memory is then gone (its agent
+    killed, its /dev/shm/unbroken removed, as a replaced instance's would be), and the job resumes on the other
+    two nodes from the peer replica -- no file checkpoint anywhere."""
+    from unbroken.health.chaos import xid_line
+    from unbroken.state.records import CheckpointTier, StepStatus
+
+    cluster.start_operator()
+    tiers = json.dumps({"memory": {"every_steps": 10, "keep": 2, "replicas": 1}})
+    name = submit(cluster, pytorchjob("tiered", tmp_path / "no-files", steps=400, annotations=auto_resume(3), tiers_json=tiers))
+    job = f"{JOBS}/{name}"
+    catalog = KubernetesCatalog(cluster.api, SYSTEM)
+
+    def replicated_step() -> int | None:
+        """The newest memory step committed with a replica of both ranks' shards on a node other than its own."""
+        committed = [s.step for s in catalog.list_checkpoint_steps(job, tier=CheckpointTier.MEMORY) if s.status is StepStatus.COMMITTED]
+        copies = catalog.list_shard_copies(job, tier=CheckpointTier.REPLICA)
+        return next((step for step in committed if {c.rank for c in copies if c.step == step} == {0, 1}), None)
+    saved = wait_until(replicated_step, 120, "a committed memory step with a peer replica of each rank")
+    assert not (tmp_path / "no-files").exists(), "the tiered checkpoint writes no files"
+    listed = json.loads(run_cli("--kubeconfig", str(cluster.kubeconfig), "ckpt", "list", job, "-o", "json").stdout)
+    # the job saves on: by now the listed steps may be newer than ``saved``
+    assert any((r["memory"], r["replicated"], r["world_size"]) == ("Committed", 2, 2) and r["step"] >= saved
+               for r in listed["steps"]), listed
+    faulty = cluster.core.read_namespaced_pod(f"{name}-master-0", JOBS).spec.node_name
+    assert (node_shm(cluster, faulty)).is_dir() and any(node_shm(cluster, faulty).rglob("*.slot")), "rank 0's slots on its node"
+
+    with open(cluster.kubelet.node_dir(faulty) / "kmsg.log", "a") as kmsg:
+        kmsg.write(xid_line(79, "PCI:0000:b9:00") + "\n")
+    wait_until(lambda: cluster.core.read_node(faulty).metadata.labels.get(names.NODE_HEALTH_STATUS) == "UnschedulablePendingReplacement",
+               10, "the Xid to take the node out")
+    # The instance is replaced: its memory tier goes with it.
+    stop_process(agents[faulty], sig=signal.SIGKILL)
+    shutil.rmtree(node_shm(cluster, faulty))
+
+    wait_resumed_off(cluster, name, faulty)
+    master = rank_log(cluster, f"{name}-master-0")
+    restored = [line for line in master.splitlines() if "unbroken: restored step" in line]
+    assert restored and "replica" in restored[-1], master[-3000:]
+    resumed_at = int(restored[-1].split("restored step ")[1].split()[0])
+    assert resumed_at >= saved, (resumed_at, saved)
+    wait_until(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Succeeded", 180, "the job to finish")
+    assert cluster.annotations(name)[names.RESTART_COUNT] == "1"
+    events = [r for _, r, _ in cluster.events(name) if r in ("JobScheduled", "JobRestarting")]
+    assert events == ["JobScheduled", "JobRestarting", "JobScheduled"], events
 
 
 def test_a_node_whose_agent_stops_renewing_its_lease_is_lost_and_the_job_moves(cluster: Cluster, agents: Agents, tmp_path: Path) -> None:

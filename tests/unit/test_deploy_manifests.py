@@ -29,7 +29,7 @@ TAG = "0.1.0"
 K8S_VERSION = "1.33"
 
 OPERATOR_COMMAND = ["unbroken", "operator", "--namespace", "$(POD_NAMESPACE)", "--metrics-port", "9400"]
-AGENT_COMMAND = ["unbroken", "agent", "--kubernetes", "--node", "$(NODE_NAME)", "--metrics-port", "9401"]
+AGENT_COMMAND = ["unbroken", "agent", "--kubernetes", "--node", "$(NODE_NAME)", "--metrics-port", "9401", "--shard-server-port", "9402"]
 
 Obj = dict[str, Any]
 
@@ -98,7 +98,11 @@ AGENT_CLUSTER_RULES = rules(
     ("events.k8s.io", "events", "create patch"),
     ("", "pods", "get list watch"),
 )
-AGENT_NAMESPACE_RULES = rules(("coordination.k8s.io", "leases", "get create update patch"))
+AGENT_NAMESPACE_RULES = rules(
+    ("coordination.k8s.io", "leases", "get create update patch"),
+    ("", "configmaps", "get list create patch delete"),  # the checkpoint catalog (kube/catalog.py)
+    ("", "secrets", "create get"),  # unbroken-cluster-tls only (get by name; create cannot be limited to one)
+)
 
 
 # --- rendering -------------------------------------------------------------------------------
@@ -295,7 +299,7 @@ def test_agent_daemonset(rendered: list[Obj]) -> None:
     assert env["UNBROKEN_AGENT_SOCKET"] == "/var/run/unbroken/agent.sock"
     assert c["ports"] == [
         {"name": "metrics", "containerPort": 9401, "protocol": "TCP"},
-        {"name": "shards", "containerPort": 9402, "hostPort": 9402, "protocol": "TCP"},
+        {"name": "shards", "containerPort": 9402, "protocol": "TCP"},
     ]
     assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": 9401}
     assert c["resources"] == {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "2Gi"}}
@@ -389,13 +393,18 @@ def test_rbac_is_exactly_the_contract() -> None:
 
 
 def test_rbac_has_no_wildcards_no_secrets_and_no_cluster_wide_writes_of_leases_or_jobs() -> None:
+    """Secrets: only the agent's Role in unbroken's namespace, to create the memory tier's TLS Secret and read
+    that one Secret by name; nothing can list or watch secrets."""
     objects = render(DEPLOY)
     for role in (o for o in objects if o["kind"] in {"ClusterRole", "Role"}):
         name = f"{role['kind']}/{role['metadata']['name']}"
         for rule in role["rules"]:
             for field in ("apiGroups", "resources", "verbs"):
                 assert "*" not in rule.get(field, []), f"{name}: wildcard in {field}: {rule}"
-            assert "secrets" not in rule["resources"], f"{name}: {rule}"
+            if "secrets" in rule["resources"]:
+                assert name == "Role/unbroken-agent" and rule["resources"] == ["secrets"], f"{name}: {rule}"
+                assert rule["verbs"] == ["create"] or (rule["verbs"] == ["get"] and rule.get("resourceNames") == ["unbroken-cluster-tls"]), \
+                    f"{name}: {rule}"
             assert "nonResourceURLs" not in rule, f"{name}: {rule}"
             assert "resourceNames" not in rule or rule["resourceNames"], f"{name}: {rule}"
         assert "aggregationRule" not in role, name

@@ -65,12 +65,10 @@ def test_deep_checks_are_required_only_when_asked() -> None:
     assert required(spec(), True) == "true"
 
 
-def test_a_module_command_runs_under_torchrun_and_the_tiered_checkpoint_and_warm_spares_are_refused() -> None:
+def test_a_module_command_runs_under_torchrun_and_warm_spares_are_refused() -> None:
     body = render_pytorchjob(spec(command=["-m", "pkg.train"], nodes=1), Placement(image="i"))
     assert list(body["spec"]["pytorchReplicaSpecs"]) == ["Master"]
     assert body["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["command"][-2:] == ["--module", "pkg.train"]
-    with pytest.raises(UsageError, match="tiered checkpoint"):
-        render_pytorchjob(spec(checkpoint={"memory": {}}), Placement(image="i"))
     with pytest.raises(UsageError, match="warm_spares 1 needs a node agent that launches the ranks"):
         render_pytorchjob(spec(resilience={"warm_spares": 1}), Placement(image="i"))
     with pytest.raises(UsageError, match="must be an absolute path in the container"):
@@ -78,6 +76,37 @@ def test_a_module_command_runs_under_torchrun_and_the_tiered_checkpoint_and_warm
     assert parse_label_selector(["a=1,b=2", "c=3"]) == {"a": "1", "b": "2", "c": "3"}
     with pytest.raises(UsageError, match="expected key=value"):
         parse_label_selector(["nope"])
+
+
+def test_the_tiered_checkpoint_is_an_annotation_for_the_agents_and_env_and_mounts_for_the_ranks() -> None:
+    body = render_pytorchjob(spec(checkpoint={"memory": {"every_steps": 10, "replicas": 1},
+                                              "persistent": {"uri": "s3://bucket/llama", "every_steps": 100}}), Placement(image="i"))
+    settings = job_annotations.parse(body["metadata"]["annotations"])  # what the operator and agents read
+    assert settings.checkpoint_tiers is not None
+    assert (settings.checkpoint_tiers.memory.every_steps, settings.checkpoint_tiers.persistent.uri) == (10, "s3://bucket/llama")
+    template = body["spec"]["pytorchReplicaSpecs"]["Master"]["template"]
+    container = template["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["UNBROKEN_CHECKPOINT_TIERS"] == body["metadata"]["annotations"][names.CHECKPOINT_TIERS]
+    assert (env["UNBROKEN_CLUSTER_DIR"], env["UNBROKEN_SHM_BASE"]) == ("/var/run/unbroken/cluster", "/dev/shm/unbroken")
+    assert {(m["name"], m["mountPath"]) for m in container["volumeMounts"]} == {
+        ("unbroken-agent", "/var/run/unbroken"), ("unbroken-shm", "/dev/shm/unbroken")}
+    assert {v["name"]: v["hostPath"]["path"] for v in template["spec"]["volumes"]} == {
+        "unbroken-agent": "/var/run/unbroken", "unbroken-shm": "/dev/shm/unbroken"}
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": template["spec"]}
+    assert kubernetes_validate.validate(pod, schema_version(), strict=True)
+    plain = render_pytorchjob(spec(), Placement(image="i"))
+    assert names.CHECKPOINT_TIERS not in plain["metadata"]["annotations"], "no tiers: file checkpoints only, no shm mount"
+    assert "unbroken-shm" not in {v["name"] for v in plain["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["volumes"]}
+
+
+def test_a_bad_tier_policy_annotation_names_the_field_and_what_is_valid() -> None:
+    with pytest.raises(job_annotations.AnnotationError) as error:
+        job_annotations.parse({names.AUTO_RESUME: "true", names.CHECKPOINT_TIERS: '{"memory": {"keep": 0}}'})
+    message = str(error.value)
+    assert names.CHECKPOINT_TIERS in message and "memory.keep" in message and "every_steps" in message
+    with pytest.raises(job_annotations.AnnotationError, match="not a tier policy"):
+        job_annotations.parse({names.AUTO_RESUME: "true", names.CHECKPOINT_TIERS: "fast please"})
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,15 @@ faults to its own Node through the store (an Xid 79 → labels, taint, condition
 in one write), serves ``/metrics``, and with the SelfReboot remediator reboots
 its host when the operator asks (``_reboot_if_asked``).
 
-Not here yet: join checks (deep health check Jobs are the operator's to run),
-continuous checks and the checkpoint memory tier (docs/kubernetes.md).
+It keeps the node's checkpoint memory tier as the local agent does (the same
+:class:`CheckpointService`: replicas to peers, drains to the persistent tier,
+the restore catalog for its ranks) over the Kubernetes catalog (ConfigMaps,
+kube/catalog.py), with the cluster's TLS credentials from the Secret
+(agent/cluster_tls.py) written beside its socket, where the training pods find
+them, and its shard server's address in the file ``checkpoint-endpoint`` there.
+
+Not here yet: join checks (deep health check Jobs are the operator's to run)
+and continuous checks (docs/kubernetes.md).
 """
 
 from __future__ import annotations
@@ -28,14 +35,18 @@ import time
 from pathlib import Path
 
 from unbroken import logs, metrics
+from unbroken.agent import cluster_tls
 from unbroken.agent.progress import ProgressBook
 from unbroken.channel import AgentReceiver, agent_socket
+from unbroken.checkpoint import shm
+from unbroken.checkpoint.service import CheckpointService
 from unbroken.config.cluster import Remediator
 from unbroken.config.health import KernelLogSource
 from unbroken.errors import StoreUnavailable, UnbrokenError
 from unbroken.health.kernel_log.sources import LineSource, open_source
 from unbroken.health.monitor import HealthMonitor
-from unbroken.kube import node_repair
+from unbroken.kube import node_repair, rank_env
+from unbroken.launch_env import ENDPOINT_FILE
 from unbroken.kube.client import api_client
 from unbroken.kube.store import KubernetesStore
 from unbroken.metrics import AgentMetrics
@@ -47,6 +58,10 @@ log = logging.getLogger("unbroken.agent.kubernetes")
 RECEIVE_SECONDS = 0.1
 SELF_REBOOT_TIMEOUT_SECONDS = 120.0
 """A reboot command returns at once or never (the host goes down with the agent); past this it failed."""
+CHECKPOINT_PASS_SECONDS = 0.5
+"""The memory tier's reconcile pass. Locally it is 0.1 s against SQLite; here every pass lists the
+job's catalog ConfigMaps, the nodes and the workloads from the API server, so five a second per node
+is the budget (a replica then starts within ~0.5 s of a save)."""
 
 
 def kernel_log_source(spec: str) -> LineSource:
@@ -59,8 +74,11 @@ def kernel_log_source(spec: str) -> LineSource:
 
 
 class KubernetesAgent:
-    def __init__(self, runtime: Runtime, node: str, socket_dir: Path, kernel_log: str) -> None:
+    def __init__(self, runtime: Runtime, node: str, socket_dir: Path, kernel_log: str, *, shard_host: str = "127.0.0.1",
+                 shard_port: int = 0) -> None:
         self.runtime = runtime
+        self.shard_host = shard_host
+        self.shard_port = shard_port
         self.store = runtime.cluster
         self.node = node
         self.socket_dir = socket_dir
@@ -75,6 +93,7 @@ class KubernetesAgent:
         self.socket_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         receiver = AgentReceiver(agent_socket(self.socket_dir))
         self.store.renew_lease(self.node, at=time.time())
+        checkpoints = self._start_checkpoints()
         if self.kernel_log == "none":
             log.warning("the kernel log is not watched (no Xid detection): set UNBROKEN_KERNEL_LOG or --kernel-log "
                         "(deploy/overlays/gpu sets /dev/kmsg)", extra={"node": self.node})
@@ -100,8 +119,37 @@ class KubernetesAgent:
                         log.exception("lease renewal failed; retrying", extra={"node": self.node})
         finally:
             receiver.close()
+            if checkpoints is not None:
+                checkpoints.close()
             if endpoint is not None:
                 endpoint.close()
+
+    def _start_checkpoints(self) -> CheckpointService | None:
+        """The memory tier on this node; None (logged) if it cannot start: the agent's health work goes on."""
+        assert isinstance(self.store, KubernetesStore)  # this agent runs on open_kubernetes's runtime
+        cluster_dir = self.socket_dir / rank_env.CLUSTER_FOLDER
+        try:
+            creds = cluster_tls.ensure(self.store.api, self.store.namespace, cluster_dir, self.runtime.config.ClusterName)
+            service = CheckpointService(self.runtime.catalog, self.store, self.node, shm.node_root(cluster_dir, self.node),
+                                        creds, host=self.shard_host, port=self.shard_port, metrics=self.metrics)
+            service.start()
+        except UnbrokenError as exc:
+            log.error("the checkpoint memory tier is off on this node: %s", exc, extra={"node": self.node})
+            return None
+        assert service.server is not None
+        (self.socket_dir / ENDPOINT_FILE).write_text(service.server.address + "\n")
+        threading.Thread(target=self._checkpoint_loop, args=(service,), name="checkpoints", daemon=True).start()
+        log.info("checkpoint memory tier up", extra={"node": self.node, "shard_server": service.server.address,
+                                                     "root": str(service.root)})
+        return service
+
+    def _checkpoint_loop(self, service: CheckpointService) -> None:
+        while not self.stopping.wait(CHECKPOINT_PASS_SECONDS):
+            try:
+                service.reconcile()
+            except Exception:  # noqa: BLE001 - checkpoints degrade; the agent must stay up
+                log.exception("checkpoint pass failed; retrying", extra={"node": self.node})
+                self.stopping.wait(1.0)
 
     def _reboot_if_asked(self) -> None:
         """SelfReboot: run ``Kubernetes.SelfRebootCommand`` once for a reboot asked of the boot this agent runs on.
@@ -152,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metrics-port", type=int, default=None)
     parser.add_argument("--metrics-host", default="0.0.0.0")
     parser.add_argument("--state-dir", type=Path, default=Path("/var/lib/unbroken"))
+    parser.add_argument("--shard-server-host", default=os.environ.get("POD_IP", "127.0.0.1"),
+                        help="the address peers reach this node's memory tier on (default: $POD_IP, which the DaemonSet "
+                             "sets from status.podIP; with hostNetwork that is the node's IP)")
+    parser.add_argument("--shard-server-port", type=int, default=0, help="its port (default: any free one; the DaemonSet uses 9402)")
     args = parser.parse_args(argv)
     logs.setup(component="agent", node=args.node)
     if not args.node:
@@ -159,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         runtime = open_kubernetes(api_client(args.kubeconfig, args.context), args.namespace, state_dir=args.state_dir)
-        agent = KubernetesAgent(runtime, args.node, args.socket_dir, args.kernel_log)
+        agent = KubernetesAgent(runtime, args.node, args.socket_dir, args.kernel_log, shard_host=args.shard_server_host,
+                                shard_port=args.shard_server_port)
     except UnbrokenError as exc:
         log.error("cannot start: %s", exc)
         return 2

@@ -31,6 +31,7 @@ import re
 import socket
 import ssl
 import threading
+import urllib.parse
 from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -62,6 +63,11 @@ _ROUTES = {
 }
 
 
+def _quoted(job: str) -> str:
+    """A job name as one path segment (Kubernetes jobs are ``<namespace>/<name>``); the server unquotes."""
+    return urllib.parse.quote(job, safe="")
+
+
 class AuthError(CheckpointError):
     """The other side does not hold the cluster's certificate (or speaks no TLS)."""
 
@@ -81,7 +87,7 @@ class ShardServer:
     """Serves one node's memory tier; ``catalog`` answers restoring ranks (the agent's catalog view)."""
 
     def __init__(self, root: Path, credentials: Credentials, host: str = "127.0.0.1", *,
-                 catalog: Callable[[str], RestoreCatalog] | None = None) -> None:
+                 catalog: Callable[[str], RestoreCatalog] | None = None, port: int = 0) -> None:
         self.root = root
         self.catalog = catalog
         context = credentials.server_context()
@@ -109,7 +115,7 @@ class ShardServer:
                 # client that stalls it never holds up the accept loop.
                 return context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False), address
 
-        self._server = Server((host, 0), Handler)
+        self._server = Server((host, port), Handler)
         self.address = f"{host}:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, name="shard-server", daemon=True)
 
@@ -157,7 +163,7 @@ class _Handler(BaseHTTPRequestHandler):
         for (verb, pattern), name in _ROUTES.items():
             match = pattern.match(self.path) if verb == method else None
             if match:
-                params = match.groupdict()
+                params = {k: urllib.parse.unquote(v) for k, v in match.groupdict().items()}
                 try:
                     getattr(self, name)(params["job"], *(int(params[k]) for k in ("step", "rank") if k in params))
                 except RequestError as exc:
@@ -335,11 +341,11 @@ class PeerClient:
                     self._conn.send(mv[offset : offset + _CHUNK])
 
         headers = {"Content-Length": str(info.size), SHARD_HEADER: info.model_dump_json()}
-        self._exchange("PUT", f"/v1/jobs/{info.job}/replicas/{info.step}/{info.rank}", headers=headers, body=send).read()
+        self._exchange("PUT", f"/v1/jobs/{_quoted(info.job)}/replicas/{info.step}/{info.rank}", headers=headers, body=send).read()
 
     def get(self, job: str, step: int, rank: int, into: Callable[[ShardInfo], memoryview]) -> ShardInfo:
         """Receive a shard into the buffer ``into(info)`` returns; checked against its checksum."""
-        response = self._exchange("GET", f"/v1/jobs/{job}/shards/{step}/{rank}")
+        response = self._exchange("GET", f"/v1/jobs/{_quoted(job)}/shards/{step}/{rank}")
         info = ShardInfo.model_validate_json(response.getheader(SHARD_HEADER) or "")
         digest = StreamingChecksum()
         if info.size:
@@ -350,15 +356,15 @@ class PeerClient:
         return info
 
     def shards(self, job: str) -> list[tuple[ShardInfo, bool]]:
-        return [(ShardInfo.model_validate(s["info"]), bool(s["held"])) for s in self._json("GET", f"/v1/jobs/{job}/shards")["shards"]]
+        return [(ShardInfo.model_validate(s["info"]), bool(s["held"])) for s in self._json("GET", f"/v1/jobs/{_quoted(job)}/shards")["shards"]]
 
     def catalog(self, job: str) -> RestoreCatalog:
-        raw = self._json("GET", f"/v1/jobs/{job}/catalog")
+        raw = self._json("GET", f"/v1/jobs/{_quoted(job)}/catalog")
         try:
             return RestoreCatalog.model_validate(raw)
         except ValidationError as exc:
             raise CheckpointError(f"{self.address}: not a restore catalog this unbroken reads: {exc.errors()[0]['msg']}") from None
 
     def verify(self, job: str) -> list[dict[str, Any]]:
-        results: list[dict[str, Any]] = self._json("POST", f"/v1/jobs/{job}/verify")["results"]
+        results: list[dict[str, Any]] = self._json("POST", f"/v1/jobs/{_quoted(job)}/verify")["results"]
         return results

@@ -77,6 +77,8 @@ class CheckpointService:
     """This node's folder in shared memory."""
     credentials: Credentials
     host: str = "127.0.0.1"
+    port: int = 0
+    """0: any free port (locally); a DaemonSet gives a fixed one it declares."""
     _known: dict[Path, str] = field(default_factory=dict)
     """Shard files recorded in the catalog, with the checksum they had then."""
     _replicated: set[plan.ShardKey] = field(default_factory=set)
@@ -95,7 +97,7 @@ class CheckpointService:
 
     def start(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
-        self.server = ShardServer(self.root, self.credentials, host=self.host, catalog=self.restore_catalog).start()
+        self.server = ShardServer(self.root, self.credentials, host=self.host, catalog=self.restore_catalog, port=self.port).start()
         self.catalog.set_shard_server(self.node, self.server.address)
         log.info("shard server listening", extra={"node": self.node, "address": self.server.address})
 
@@ -369,7 +371,7 @@ class CheckpointService:
         and the pushed slots that can no longer become that step."""
         wanted = {s.path: s for s in pin.shards}
         with self._pins_lock:
-            for path in [p for p in self._pins if p.parent.name == job.name and p not in wanted]:
+            for path in [p for p in self._pins if p.parent.name == shm.job_folder(job.name) and p not in wanted]:
                 self._pins.pop(path).__exit__(None, None, None)
             for path, shard in wanted.items():
                 if path not in self._pins:

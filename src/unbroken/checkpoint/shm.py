@@ -31,13 +31,15 @@ import mmap
 import os
 import re
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from unbroken import launch_env
 from unbroken.checkpoint.manifest import ShardInfo
 from unbroken.errors import CheckpointError
 
-SHM_BASE = Path(os.environ.get("UNBROKEN_SHM_BASE", "/dev/shm"))
+SHM_BASE = Path(os.environ.get(launch_env.SHM_BASE, "/dev/shm"))
 _SLOT = re.compile(r"^a(\d{4})-r(\d{5})-s(\d+)\.slot$")
 CAPACITY_STEP = 2 << 20
 """Slots grow in 2 MiB steps, so a state whose pickled part changes by a few bytes
@@ -55,12 +57,18 @@ def node_root(cluster_dir: Path, node: str) -> Path:
     return cluster_root(cluster_dir) / node
 
 
+def job_folder(job: str) -> str:
+    """``job`` as one folder name: Kubernetes jobs are ``<namespace>/<name>``, which must not nest.
+    Percent-encoding keeps local names (no ``/`` or ``%``) as they are."""
+    return urllib.parse.quote(job, safe="")
+
+
 def own_dir(root: Path, job: str) -> Path:
-    return root / "own" / job
+    return root / "own" / job_folder(job)
 
 
 def held_dir(root: Path, job: str) -> Path:
-    return root / "held" / job
+    return root / "held" / job_folder(job)
 
 
 def held_path(root: Path, job: str, step: int, rank: int) -> Path:
@@ -257,7 +265,7 @@ def scan(root: Path, job: str | None = None) -> list[StoredShard]:
     found: list[StoredShard] = []
     for kind, pattern in (("own", _SLOT), ("held", _HELD)):
         base = root / kind
-        jobs = [base / job] if job else (sorted(base.iterdir()) if base.is_dir() else [])
+        jobs = [base / job_folder(job)] if job else (sorted(base.iterdir()) if base.is_dir() else [])
         for folder in jobs:
             if not folder.is_dir():
                 continue

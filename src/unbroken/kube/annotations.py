@@ -6,6 +6,7 @@ HyperPod's pair, under unbroken's prefix::
     unbroken.dev/job-max-retry-count: "3"
     unbroken.dev/hang-timeout-seconds: "300"          # optional
     unbroken.dev/require-deep-health-passed: "true"   # optional, default false
+    unbroken.dev/checkpoint-tiers: '{"memory": {"every_steps": 10, "replicas": 1}}'   # optional: the job's TierPolicy
 
 A job without ``enable-job-auto-resume: "true"`` is not unbroken's: it is never
 read further, never patched, never restarted. A bad value is an
@@ -18,6 +19,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from pydantic import ValidationError
+
+from unbroken.config.checkpoint import TierPolicy
 from unbroken.errors import ConfigError
 from unbroken.kube import names
 
@@ -40,6 +44,9 @@ class AutoResume:
     hang_timeout: float | None = None
     """None: no hang detection (ranks without ``unbroken.init()`` report no progress)."""
     require_deep_health_passed: bool = False
+    checkpoint_tiers: TierPolicy | None = None
+    """The tiered checkpoint the ranks use (their ``UNBROKEN_CHECKPOINT_TIERS``); the node agents
+    keep the memory tier's replicas and drains by it. None: the job checkpoints to files only."""
 
 
 def managed(annotations: Mapping[str, str] | None) -> bool:
@@ -63,9 +70,24 @@ def parse(annotations: Mapping[str, str] | None) -> AutoResume | None:
     deep = annotations.get(names.REQUIRE_DEEP_HEALTH, "false").strip()
     if deep not in _TRUE | _FALSE:
         problems.append(f'annotation {names.REQUIRE_DEEP_HEALTH}: "{deep}" is not a boolean (valid: "true" or "false")')
+    tiers = _tiers(annotations, problems=problems)
     if problems:
         raise AnnotationError(problems)
-    return AutoResume(max_retry=max_retry, hang_timeout=hang, require_deep_health_passed=deep in _TRUE)
+    return AutoResume(max_retry=max_retry, hang_timeout=hang, require_deep_health_passed=deep in _TRUE, checkpoint_tiers=tiers)
+
+
+def _tiers(annotations: Mapping[str, str], *, problems: list[str]) -> TierPolicy | None:
+    raw = annotations.get(names.CHECKPOINT_TIERS)
+    if raw is None:
+        return None
+    try:
+        return TierPolicy.model_validate_json(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "the value"
+        problems.append(f'annotation {names.CHECKPOINT_TIERS}: "{raw}" is not a tier policy ({where}: {first["msg"]}; valid: '
+                        'JSON like {"memory": {"every_steps": 10, "keep": 2, "replicas": 1}, "persistent": {"uri": "s3://bucket/prefix"}})')
+        return None
 
 
 def _integer(annotations: Mapping[str, str], key: str, *, default: int, low: int, high: int, problems: list[str]) -> int:

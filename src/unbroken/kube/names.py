@@ -38,12 +38,16 @@ first); with the SelfReboot remediator, the agent on that boot is the one that r
 CORDONED = f"{PREFIX}/cordoned"
 """Annotation: unbroken cordoned this node (a remediation), so unbroken uncordons it when the node
 is back; a cordon without it is an administrator's and is left alone."""
+SHARD_SERVER = f"{PREFIX}/shard-server"
+"""Annotation: where the node agent's shard server (the checkpoint memory tier's peer API) listens, ``host:port``."""
 
 # -- jobs (annotations on a PyTorchJob / TrainJob) ----------------------------------------------------
 AUTO_RESUME = f"{PREFIX}/enable-job-auto-resume"
 MAX_RETRY = f"{PREFIX}/job-max-retry-count"
 HANG_TIMEOUT = f"{PREFIX}/hang-timeout-seconds"
 REQUIRE_DEEP_HEALTH = f"{PREFIX}/require-deep-health-passed"
+CHECKPOINT_TIERS = f"{PREFIX}/checkpoint-tiers"
+"""Annotation: the job's tiered checkpoint policy as JSON (config.checkpoint.TierPolicy), for the node agents."""
 JOB_STATE = f"{PREFIX}/job-state"
 """Annotation: the job's record as the operator keeps it (phase, attempt, reason, times, version)."""
 JOB_PHASE = f"{PREFIX}/phase"
@@ -61,6 +65,10 @@ LEASE_PREFIX = "unbroken-node-"
 LEASE_PROGRESS = f"{PREFIX}/progress"
 LEADER_LEASE = "unbroken-operator"
 COMPONENT = "unbroken"
+CHECKPOINT_JOB = f"{PREFIX}/checkpoint-job"
+"""On each checkpoint catalog ConfigMap (kube/catalog.py): label = the job's digest, annotation = its name."""
+CLUSTER_TLS_SECRET = "unbroken-cluster-tls"
+"""The cluster's TLS credentials for the memory tier's peer API (checkpoint/credentials.py), made by the operator."""
 
 _LABEL_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 

@@ -26,6 +26,11 @@ from unbroken.kube import names
 AGENT_DIR = "/var/run/unbroken"
 """The agent's socket directory on every node (deploy/base/agent.yaml mounts the same hostPath)."""
 VOLUME = "unbroken-agent"
+CLUSTER_FOLDER = "cluster"
+"""Under ``AGENT_DIR``: the cluster's TLS files, written there by the agent (the ranks' ``UNBROKEN_CLUSTER_DIR``)."""
+SHM_DIR = "/dev/shm/unbroken"
+"""The memory tier on every node (the agent mounts the same hostPath): shards outlive the pods."""
+SHM_VOLUME = "unbroken-shm"
 _NAMESPACE = "UNBROKEN_POD_NAMESPACE"
 _WORKLOAD = "UNBROKEN_WORKLOAD_NAME"
 
@@ -46,17 +51,28 @@ def rank_env(job_name_label: str) -> list[dict[str, Any]]:
     ]
 
 
-def with_rank_env(template: dict[str, Any], job_name_label: str) -> dict[str, Any]:
+def memory_tier_env(tiers_json: str) -> list[dict[str, Any]]:
+    """What a rank needs for the tiered checkpoint: the policy, the cluster's TLS folder, the memory tier's base."""
+    return [
+        {"name": launch_env.CHECKPOINT_TIERS, "value": tiers_json},
+        {"name": launch_env.CLUSTER_DIR, "value": f"{AGENT_DIR}/{CLUSTER_FOLDER}"},
+        {"name": launch_env.SHM_BASE, "value": SHM_DIR},
+    ]
+
+
+def with_rank_env(template: dict[str, Any], job_name_label: str, *, tiers_json: str | None = None) -> dict[str, Any]:
     """A copy of the pod ``template`` whose containers report to the node agent: the env (replacing
-    entries of the same names), the agent's socket directory (hostPath) mounted in each."""
+    entries of the same names), the agent's socket directory (hostPath) mounted in each; with
+    ``tiers_json`` (a TierPolicy) also the tiered checkpoint's env and the node's memory tier."""
     out = copy.deepcopy(template)
     spec = out.setdefault("spec", {})
-    ours = rank_env(job_name_label)
+    ours = rank_env(job_name_label) + (memory_tier_env(tiers_json) if tiers_json is not None else [])
     our_names = {e["name"] for e in ours}
+    hostpaths = {VOLUME: AGENT_DIR, **({SHM_VOLUME: SHM_DIR} if tiers_json is not None else {})}
     for container in spec.get("containers") or []:
         container["env"] = [e for e in container.get("env") or [] if e.get("name") not in our_names] + ours
-        mounts = [m for m in container.get("volumeMounts") or [] if m.get("name") != VOLUME]
-        container["volumeMounts"] = [*mounts, {"name": VOLUME, "mountPath": AGENT_DIR}]
-    volumes = [v for v in spec.get("volumes") or [] if v.get("name") != VOLUME]
-    spec["volumes"] = [*volumes, {"name": VOLUME, "hostPath": {"path": AGENT_DIR, "type": "DirectoryOrCreate"}}]
+        mounts = [m for m in container.get("volumeMounts") or [] if m.get("name") not in hostpaths]
+        container["volumeMounts"] = [*mounts, *({"name": n, "mountPath": p} for n, p in hostpaths.items())]
+    volumes = [v for v in spec.get("volumes") or [] if v.get("name") not in hostpaths]
+    spec["volumes"] = [*volumes, *({"name": n, "hostPath": {"path": p, "type": "DirectoryOrCreate"}} for n, p in hostpaths.items())]
     return out

@@ -15,7 +15,12 @@ printed is what the SDK would send:
   ``require-deep-health-passed``), and the pods get the node agent's socket
   and their identity (``rank_env``) so hangs are seen;
 * ``checkpoint.dir`` (default ``/checkpoints``) is ``UNBROKEN_CHECKPOINT_DIR``,
-  on a PersistentVolumeClaim every pod mounts when ``checkpoint_claim`` is given.
+  on a PersistentVolumeClaim every pod mounts when ``checkpoint_claim`` is given;
+* ``checkpoint.memory`` (and ``persistent``), the tiered checkpoint, becomes the
+  annotation ``unbroken.dev/checkpoint-tiers`` (for the node agents, which keep
+  the replicas and drain to the persistent tier: use ``s3://`` there, or a
+  ``file://`` path every agent mounts) and the ranks' env and the node's memory
+  tier mount (``rank_env.with_rank_env``).
 
 Deep checks: on Kubernetes a job waits for nodes whose deep check ``Passed``
 only when asked (HyperPod's ``--deep-health-check-passed-nodes-only``, or
@@ -82,21 +87,27 @@ def job_annotations(spec: JobSpec, placement: Placement) -> dict[str, str]:
         deep = placement.deep_health_only
     else:
         deep = "require_deep_health_passed" in resilience.model_fields_set and resilience.require_deep_health_passed
-    return {
+    annotations = {
         names.AUTO_RESUME: "true" if resilience.auto_resume else "false",
         names.MAX_RETRY: str(resilience.max_retry),
         names.HANG_TIMEOUT: f"{resilience.hang_timeout:g}",
         names.REQUIRE_DEEP_HEALTH: "true" if deep else "false",
     }
+    if (tiers := tiers_json(spec)) is not None:
+        annotations[names.CHECKPOINT_TIERS] = tiers
+    return annotations
+
+
+def tiers_json(spec: JobSpec) -> str | None:
+    """The job's tier policy as the annotation and the ranks' env carry it; None without tiers."""
+    tiers = spec.checkpoint.tiers
+    return None if tiers is None else tiers.model_dump_json(exclude_none=True)
 
 
 def render_pytorchjob(spec: JobSpec, placement: Placement) -> dict[str, Any]:
     if spec.elastic:
         raise UsageError(f"job {spec.name}: nodes {spec.fewest_nodes}-{spec.nodes} (elastic) runs on the local backend only in "
                          f"this version; on Kubernetes give a fixed size (nodes: {spec.nodes})")
-    if spec.checkpoint.memory is not None or spec.checkpoint.persistent is not None:
-        raise UsageError(f"job {spec.name}: checkpoint.memory/persistent (the tiered checkpoint) is not available on "
-                         "Kubernetes yet; remove them and checkpoint to checkpoint.dir on a shared volume (--checkpoint-claim)")
     if spec.resilience.warm_spares:
         raise UsageError(f"job {spec.name}: resilience.warm_spares {spec.resilience.warm_spares} needs a node agent that "
                          "launches the ranks (the local backend); on Kubernetes the pod's container starts them: "
@@ -124,7 +135,7 @@ def render_pytorchjob(spec: JobSpec, placement: Placement) -> dict[str, Any]:
                            termination_grace_period_seconds=placement.termination_grace_seconds)
     serializer = client.ApiClient()  # only its model-to-JSON conversion: it never connects
     template = with_rank_env(serializer.sanitize_for_serialization(client.V1PodTemplateSpec(spec=pod)),
-                             PYTORCHJOB.pod_label)
+                             PYTORCHJOB.pod_label, tiers_json=tiers_json(spec))
     replicas = {"Master": KubeflowOrgV1ReplicaSpec(replicas=1, restart_policy="OnFailure", template=template)}
     if spec.nodes > 1:
         replicas["Worker"] = KubeflowOrgV1ReplicaSpec(replicas=spec.nodes - 1, restart_policy="OnFailure", template=template)

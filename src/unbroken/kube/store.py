@@ -405,6 +405,8 @@ class KubernetesStore:
                 hang_timeout=settings.hang_timeout or NO_HANG_TIMEOUT, startup_timeout=NO_HANG_TIMEOUT,
                 require_deep_health_passed=settings.require_deep_health_passed,
             ).model_dump(),
+            "checkpoint": ({} if settings.checkpoint_tiers is None else
+                           settings.checkpoint_tiers.model_dump(exclude_none=True)),
         }, context={"trusted": True})
         saved = json.loads((meta.get("annotations") or {}).get(names.JOB_STATE, "{}") or "{}")
         created = parse_time(meta.get("creationTimestamp")) or 0.0

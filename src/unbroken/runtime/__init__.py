@@ -94,7 +94,7 @@ def open_kubernetes(api: "kubernetes.client.ApiClient", namespace: str, *, job_n
     from unbroken.config.cluster import Remediator
     from unbroken.kube.backend import CommandRemediator, ConditionRemediator, KubernetesBackend, SelfRebootRemediator
     from unbroken.kube.backend import Remediator as NodeRemediator
-    from unbroken.kube.catalog import NoCheckpointCatalog
+    from unbroken.kube.catalog import KubernetesCatalog
     from unbroken.kube.store import KubernetesStore
 
     store = KubernetesStore(api, namespace, job_namespace=job_namespace)
@@ -108,5 +108,5 @@ def open_kubernetes(api: "kubernetes.client.ApiClient", namespace: str, *, job_n
     else:
         remediator = ConditionRemediator(store)
     backend = KubernetesBackend(store, remediator, force_delete_after=settings.ForceDeleteGraceSeconds)
-    return Runtime(cluster=store, catalog=NoCheckpointCatalog(), backend=backend, config=config,
+    return Runtime(cluster=store, catalog=KubernetesCatalog(api, namespace), backend=backend, config=config,
                    layout=ClusterLayout.at(state_dir), clock=clock)

@@ -1,0 +1,84 @@
+"""The cluster's TLS credentials on Kubernetes: one Secret, made by the first agent that needs it.
+
+The memory tier's peer API is mutual TLS under a CA of the cluster's own
+(checkpoint/credentials.py). On Kubernetes the three files live in the Secret
+``unbroken-cluster-tls`` in unbroken's namespace. Agents race to create it: the
+first one's CA wins (a create is atomic; the losers read the winner's), so there
+is no install step and no operator dependency. Each agent then writes the files
+into its node's socket folder (``/var/run/unbroken/cluster``), which the training
+pods mount already: their ranks present the same certificate to restore from
+peers. The CA's key is not kept, as locally: nobody can mint a second certificate.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import tempfile
+from pathlib import Path
+
+import kubernetes
+
+from unbroken.checkpoint import credentials
+from unbroken.checkpoint.credentials import Credentials
+from unbroken.errors import StoreUnavailable
+from unbroken.kube import names
+
+_FILES = (credentials.CA_FILE, credentials.CERT_FILE, credentials.KEY_FILE)
+
+
+def ensure(api: kubernetes.client.ApiClient, namespace: str, directory: Path, cluster_name: str) -> Credentials:
+    """The cluster's credentials, written into ``directory`` (the Secret is created first if missing)."""
+    core = kubernetes.client.CoreV1Api(api)
+    data = _read(core, namespace)
+    if data is None:
+        data = _create(core, namespace, cluster_name)
+    directory.mkdir(mode=0o755, parents=True, exist_ok=True)
+    for name in _FILES:
+        _write_atomically(directory / name, base64.b64decode(data[name]), mode=0o600 if name.endswith(".key") else 0o644)
+    return credentials.load(directory)
+
+
+def _read(core: kubernetes.client.CoreV1Api, namespace: str) -> dict[str, str] | None:
+    try:
+        secret = core.read_namespaced_secret(names.CLUSTER_TLS_SECRET, namespace)
+    except kubernetes.client.ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise StoreUnavailable(f"Kubernetes API: reading Secret {namespace}/{names.CLUSTER_TLS_SECRET}: {exc.status} {exc.reason}") from None
+    data = secret.data or {}
+    missing = [n for n in _FILES if n not in data]
+    if missing:
+        raise StoreUnavailable(f"Secret {namespace}/{names.CLUSTER_TLS_SECRET} lacks {', '.join(missing)}: delete it and an "
+                               "agent makes a new one (every node's agent must then restart to read it)")
+    return dict(data)
+
+
+def _create(core: kubernetes.client.CoreV1Api, namespace: str, cluster_name: str) -> dict[str, str]:
+    with tempfile.TemporaryDirectory(prefix="unbroken-tls-") as scratch:
+        credentials.create(Path(scratch), cluster_name)
+        data = {n: base64.b64encode((Path(scratch) / n).read_bytes()).decode() for n in _FILES}
+    body = {"metadata": {"name": names.CLUSTER_TLS_SECRET, "labels": {"app.kubernetes.io/part-of": names.COMPONENT}},
+            "type": "Opaque", "data": data}
+    try:
+        core.create_namespaced_secret(namespace, body)
+        return data
+    except kubernetes.client.ApiException as exc:
+        if exc.status != 409:
+            raise StoreUnavailable(f"Kubernetes API: creating Secret {namespace}/{names.CLUSTER_TLS_SECRET}: "
+                                   f"{exc.status} {exc.reason}") from None
+    theirs = _read(core, namespace)  # another agent's create won: use its CA
+    if theirs is None:
+        raise StoreUnavailable(f"Secret {namespace}/{names.CLUSTER_TLS_SECRET} was created and is gone again")
+    return theirs
+
+
+def _write_atomically(path: Path, content: bytes, *, mode: int) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        os.write(fd, content)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)

@@ -1,0 +1,132 @@
+"""The checkpoint catalog on Kubernetes (kube/catalog.py): the same contract as the SQLite catalog, on ConfigMaps.
+
+Emulated: the API server only (tests/k8s_emulator.py: kmock behind the Kubernetes REST conventions, with
+resourceVersion preconditions on patch and delete, over real HTTP); the catalog talks to it with the real
+``kubernetes`` client. Racing writers are real threads with their own clients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from pathlib import Path
+
+import kubernetes
+import pytest
+
+from unbroken.kube import names
+from unbroken.kube.catalog import KubernetesCatalog, configmap_name
+from unbroken.kube.client import api_client
+from unbroken.state.records import CheckpointStep, CheckpointTier, ShardCopy, StepStatus
+
+pytestmark = pytest.mark.timeout(60)
+JOB = "team-a/llama"
+
+
+@pytest.fixture
+def catalog(kubeconfig: Path, namespace: str) -> KubernetesCatalog:
+    return KubernetesCatalog(api_client(kubeconfig), namespace)
+
+
+def a_step(step: int = 10, tier: CheckpointTier = CheckpointTier.MEMORY, **changes: object) -> CheckpointStep:
+    record = CheckpointStep(job=JOB, step=step, tier=tier, attempt=0, world_size=2, status=StepStatus.DRAINING, size=8,
+                            updated_at=1.0)
+    return dataclasses.replace(record, **changes)  # type: ignore[arg-type]
+
+
+def a_copy(rank: int, tier: CheckpointTier, node: str, step: int = 10) -> ShardCopy:
+    return ShardCopy(job=JOB, step=step, rank=rank, tier=tier, node=node, attempt=0, world_size=2, size=4,
+                     checksum="c", info_json='{"tensors": []}', created_at=1.5)
+
+
+def configmaps(catalog: KubernetesCatalog) -> list[str]:
+    return sorted(c.metadata.name for c in catalog.core.list_namespaced_config_map(catalog.namespace).items)
+
+
+def test_insert_if_absent_lets_exactly_one_writer_open_a_step(catalog: KubernetesCatalog) -> None:
+    assert catalog.put_checkpoint_step(a_step(message="mine"), only_if_absent=True) is True
+    assert catalog.put_checkpoint_step(a_step(message="theirs"), only_if_absent=True) is False
+    assert [s.message for s in catalog.list_checkpoint_steps(JOB)] == ["mine"]
+
+
+def test_compare_and_swap_writes_only_over_the_row_it_read_and_an_empty_step_leaves_no_configmap(catalog: KubernetesCatalog) -> None:
+    catalog.put_checkpoint_step(a_step())
+    read = catalog.list_checkpoint_steps(JOB)[0]
+    assert read == a_step(), "a round trip keeps every field and type"
+    claimed = dataclasses.replace(read, message="committing: gpu-a", updated_at=2.0)
+    assert catalog.replace_checkpoint_step(read, claimed) is True
+    failed = dataclasses.replace(read, status=StepStatus.FAILED, message="disk full")
+    assert catalog.replace_checkpoint_step(read, failed) is False, "the row changed since it was read"
+    assert catalog.list_checkpoint_steps(JOB) == [claimed]
+    assert catalog.replace_checkpoint_step(claimed, None) is True, "None deletes"
+    assert catalog.list_checkpoint_steps(JOB) == []
+    assert catalog.replace_checkpoint_step(claimed, read) is False, "nothing to swap"
+    assert configmaps(catalog) == [], "a step with no rows and no copies is no object"
+
+
+def test_steps_and_copies_are_listed_newest_first_per_tier_and_job(catalog: KubernetesCatalog) -> None:
+    for step in (10, 30, 20):
+        catalog.put_checkpoint_step(a_step(step))
+    catalog.put_checkpoint_step(a_step(30, CheckpointTier.PERSISTENT, status=StepStatus.COMMITTED, committed_at=3.0))
+    other = dataclasses.replace(a_step(40), job="team-b/llama")
+    catalog.put_checkpoint_step(other)
+    assert [(s.step, s.tier) for s in catalog.list_checkpoint_steps(JOB)] == [
+        (30, CheckpointTier.MEMORY), (30, CheckpointTier.PERSISTENT), (20, CheckpointTier.MEMORY), (10, CheckpointTier.MEMORY)]
+    assert [s.step for s in catalog.list_checkpoint_steps(JOB, tier=CheckpointTier.PERSISTENT)] == [30]
+    assert catalog.list_checkpoint_steps("team-b/llama") == [other]
+    catalog.put_shard_copy(a_copy(1, CheckpointTier.PERSISTENT, "", step=30))
+    catalog.put_shard_copy(a_copy(0, CheckpointTier.MEMORY, "gpu-a", step=20))
+    assert [(c.step, c.rank, c.node) for c in catalog.list_shard_copies(JOB)] == [(30, 1, ""), (20, 0, "gpu-a")]
+    assert catalog.list_shard_copies(JOB, step=30)[0] == a_copy(1, CheckpointTier.PERSISTENT, "", step=30)
+    assert configmaps(catalog) == sorted([configmap_name(JOB, s) for s in (10, 20, 30)] + [configmap_name("team-b/llama", 40)])
+
+
+def test_shard_copies_are_forgotten_per_rank_tier_and_node(catalog: KubernetesCatalog) -> None:
+    for c in (a_copy(0, CheckpointTier.MEMORY, "gpu-a"), a_copy(1, CheckpointTier.MEMORY, "gpu-a"),
+              a_copy(0, CheckpointTier.REPLICA, "gpu-b")):
+        catalog.put_shard_copy(c)
+    catalog.delete_shard_copies(JOB, 10, tier=CheckpointTier.MEMORY, node="gpu-a", rank=0)
+    assert [(c.rank, c.tier, c.node) for c in catalog.list_shard_copies(JOB)] == [
+        (0, CheckpointTier.REPLICA, "gpu-b"), (1, CheckpointTier.MEMORY, "gpu-a")]
+    catalog.delete_shard_copies(JOB, 10)
+    catalog.delete_shard_copies(JOB, 99)  # no such step: nothing to do, no error
+    assert catalog.list_shard_copies(JOB) == [] and configmaps(catalog) == []
+
+
+def test_racing_agents_never_lose_a_copy_and_exactly_one_opens_the_step(kubeconfig: Path, namespace: str) -> None:
+    """Eight writers, each with its own client, add their copies and all try to open the same step at once."""
+    opened: list[int] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(8)
+
+    def agent(rank: int) -> None:
+        try:
+            mine = KubernetesCatalog(api_client(kubeconfig), namespace)
+            start.wait()
+            mine.put_shard_copy(a_copy(rank, CheckpointTier.MEMORY, f"gpu-{rank}"))
+            if mine.put_checkpoint_step(a_step(message=f"rank {rank}"), only_if_absent=True):
+                opened.append(rank)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=agent, args=(r,)) for r in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    catalog = KubernetesCatalog(api_client(kubeconfig), namespace)
+    assert sorted(c.rank for c in catalog.list_shard_copies(JOB)) == list(range(8))
+    assert len(opened) == 1, opened
+    assert [s.message for s in catalog.list_checkpoint_steps(JOB)] == [f"rank {opened[0]}"]
+
+
+def test_shard_servers_are_node_annotations(catalog: KubernetesCatalog) -> None:
+    for node in ("cat-a", "cat-b"):
+        catalog.core.create_node({"metadata": {"name": node}})
+    catalog.set_shard_server("cat-a", "127.0.0.1:4000")
+    catalog.set_shard_server("cat-a", "127.0.0.1:4001")
+    catalog.set_shard_server("cat-b", "127.0.0.1:5000")
+    servers = catalog.shard_servers()
+    assert {n: servers[n] for n in ("cat-a", "cat-b")} == {"cat-a": "127.0.0.1:4001", "cat-b": "127.0.0.1:5000"}
+    assert kubernetes.client.CoreV1Api(catalog.core.api_client).read_node("cat-a").metadata.annotations[names.SHARD_SERVER] == "127.0.0.1:4001"
