@@ -211,7 +211,10 @@ def checkpoint_steps(checkpoints: Path) -> list[int]:
 
 
 def rank_log(cluster: Cluster, pod: str) -> str:
-    path = cluster.kubelet.log_path(JOBS, pod)
+    try:
+        path = cluster.kubelet.log_path(JOBS, pod)
+    except KeyError:  # not started yet
+        return ""
     return path.read_text(errors="replace") if path.exists() else ""
 
 
@@ -649,6 +652,31 @@ def test_a_hung_rank_restarts_the_job_after_its_hang_timeout(cluster: Cluster, a
         return bool(pods) and all((p.metadata.annotations or {}).get(names.ATTEMPT) == "1" for p in pods) \
             and "resumed at step" in rank_log(cluster, f"{name}-master-0")
     wait_until(resumed, 120, "attempt 1 to resume from the checkpoint")
+
+
+def test_a_rank_that_never_reaches_its_first_step_restarts_the_job_after_the_startup_timeout(
+        cluster: Cluster, agents: Agents, tmp_path: Path) -> None:
+    """A startup hang: the rank joined (``unbroken.init()`` said hello to its node's agent) and then never
+    reported a step (a data loader stuck on a mount, a rendezvous that never completes). With
+    ``startup-timeout-seconds`` the job restarts, and once the budget is spent it fails with the reason."""
+    cluster.start_operator()
+    body = pytorchjob("stuck", tmp_path / "ckpt", steps=10, nodes=1, report_progress=True,
+                      annotations={**auto_resume(1), names.STARTUP_TIMEOUT: "4"})
+    container = body["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    container["command"] = [sys.executable, "-c", "import time, unbroken; unbroken.init(); print('joined', flush=True); time.sleep(3600)"]
+    body["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["terminationGracePeriodSeconds"] = 2
+    name = submit(cluster, body)
+    wait_until(lambda: "joined" in rank_log(cluster, f"{name}-master-0"), 60, "the rank to say hello")
+    joined_at = time.time()
+
+    wait_until(lambda: "JobRestarting" in cluster.reasons(name), 60, "the startup hang to restart the job")
+    waited = time.time() - joined_at
+    restarting = next(m for _, r, m in cluster.events(name) if r == "JobRestarting")
+    assert "reported progress within startup_timeout 4 s" in restarting and "restart 1 of 1" in restarting, restarting
+    assert 2 <= waited < 15, waited  # the container started a moment before its hello; within a few passes after
+    wait_until(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Failed", 90, "attempt 1 to hang too and fail the job")
+    failed = wait_until(lambda: next((m for _, r, m in cluster.events(name) if r == "JobFailed"), None), 10, "the JobFailed event")
+    assert "startup_timeout 4 s" in failed and "max_retry 1 restarts used" in failed, failed
 
 
 TRAINER = ("trainer.kubeflow.org", "v1alpha1")

@@ -46,6 +46,7 @@ def test_the_rendered_job_is_what_the_operator_and_training_operator_read() -> N
     assert {k: v.restart_policy for k, v in model.spec.pytorch_replica_specs.items()} == {"Master": "OnFailure", "Worker": "OnFailure"}
     settings = job_annotations.parse(body["metadata"]["annotations"])  # the operator's own parser
     assert (settings.max_retry, settings.hang_timeout, settings.require_deep_health_passed) == (5, 600.0, False)
+    assert settings.startup_timeout == 600.0, "the job file's default startup_timeout"
     template = body["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": template["spec"]}
     assert kubernetes_validate.validate(pod, schema_version(), strict=True)
@@ -105,6 +106,8 @@ def test_a_bad_tier_policy_annotation_names_the_field_and_what_is_valid() -> Non
         job_annotations.parse({names.AUTO_RESUME: "true", names.CHECKPOINT_TIERS: '{"memory": {"keep": 0}}'})
     message = str(error.value)
     assert names.CHECKPOINT_TIERS in message and "memory.keep" in message and "every_steps" in message
+    with pytest.raises(job_annotations.AnnotationError, match=f'{names.STARTUP_TIMEOUT}: "soon" is not a number of seconds'):
+        job_annotations.parse({names.AUTO_RESUME: "true", names.STARTUP_TIMEOUT: "soon"})
     with pytest.raises(job_annotations.AnnotationError, match="not a tier policy"):
         job_annotations.parse({names.AUTO_RESUME: "true", names.CHECKPOINT_TIERS: "fast please"})
 

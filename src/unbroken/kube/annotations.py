@@ -6,6 +6,7 @@ HyperPod's pair, under unbroken's prefix::
     unbroken.dev/job-max-retry-count: "3"
     unbroken.dev/hang-timeout-seconds: "300"          # optional
     unbroken.dev/require-deep-health-passed: "true"   # optional, default false
+    unbroken.dev/startup-timeout-seconds: "600"       # optional: no first step this long after the container started
     unbroken.dev/checkpoint-tiers: '{"memory": {"every_steps": 10, "replicas": 1}}'   # optional: the job's TierPolicy
 
 A job without ``enable-job-auto-resume: "true"`` is not unbroken's: it is never
@@ -44,6 +45,9 @@ class AutoResume:
     hang_timeout: float | None = None
     """None: no hang detection (ranks without ``unbroken.init()`` report no progress)."""
     require_deep_health_passed: bool = False
+    startup_timeout: float | None = None
+    """None: a rank that never reports its first step is not timed out (only its exit is seen).
+    Counted from the container's start, so an image pull does not use it up."""
     checkpoint_tiers: TierPolicy | None = None
     """The tiered checkpoint the ranks use (their ``UNBROKEN_CHECKPOINT_TIERS``); the node agents
     keep the memory tier's replicas and drains by it. None: the job checkpoints to files only."""
@@ -67,13 +71,15 @@ def parse(annotations: Mapping[str, str] | None) -> AutoResume | None:
         return None
     max_retry = _integer(annotations, names.MAX_RETRY, default=3, low=0, high=MAX_RETRY_LIMIT, problems=problems)
     hang = _number(annotations, names.HANG_TIMEOUT, problems=problems)
+    startup = _number(annotations, names.STARTUP_TIMEOUT, problems=problems)
     deep = annotations.get(names.REQUIRE_DEEP_HEALTH, "false").strip()
     if deep not in _TRUE | _FALSE:
         problems.append(f'annotation {names.REQUIRE_DEEP_HEALTH}: "{deep}" is not a boolean (valid: "true" or "false")')
     tiers = _tiers(annotations, problems=problems)
     if problems:
         raise AnnotationError(problems)
-    return AutoResume(max_retry=max_retry, hang_timeout=hang, require_deep_health_passed=deep in _TRUE, checkpoint_tiers=tiers)
+    return AutoResume(max_retry=max_retry, hang_timeout=hang, require_deep_health_passed=deep in _TRUE,
+                      startup_timeout=startup, checkpoint_tiers=tiers)
 
 
 def _tiers(annotations: Mapping[str, str], *, problems: list[str]) -> TierPolicy | None:

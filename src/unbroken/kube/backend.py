@@ -246,9 +246,19 @@ class KubernetesBackend:
             job=job, attempt=_attempt(pod), node=spec["nodeName"], node_rank=kind.node_rank(pod, masterless=masterless),
             desired=Desired.STOP if meta.get("deletionTimestamp") else Desired.RUN, phase=phase,
             rdzv_endpoint=kind.rdzv_endpoint(job.partition("/")[2]),
-            created_at=parse_time(meta.get("creationTimestamp")) or 0.0, started_at=parse_time(status.get("startTime")),
+            created_at=parse_time(meta.get("creationTimestamp")) or 0.0, started_at=_container_started(status),
             ended_at=ended, exit_code=exit_code, message=f"pod {meta['name']}: {message}" if message else None,
         )
+
+
+def _container_started(status: dict[str, Any]) -> float | None:
+    """When the pod's first container started running (after its image was pulled: startup_timeout
+    counts from here); before that, the pod's own start time."""
+    for container in status.get("containerStatuses") or []:
+        started = parse_time(((container.get("state") or {}).get("running") or {}).get("startedAt"))
+        if started is not None:
+            return started
+    return parse_time(status.get("startTime"))
 
 
 def _attempt(pod: dict[str, Any]) -> int:

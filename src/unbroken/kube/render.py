@@ -91,6 +91,7 @@ def job_annotations(spec: JobSpec, placement: Placement) -> dict[str, str]:
         names.AUTO_RESUME: "true" if resilience.auto_resume else "false",
         names.MAX_RETRY: str(resilience.max_retry),
         names.HANG_TIMEOUT: f"{resilience.hang_timeout:g}",
+        names.STARTUP_TIMEOUT: f"{resilience.startup_timeout:g}",
         names.REQUIRE_DEEP_HEALTH: "true" if deep else "false",
     }
     if (tiers := tiers_json(spec)) is not None:

@@ -402,7 +402,8 @@ class KubernetesStore:
             "command": [f"{kind.kind} {meta['namespace']}/{meta['name']}"],
             "resilience": ResilienceSpec(
                 auto_resume=True, max_retry=settings.max_retry, restart_policy=RestartPolicy.ON_FAILURE,
-                hang_timeout=settings.hang_timeout or NO_HANG_TIMEOUT, startup_timeout=NO_HANG_TIMEOUT,
+                hang_timeout=settings.hang_timeout or NO_HANG_TIMEOUT,
+                startup_timeout=settings.startup_timeout or NO_HANG_TIMEOUT,
                 require_deep_health_passed=settings.require_deep_health_passed,
             ).model_dump(),
             "checkpoint": ({} if settings.checkpoint_tiers is None else
