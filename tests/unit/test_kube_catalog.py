@@ -130,3 +130,18 @@ def test_shard_servers_are_node_annotations(catalog: KubernetesCatalog) -> None:
     servers = catalog.shard_servers()
     assert {n: servers[n] for n in ("cat-a", "cat-b")} == {"cat-a": "127.0.0.1:4001", "cat-b": "127.0.0.1:5000"}
     assert kubernetes.client.CoreV1Api(catalog.core.api_client).read_node("cat-a").metadata.annotations[names.SHARD_SERVER] == "127.0.0.1:4001"
+
+
+def test_a_pass_reads_one_list_yet_sees_its_own_writes_at_once_and_other_agents_within_the_reuse_window(
+        kubeconfig: Path, namespace: str) -> None:
+    from unbroken.kube.catalog import LIST_REUSE_SECONDS
+    from unbroken.waiting import wait_until
+
+    mine = KubernetesCatalog(api_client(kubeconfig), namespace)
+    theirs = KubernetesCatalog(api_client(kubeconfig), namespace)
+    assert mine.list_checkpoint_steps(JOB) == []
+    mine.put_checkpoint_step(a_step(10))
+    assert [s.step for s in mine.list_checkpoint_steps(JOB)] == [10], "its own write: no stale list"
+    theirs.put_checkpoint_step(a_step(20))
+    wait_until(lambda: [s.step for s in mine.list_checkpoint_steps(JOB)] == [20, 10], LIST_REUSE_SECONDS + 5,
+               "another agent's write to show")

@@ -18,26 +18,30 @@ agents' race: insert-if-absent and compare-and-swap read the ConfigMap and send 
 and decided again on the fresh object. A ConfigMap left with no key is deleted under
 the same precondition, so a copy added meanwhile is never lost with it.
 
-Reads list the label's ConfigMaps (a label selector, and filtered here too). Agents
-read every pass; ``KUBERNETES_PASS_SECONDS`` in the agent sets how often.
+Reads list the label's ConfigMaps (a label selector, and filtered here too); one list
+serves the reads of a pass (``LIST_REUSE_SECONDS``). Agents read every pass;
+``CHECKPOINT_PASS_SECONDS`` in agent/kubernetes.py sets how often.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
+import time
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
 import kubernetes
 
-from unbroken.errors import StoreUnavailable
+from unbroken.errors import NotFoundError, StoreUnavailable
 from unbroken.kube import names
+from unbroken.kube.api import ApiConflict, call
 from unbroken.state.records import CheckpointStep, CheckpointTier, ShardCopy, StepStatus
 
-log = logging.getLogger("unbroken.kube.catalog")
-
+LIST_REUSE_SECONDS = 0.2
+"""A job's list is reused this long (unless this catalog wrote since): the agent's pass (0.5 s) asks for a
+job's steps, then its copies, then the restore catalog does again; other agents' writes show within this."""
 CONFLICT_RETRIES = 20
 """Optimistic writes retried against the fresh object; agents racing for one step settle in a few."""
 _STEP_KEY = "step."
@@ -80,53 +84,52 @@ class KubernetesCatalog:
     def __init__(self, api: kubernetes.client.ApiClient, namespace: str) -> None:
         self.core = kubernetes.client.CoreV1Api(api)
         self.namespace = namespace
+        self._listed: dict[str, tuple[float, list[dict[str, Any]]]] = {}
+        """Per job: when it was last listed, and what came back (see ``_list``)."""
 
-    # -- ConfigMap plumbing -------------------------------------------------------------
+    # -- ConfigMap plumbing (every call through kube.api.call: 404 NotFoundError, 409 ApiConflict) --------
 
-    def _call(self, request: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return request(*args, **kwargs)
-        except kubernetes.client.ApiException as exc:
-            if exc.status in (404, 409):
-                raise
-            raise StoreUnavailable(f"Kubernetes API: {exc.status} {exc.reason}") from None
-        except OSError as exc:  # urllib3 errors are OSErrors: the API server is unreachable
-            raise StoreUnavailable(f"Kubernetes API unreachable: {exc}") from None
+    def _json(self, request: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        response = call(lambda: request(*args, _preload_content=False, **kwargs))
+        return json.loads(response.data)
 
     def _read(self, job: str, step: int) -> dict[str, Any] | None:
         """The step's ConfigMap as JSON, None if there is none."""
         try:
-            response = self._call(self.core.read_namespaced_config_map, configmap_name(job, step), self.namespace,
-                                  _preload_content=False)
-        except kubernetes.client.ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
-        obj: dict[str, Any] = json.loads(response.data)
+            obj: dict[str, Any] = self._json(self.core.read_namespaced_config_map, configmap_name(job, step), self.namespace)
+        except NotFoundError:
+            return None
         return obj
 
     def _list(self, job: str) -> list[dict[str, Any]]:
-        label = f"{names.CHECKPOINT_JOB}={job_digest(job)}"
-        response = self._call(self.core.list_namespaced_config_map, self.namespace, label_selector=label,
-                              _preload_content=False)
-        items = json.loads(response.data).get("items") or []
-        return [i for i in items if (i["metadata"].get("labels") or {}).get(names.CHECKPOINT_JOB) == job_digest(job)
+        """The job's step ConfigMaps. Within ``LIST_REUSE_SECONDS`` of the last list and with no write by this
+        catalog since, the same answer: a pass reads a job's steps and its copies, one list serves both."""
+        now = time.monotonic()
+        cached = self._listed.get(job)
+        if cached is not None and now - cached[0] < LIST_REUSE_SECONDS:
+            return cached[1]
+        digest = job_digest(job)
+        items = self._json(self.core.list_namespaced_config_map, self.namespace,
+                           label_selector=f"{names.CHECKPOINT_JOB}={digest}").get("items") or []
+        mine = [i for i in items if (i["metadata"].get("labels") or {}).get(names.CHECKPOINT_JOB) == digest
                 and (i["metadata"].get("annotations") or {}).get(names.CHECKPOINT_JOB) == job]
+        self._listed[job] = (now, mine)
+        return mine
 
     def _write(self, job: str, step: int, data: dict[str, str | None], *, resource_version: str | None = None) -> bool:
         """Merge ``data`` into the step's ConfigMap (None deletes a key), creating it if it is missing.
         With ``resource_version``: only over that version of it; False if it changed (or went away)."""
-        name = configmap_name(job, step)
+        self._listed.pop(job, None)
         patch: dict[str, Any] = {"data": data}
         if resource_version is not None:
             patch["metadata"] = {"resourceVersion": resource_version}
         try:
-            self._call(self.core.patch_namespaced_config_map, name, self.namespace, patch)
+            call(lambda: self.core.patch_namespaced_config_map(configmap_name(job, step), self.namespace, patch))
             return True
-        except kubernetes.client.ApiException as exc:
-            if exc.status == 409:
-                return False
-            if resource_version is not None:  # 404: the version we read is gone
+        except ApiConflict:
+            return False
+        except NotFoundError:
+            if resource_version is not None:  # the version we read is gone
                 return False
         if all(v is None for v in data.values()):
             return True  # deleting keys of a ConfigMap that is gone: nothing to do
@@ -138,46 +141,43 @@ class KubernetesCatalog:
         obj = self._read(job, step)
         if obj is None or obj.get("data"):
             return
+        self._listed.pop(job, None)
         options = kubernetes.client.V1DeleteOptions(preconditions=kubernetes.client.V1Preconditions(
             resource_version=obj["metadata"]["resourceVersion"]))
         try:
-            self._call(self.core.delete_namespaced_config_map, configmap_name(job, step), self.namespace, body=options)
-        except kubernetes.client.ApiException as exc:
-            if exc.status not in (404, 409):  # gone already, or a key was added since: keep it
-                raise
+            call(lambda: self.core.delete_namespaced_config_map(configmap_name(job, step), self.namespace, body=options))
+        except (NotFoundError, ApiConflict):
+            pass  # gone already, or a key was added since: keep it
 
-    def _compare_and_write(self, job: str, step: int, decide: Any) -> bool:
+    def _compare_and_write(self, job: str, step: int, decide: Callable[[dict[str, str]], dict[str, str | None] | None]) -> bool:
         """``decide(data)`` → the keys to write, or None to give up; retried on a changed ConfigMap."""
         for _ in range(CONFLICT_RETRIES):
             obj = self._read(job, step)
-            data = (obj or {}).get("data") or {}
-            change = decide(data)
+            change = decide((obj or {}).get("data") or {})
             if change is None:
                 return False
-            version = obj["metadata"]["resourceVersion"] if obj is not None else None
             if obj is None:
                 # Nothing to race over yet: create it; a creator that lost the race tries again.
                 if self._create_only(job, step, change):
                     return True
                 continue
-            if self._write(job, step, change, resource_version=version):
+            if self._write(job, step, change, resource_version=obj["metadata"]["resourceVersion"]):
                 if any(v is None for v in change.values()):
                     self._delete_if_empty(job, step)
                 return True
         raise StoreUnavailable(f"checkpoint catalog: step {step} of job {job} kept changing under {CONFLICT_RETRIES} writes")
 
     def _create_only(self, job: str, step: int, data: dict[str, str | None]) -> bool:
+        self._listed.pop(job, None)
         body = {"metadata": {"name": configmap_name(job, step),
                              "labels": {names.CHECKPOINT_JOB: job_digest(job), "app.kubernetes.io/part-of": names.COMPONENT},
                              "annotations": {names.CHECKPOINT_JOB: job}},
                 "data": {k: v for k, v in data.items() if v is not None}}
         try:
-            self._call(self.core.create_namespaced_config_map, self.namespace, body)
+            call(lambda: self.core.create_namespaced_config_map(self.namespace, body))
             return True
-        except kubernetes.client.ApiException as exc:
-            if exc.status == 409:
-                return False
-            raise
+        except ApiConflict:
+            return False
 
     # -- shard copies ---------------------------------------------------------------------
 
@@ -250,12 +250,11 @@ class KubernetesCatalog:
     # -- shard servers ------------------------------------------------------------------------
 
     def set_shard_server(self, node: str, address: str) -> None:
-        self._call(self.core.patch_node, node, {"metadata": {"annotations": {names.SHARD_SERVER: address}}})
+        call(lambda: self.core.patch_node(node, {"metadata": {"annotations": {names.SHARD_SERVER: address}}}))
 
     def shard_servers(self) -> dict[str, str]:
-        response = self._call(self.core.list_node, _preload_content=False)
         servers: dict[str, str] = {}
-        for item in json.loads(response.data).get("items") or []:
+        for item in self._json(self.core.list_node).get("items") or []:
             address = (item["metadata"].get("annotations") or {}).get(names.SHARD_SERVER)
             if address:
                 servers[item["metadata"]["name"]] = address
