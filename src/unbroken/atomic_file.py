@@ -12,11 +12,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 
-def write_atomically(path: Path, write: Callable[[Any], None]) -> None:
-    """Write through ``write(file)`` to ``path.tmp``, fsync it, rename, fsync the folder."""
+def write_atomically(path: Path, write: Callable[[Any], None], *, mode: int | None = None) -> None:
+    """Write through ``write(file)`` to ``path.tmp``, fsync it, rename, fsync the folder.
+    With ``mode`` (e.g. 0o600 for a key) the file has it before any byte is written."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "wb") as f:
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)
             write(f)
             f.flush()
             os.fsync(f.fileno())
@@ -31,5 +34,5 @@ def write_atomically(path: Path, write: Callable[[Any], None]) -> None:
         os.close(fd)
 
 
-def write_bytes_atomically(path: Path, data: bytes) -> None:
-    write_atomically(path, lambda f: f.write(data))
+def write_bytes_atomically(path: Path, data: bytes, *, mode: int | None = None) -> None:
+    write_atomically(path, lambda f: f.write(data), mode=mode)

@@ -13,16 +13,17 @@ peers. The CA's key is not kept, as locally: nobody can mint a second certificat
 from __future__ import annotations
 
 import base64
-import os
 import tempfile
 from pathlib import Path
 
 import kubernetes
 
+from unbroken.atomic_file import write_bytes_atomically
 from unbroken.checkpoint import credentials
 from unbroken.checkpoint.credentials import Credentials
-from unbroken.errors import StoreUnavailable
+from unbroken.errors import NotFoundError, StoreUnavailable
 from unbroken.kube import names
+from unbroken.kube.api import ApiConflict, call
 
 _FILES = (credentials.CA_FILE, credentials.CERT_FILE, credentials.KEY_FILE)
 
@@ -35,17 +36,17 @@ def ensure(api: kubernetes.client.ApiClient, namespace: str, directory: Path, cl
         data = _create(core, namespace, cluster_name)
     directory.mkdir(mode=0o755, parents=True, exist_ok=True)
     for name in _FILES:
-        _write_atomically(directory / name, base64.b64decode(data[name]), mode=0o600 if name.endswith(".key") else 0o644)
+        write_bytes_atomically(directory / name, base64.b64decode(data[name]), mode=0o600 if name.endswith(".key") else 0o644)
     return credentials.load(directory)
 
 
 def _read(core: kubernetes.client.CoreV1Api, namespace: str) -> dict[str, str] | None:
     try:
-        secret = core.read_namespaced_secret(names.CLUSTER_TLS_SECRET, namespace)
-    except kubernetes.client.ApiException as exc:
-        if exc.status == 404:
-            return None
-        raise StoreUnavailable(f"Kubernetes API: reading Secret {namespace}/{names.CLUSTER_TLS_SECRET}: {exc.status} {exc.reason}") from None
+        secret = call(lambda: core.read_namespaced_secret(names.CLUSTER_TLS_SECRET, namespace))
+    except NotFoundError:
+        return None
+    except kubernetes.client.ApiException as exc:  # 403: the agent's Role lacks it (deploy/base/rbac-agent.yaml)
+        raise StoreUnavailable(f"reading Secret {namespace}/{names.CLUSTER_TLS_SECRET}: {exc.status} {exc.reason}") from None
     data = secret.data or {}
     missing = [n for n in _FILES if n not in data]
     if missing:
@@ -61,24 +62,13 @@ def _create(core: kubernetes.client.CoreV1Api, namespace: str, cluster_name: str
     body = {"metadata": {"name": names.CLUSTER_TLS_SECRET, "labels": {"app.kubernetes.io/part-of": names.COMPONENT}},
             "type": "Opaque", "data": data}
     try:
-        core.create_namespaced_secret(namespace, body)
+        call(lambda: core.create_namespaced_secret(namespace, body))
         return data
+    except ApiConflict:
+        pass
     except kubernetes.client.ApiException as exc:
-        if exc.status != 409:
-            raise StoreUnavailable(f"Kubernetes API: creating Secret {namespace}/{names.CLUSTER_TLS_SECRET}: "
-                                   f"{exc.status} {exc.reason}") from None
+        raise StoreUnavailable(f"creating Secret {namespace}/{names.CLUSTER_TLS_SECRET}: {exc.status} {exc.reason}") from None
     theirs = _read(core, namespace)  # another agent's create won: use its CA
     if theirs is None:
         raise StoreUnavailable(f"Secret {namespace}/{names.CLUSTER_TLS_SECRET} was created and is gone again")
     return theirs
-
-
-def _write_atomically(path: Path, content: bytes, *, mode: int) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
-        os.write(fd, content)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
