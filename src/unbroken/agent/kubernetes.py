@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from unbroken import logs, metrics
+from unbroken.atomic_file import write_bytes_atomically
 from unbroken.agent import cluster_tls
 from unbroken.agent.progress import ProgressBook
 from unbroken.channel import AgentReceiver, agent_socket
@@ -137,19 +138,12 @@ class KubernetesAgent:
             log.error("the checkpoint memory tier is off on this node: %s", exc, extra={"node": self.node})
             return None
         assert service.server is not None
-        (self.socket_dir / ENDPOINT_FILE).write_text(service.server.address + "\n")
-        threading.Thread(target=self._checkpoint_loop, args=(service,), name="checkpoints", daemon=True).start()
+        write_bytes_atomically(self.socket_dir / ENDPOINT_FILE, f"{service.server.address}\n".encode())  # ranks read it any time
+        threading.Thread(target=service.run_passes, args=(self.stopping, CHECKPOINT_PASS_SECONDS), name="checkpoints",
+                         daemon=True).start()
         log.info("checkpoint memory tier up", extra={"node": self.node, "shard_server": service.server.address,
                                                      "root": str(service.root)})
         return service
-
-    def _checkpoint_loop(self, service: CheckpointService) -> None:
-        while not self.stopping.wait(CHECKPOINT_PASS_SECONDS):
-            try:
-                service.reconcile()
-            except Exception:  # noqa: BLE001 - checkpoints degrade; the agent must stay up
-                log.exception("checkpoint pass failed; retrying", extra={"node": self.node})
-                self.stopping.wait(1.0)
 
     def _reboot_if_asked(self) -> None:
         """SelfReboot: run ``Kubernetes.SelfRebootCommand`` once for a reboot asked of the boot this agent runs on.

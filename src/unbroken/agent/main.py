@@ -23,7 +23,6 @@ from unbroken.agent import join_checks, launcher
 from unbroken.agent.progress import ProgressBook
 from unbroken.agent.workers import WorkerRunner
 from unbroken.channel import AgentReceiver, agent_socket
-from unbroken.checkpoint import service as checkpoint_service
 from unbroken.checkpoint import shm
 from unbroken.checkpoint import credentials
 from unbroken.checkpoint.service import CheckpointService
@@ -94,7 +93,7 @@ class Agent:
         endpoint = self._serve_metrics()
         threading.Thread(target=self._lease_loop, name="lease", daemon=True).start()
         self.checkpoints.start()
-        threading.Thread(target=self._checkpoint_loop, name="checkpoints", daemon=True).start()
+        threading.Thread(target=self.checkpoints.run_passes, args=(self.stopping,), name="checkpoints", daemon=True).start()
         threading.Thread(target=self._join_checks, name="join-checks", daemon=True).start()
         HealthMonitor(self.store, self._jobs_on, self.layout, self.node, self.cluster, self.stopping, self.metrics).start()
         try:
@@ -147,16 +146,6 @@ class Agent:
                 self.store.renew_lease(self.node, at=time.time(), progress=self.book.take_dirty())
             except StoreUnavailable:
                 log.exception("lease renewal failed; retrying", extra={"node": self.node})
-
-    def _checkpoint_loop(self) -> None:
-        """The memory tier's reconciler, on its own thread: a slow pass (a big drain
-        decision, a busy store) never delays worker supervision."""
-        while not self.stopping.wait(checkpoint_service.PASS_SECONDS):
-            try:
-                self.checkpoints.reconcile()
-            except Exception:  # noqa: BLE001 - checkpoints degrade; the agent must stay up
-                log.exception("checkpoint pass failed; retrying", extra={"node": self.node})
-                self.stopping.wait(1.0)
 
     def _join_checks(self) -> None:
         node = self.store.get_node(self.node)

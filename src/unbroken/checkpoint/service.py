@@ -101,6 +101,17 @@ class CheckpointService:
         self.catalog.set_shard_server(self.node, self.server.address)
         log.info("shard server listening", extra={"node": self.node, "address": self.server.address})
 
+    def run_passes(self, stopping: threading.Event, every: float = PASS_SECONDS) -> None:
+        """``reconcile`` every ``every`` seconds until ``stopping``, on the caller's thread (the agent gives it
+        its own, so a slow pass never delays worker supervision). A failed pass is logged and retried: the
+        memory tier degrades, the agent stays up."""
+        while not stopping.wait(every):
+            try:
+                self.reconcile()
+            except Exception:  # noqa: BLE001 - checkpoints degrade; the agent must stay up
+                log.exception("checkpoint pass failed; retrying", extra={"node": self.node})
+                stopping.wait(1.0)
+
     def close(self) -> None:
         with self._pins_lock:
             for read in [*self._pins.values(), *(r for reads in self._pushed.values() for r in reads)]:
