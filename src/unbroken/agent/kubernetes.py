@@ -17,8 +17,10 @@ kube/catalog.py), with the cluster's TLS credentials from the Secret
 (agent/cluster_tls.py) written beside its socket, where the training pods find
 them, and its shard server's address in the file ``checkpoint-endpoint`` there.
 
-Not here yet: join checks (deep health check Jobs are the operator's to run)
-and continuous checks (docs/kubernetes.md).
+It runs the continuous checks (the cluster file's ``Continuous`` suite, every
+``Health.MonitorIntervalSeconds`` while its node is Schedulable) as the local
+agent does: a failure with a node action takes the node out through the store.
+Join checks are not here: deep health check Jobs are the operator's to run.
 """
 
 from __future__ import annotations
@@ -95,12 +97,16 @@ class KubernetesAgent:
         receiver = AgentReceiver(agent_socket(self.socket_dir))
         self.store.renew_lease(self.node, at=time.time())
         checkpoints = self._start_checkpoints()
-        if self.kernel_log == "none":
+        watch_kernel_log = self.kernel_log != "none"
+        if not watch_kernel_log:
             log.warning("the kernel log is not watched (no Xid detection): set UNBROKEN_KERNEL_LOG or --kernel-log "
                         "(deploy/overlays/gpu sets /dev/kmsg)", extra={"node": self.node})
-        else:
-            HealthMonitor(self.store, self._jobs_on, self.runtime.layout, self.node, self.runtime.config, self.stopping,
-                          self.metrics, source=kernel_log_source(self.kernel_log)).start()
+        # The continuous checks run whatever the kernel log: their context is this agent's state
+        # directory (the hostPath /var/lib/unbroken), so storage.checkpoint checks the node's own disk,
+        # as the deep-check Jobs do.
+        HealthMonitor(self.store, self._jobs_on, self.runtime.layout, self.node, self.runtime.config, self.stopping,
+                      self.metrics, source=kernel_log_source(self.kernel_log) if watch_kernel_log else None,
+                      kernel_log=watch_kernel_log).start()
         endpoint = metrics.serve(self.metrics.registry, metrics_host, metrics_port or 0) if metrics_port is not None else None
         log.info("agent started", extra={"node": self.node, "kernel_log": self.kernel_log, "socket": str(receiver.path),
                                          "metrics": endpoint.address if endpoint else None})

@@ -167,3 +167,12 @@ class ClusterConfig(_Strict):
 
     def group(self, name: str) -> InstanceGroup:
         return next(g for g in self.InstanceGroups if g.InstanceGroupName == name)
+
+    def group_matching(self, group: str, instance_type: str) -> "InstanceGroup | None":
+        """The group a node belongs to: the one it names, else the first of its instance type.
+        On Kubernetes a Node names its group by the label ``unbroken.dev/instance-group`` or not at
+        all, and its instance type by ``node.kubernetes.io/instance-type``."""
+        by_name = [g for g in self.InstanceGroups if g.InstanceGroupName == group]
+        by_type = [g for g in self.InstanceGroups if g.InstanceType == instance_type]
+        chosen = by_name or by_type
+        return chosen[0] if chosen else None

@@ -43,31 +43,39 @@ def finding_result(node: str, finding: Finding) -> CheckResult:
 
 class HealthMonitor:
     def __init__(self, store: ClusterStore, jobs_on: events.JobsOn, layout: ClusterLayout, node: str, cluster: ClusterConfig,
-                 stopping: threading.Event, metrics: AgentMetrics | None = None, source: LineSource | None = None) -> None:
+                 stopping: threading.Event, metrics: AgentMetrics | None = None, source: LineSource | None = None, *,
+                 kernel_log: bool = True) -> None:
+        """``source``: the kernel log to watch (default: the cluster file's KernelLogSource for this
+        node); ``kernel_log=False`` watches none and runs the continuous checks only (a Kubernetes
+        agent given no kernel log)."""
         self.store, self.jobs_on, self.layout, self.node, self.cluster, self.stopping = store, jobs_on, layout, node, cluster, stopping
         self.metrics = metrics
         self.settings = cluster.Health
         # Opened now, in the agent's start-up: the source starts at "now" and later lines are ours.
-        self.source: LineSource = source or open_source(self.settings.KernelLogSource, layout.kernel_log(node))
+        self.source: LineSource | None = (source or open_source(self.settings.KernelLogSource, layout.kernel_log(node))
+                                          if kernel_log else None)
         self.watch = KernelLogWatch(self.settings)
         self._last: dict[str, Status] = {}
+        self._no_profile: str | None = None
+        """The last "no health profile" error logged (once, not every interval)."""
 
     def start(self) -> None:
-        threading.Thread(target=self._kernel_log_loop, name="kernel-log", daemon=True).start()
+        if self.source is not None:
+            threading.Thread(target=self._kernel_log_loop, args=(self.source,), name="kernel-log", daemon=True).start()
         threading.Thread(target=self._periodic_loop, name="continuous-checks", daemon=True).start()
 
-    def _kernel_log_loop(self) -> None:
+    def _kernel_log_loop(self, source: LineSource) -> None:
         store = self.store
         try:
             while not self.stopping.wait(POLL_SECONDS):
                 try:
-                    for line in self.source.read():
+                    for line in source.read():
                         for finding in self.watch.push(line):
                             self.handle(store, finding)
                 except StoreUnavailable:
                     log.exception("kernel-log monitor pass failed; retrying", extra={"node": self.node})
         finally:
-            self.source.close()
+            source.close()
 
     def handle(self, store: ClusterStore, finding: Finding) -> None:
         if self.metrics is not None and finding.check == "kernel_log.xid":
@@ -87,7 +95,13 @@ class HealthMonitor:
                 node = store.get_node(self.node)
                 if node.state is not NodeState.SCHEDULABLE:
                     continue
-                ctx = targets.context(self.layout, self.cluster, node)
+                try:
+                    ctx = targets.context(self.layout, self.cluster, node)
+                except ValueError as exc:  # a Kubernetes Node of an instance type the cluster file has no profile for
+                    if self._no_profile != str(exc):
+                        self._no_profile = str(exc)
+                        log.error("continuous checks cannot run on this node: %s", exc, extra={"node": self.node})
+                    continue
                 for spec in catalogue.for_suite(Suite.CONTINUOUS, self.settings):
                     if self.stopping.is_set():
                         return

@@ -1,4 +1,4 @@
-"""Build a check's context for a node of a local cluster: its profile, directories and network identity."""
+"""Build a check's context for a node: its profile, directories and network identity."""
 
 from __future__ import annotations
 
@@ -20,8 +20,11 @@ def peer(layout: ClusterLayout, cluster: ClusterConfig, node: Node) -> Peer:
 
 def context(layout: ClusterLayout, cluster: ClusterConfig, node: Node, *, peers: tuple[Peer, ...] = (),
             params: dict[str, Any] | None = None) -> CheckContext:
+    """ValueError if no health profile fits the node (its group's InstanceType, else its own)."""
+    group = cluster.group_matching(node.group, node.instance_type)
+    instance_type = group.InstanceType if group is not None else node.instance_type
     return CheckContext(
-        node=node.name, instance_type=node.instance_type, profile=cluster.profile(node.instance_type),
+        node=node.name, instance_type=instance_type, profile=cluster.profile(instance_type),
         settings=cluster.Health, node_dir=layout.node_dir(node.name), cluster_dir=layout.root,
         storage_dir=layout.root / "checkpoints", peers=peers, params=dict(params or {}),
     )

@@ -88,8 +88,12 @@ class KubernetesStore:
         return json.loads(response.data)
 
     def node_object(self, name: str) -> dict[str, Any]:
-        """The Node as the API serves it (JSON: the client's model refuses a Node missing any nodeInfo field)."""
-        obj: dict[str, Any] = self._json(self.core.read_node, name)
+        """The Node as the API serves it (JSON: the client's model refuses a Node missing any nodeInfo field);
+        NotFoundError naming it if there is none."""
+        try:
+            obj: dict[str, Any] = self._json(self.core.read_node, name)
+        except NotFoundError:
+            raise NotFoundError(f"node {name} not found (no Node of that name in the cluster)") from None
         return obj
 
     def node_objects(self) -> list[dict[str, Any]]:
@@ -132,7 +136,7 @@ class KubernetesStore:
         raise UsageError("on Kubernetes, nodes join the cluster through the kubelet; unbroken does not create Node objects")
 
     def get_node(self, name: str) -> Node:
-        return self._node(self._json(self.core.read_node, name), self._lease(name))
+        return self._node(self.node_object(name), self._lease(name))
 
     def list_nodes(self) -> list[Node]:
         leases = self._leases()
@@ -216,7 +220,7 @@ class KubernetesStore:
         lease = self._lease(name)  # not part of the write; read once for the record returned
 
         def attempt() -> Node:
-            obj = self._json(self.core.read_node, name)
+            obj = self.node_object(name)
             current = self._node(obj, lease)
             new = _updated(f"node {name}", current, update, expect_version, "state", NODE_TRANSITIONS, "state_changed_at")
             call(lambda: self.core.patch_node(name, self._node_patch(obj, current, new)))

@@ -71,10 +71,7 @@ _SHORT = {Suite.INSTANCE_STRESS: "stress", Suite.INSTANCE_CONNECTIVITY: "connect
 
 
 def group_of(cluster: ClusterConfig, node: Node) -> InstanceGroup | None:
-    by_name = [g for g in cluster.InstanceGroups if g.InstanceGroupName == node.group]
-    by_type = [g for g in cluster.InstanceGroups if g.InstanceType == node.instance_type]
-    chosen = by_name or by_type
-    return chosen[0] if chosen else None
+    return cluster.group_matching(node.group, node.instance_type)
 
 
 def job_name(node: Node, suite: Suite) -> str:
