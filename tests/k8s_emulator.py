@@ -108,8 +108,14 @@ What clients (operator/agent code and tests) must live with
 * List ``resourceVersion``/``resourceVersionMatch`` parameters are ignored (always the latest state);
   the event log keeps the last 100000 events. No periodic BOOKMARKs; no ``Table`` responses (kubectl
   falls back to its own printing: ``-L``, ``-o wide/json/yaml/jsonpath/name`` work; AGE may be blank).
+* ``pods/<name>/log`` is served only when the emulator is started with ``pod_logs=DIR`` (the directory
+  where ``tests/k8s_kubelet.py`` writes its containers' output): it plays the API server's proxy to the
+  node's kubelet, reading ``DIR/<ns>_<pod>_<container>.log`` from where the pod's current run began (the
+  kubelet's ``.start`` file beside it names the pod uid and offset), with ``container`` and ``tailLines``;
+  ``follow``, ``previous``, ``sinceSeconds``/``sinceTime``, ``timestamps`` and ``limitBytes`` are a 400.
+  A pod whose container has not started is a 400 "... is waiting to start", as from a real server.
 * Deleting a CRD does not delete its objects nor unregister the resource; other subresources
-  (``log``, ``exec``, ``eviction``, ``scale``, ``binding``, ``token``...) are 404; ``kubectl drain``
+  (``exec``, ``eviction``, ``scale``, ``binding``, ``token``...) are 404; ``kubectl drain``
   falls back to plain deletes (no ``policy`` group). No auth (any token passes), no RBAC, no TLS.
 * Objects keep their last 20 versions in memory; the server also remembers every request (kmock's
   ``requests`` list), so keep an emulator per test or per module, not forever.
@@ -252,8 +258,10 @@ def _answers(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def kubernetes_emulator(workdir: Path, *, extra_resources: Iterable[Resource] = (), timeout: float = 30.0) -> Iterator[Emulator]:
-    """Start the emulator in its own process on 127.0.0.1 (OS-chosen port); stop it, and only it, on exit."""
+def kubernetes_emulator(workdir: Path, *, extra_resources: Iterable[Resource] = (), pod_logs: Path | None = None,
+                        timeout: float = 30.0) -> Iterator[Emulator]:
+    """Start the emulator in its own process on 127.0.0.1 (OS-chosen port); stop it, and only it, on exit.
+    ``pod_logs``: the test kubelet's log directory, which ``pods/<name>/log`` reads (module docstring)."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / "k8s-emulator.log"
@@ -262,6 +270,8 @@ def kubernetes_emulator(workdir: Path, *, extra_resources: Iterable[Resource] = 
     command = [sys.executable, str(Path(__file__).resolve()), "--ready-file", str(ready), "--parent-pid", str(os.getpid())]
     for resource in extra_resources:
         command += ["--resource", json.dumps(asdict(resource))]
+    if pod_logs is not None:
+        command += ["--pod-logs", str(pod_logs)]
     with open(log, "wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
@@ -525,8 +535,9 @@ def _make_handler_class() -> type:
         LOG_LIMIT = 100_000
         HISTORY_LIMIT = 20
 
-        def __init__(self, resources: Iterable[Resource]) -> None:
+        def __init__(self, resources: Iterable[Resource], pod_logs: Path | None = None) -> None:
             super().__init__()
+            self._pod_logs = pod_logs
             self._infos: dict[tuple[str, str, str], Resource] = {}
             self._rv = 0
             self._log: list[tuple[int, tuple[str, str, str], str, dict[str, Any], dict[str, Any] | None]] = []
@@ -646,6 +657,9 @@ def _make_handler_class() -> type:
             if request.params.get("dryRun"):
                 raise error(400, "BadRequest", "dryRun is not supported by the emulator")
             sub = request.subresource
+            if (sub == "log" and resource.plural == "pods" and request.name and request.namespace and self._pod_logs is not None
+                    and request.method.value == "GET"):
+                return aiohttp.web.Response(text=self._pod_log(request), content_type="text/plain")
             if sub is not None and (sub not in resource.subresources or sub != "status" or request.name is None):
                 raise error(404, "NotFound", f"the server could not find the requested resource ({res.plural}/{sub})")
             if resource.namespaced is False and request.namespace is not None:
@@ -679,6 +693,38 @@ def _make_handler_class() -> type:
             if entry is None:
                 raise self._not_found(resource, request.name)
             return entry.raw
+
+        def _pod_log(self, request: Any) -> str:
+            """The current run's output of one of the pod's containers (the kubelet's part of ``kubectl logs``)."""
+            assert self._pod_logs is not None
+            pod = self._get(request, self._infos[("", "v1", "pods")])
+            namespace, name, uid = pod["metadata"]["namespace"], pod["metadata"]["name"], pod["metadata"]["uid"]
+            unsupported = sorted(set(request.params) & {"follow", "previous", "sinceSeconds", "sinceTime", "timestamps", "limitBytes"})
+            if unsupported:
+                raise error(400, "BadRequest", f"{', '.join(unsupported)}: not supported by the emulator's pod logs")
+            containers = [c.get("name") for c in (pod.get("spec") or {}).get("containers") or []]
+            container = request.params.get("container")
+            if container is None:
+                if len(containers) != 1:
+                    raise error(400, "BadRequest", f"a container name must be specified for pod {name}, choose one of: {containers}")
+                container = containers[0]
+            elif container not in containers:
+                raise error(400, "BadRequest", f"container {container} is not valid for pod {name}")
+            path = self._pod_logs / f"{namespace}_{name}_{container}.log"
+            try:
+                start = json.loads(path.with_name(path.name + ".start").read_text())
+                if start["uid"] != uid:
+                    raise FileNotFoundError(path)  # an earlier pod of that name ran; this one has not started
+                with open(path, "rb") as log_file:
+                    log_file.seek(int(start["offset"]))
+                    text = log_file.read().decode(errors="replace")
+            except FileNotFoundError:
+                raise error(400, "BadRequest", f'container "{container}" in pod "{name}" is waiting to start: ContainerCreating') from None
+            tail = request.params.get("tailLines")
+            if tail is not None:
+                lines = text.splitlines(keepends=True)
+                text = "".join(lines[-int(tail):]) if int(tail) > 0 else ""
+            return text
 
         def _matcher(self, request: Any) -> Matcher:
             try:
@@ -991,12 +1037,13 @@ def _make_handler_class() -> type:
     return Handler
 
 
-async def serve(ready_file: Path, extra_resources: Iterable[Resource] = (), parent_pid: int | None = None, port: int = 0) -> None:
+async def serve(ready_file: Path, extra_resources: Iterable[Resource] = (), parent_pid: int | None = None, port: int = 0,
+                pod_logs: Path | None = None) -> None:
     """Run the emulator until SIGTERM/SIGINT or until the parent process is gone."""
     import aiohttp.web
 
     handler_class = _make_handler_class()
-    handler = handler_class([*RESOURCES, *extra_resources])
+    handler = handler_class([*RESOURCES, *extra_resources], pod_logs)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -1034,6 +1081,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is no longer the parent")
     parser.add_argument("--resource", action="append", default=[], help="an extra Resource as JSON (repeatable)")
+    parser.add_argument("--pod-logs", type=Path, default=None, help="serve pods/<name>/log from this test-kubelet log directory")
     args = parser.parse_args(argv)
     extra = []
     for text in args.resource:
@@ -1041,7 +1089,7 @@ def main(argv: list[str] | None = None) -> None:
         fields.update(subresources=tuple(fields.get("subresources", ())), shortnames=tuple(fields.get("shortnames", ())))
         extra.append(Resource(**fields))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
-    asyncio.run(serve(args.ready_file, extra, args.parent_pid, args.port))
+    asyncio.run(serve(args.ready_file, extra, args.parent_pid, args.port, args.pod_logs))
 
 
 if __name__ == "__main__":

@@ -61,7 +61,9 @@ Everything runs on this one machine, as the test's user, with the test's environ
   element or the workingDir that is M or under M is rewritten to ``node_dir(node)/H`` + the rest, and that
   directory is created -- so ``/var/run/unbroken/agent.sock`` reaches that node's own directory. Other
   volumes are ignored. stdout+stderr go to ``workdir/logs/<namespace>_<pod>_<container>.log``, appended
-  across restarts (a real kubelet keeps one file per restart).
+  across restarts and across pods of the same name (a real kubelet keeps one file per pod uid and
+  restart); ``<that>.start`` names the current run's pod uid and byte offset, from which the emulator
+  serves ``pods/<name>/log`` (``kubernetes_emulator(pod_logs=workdir / "logs")``).
   Pod status follows the kubelet's: Running with ``hostIP``/``podIP`` 127.0.0.1, conditions and
   ``containerStatuses`` (``containerID`` ``emulated://<pid>``); on exit, ``terminated`` with the exit code in
   Kubernetes' convention (killed by signal N -> 128+N), reason ``Completed``/``Error`` (never
@@ -915,6 +917,10 @@ class TestKubelet:
             return
         container.log_path.parent.mkdir(parents=True, exist_ok=True)
         container.log_offset = container.log_path.stat().st_size if container.log_path.exists() else 0
+        # where this pod's run begins in the (per pod name) file: what the emulator's pods/<name>/log serves
+        start = container.log_path.with_name(container.log_path.name + ".start")
+        start.with_suffix(".tmp").write_text(json.dumps({"uid": container.uid, "offset": container.log_offset}))
+        start.with_suffix(".tmp").replace(start)
         container.run_started_at, container.run_started_mono = _now(), time.monotonic()
         container.term_sent_at = container.kill_at = None
         with open(container.log_path, "ab") as out:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -131,7 +132,10 @@ def cluster_file(remediations: Path) -> str:
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    with kubernetes_emulator(tmp_path / "api") as k8s:
+    # A short directory: a node's hostPath /var/run/unbroken/agent.sock must fit in a socket address (107 bytes).
+    # The emulator serves pods/<name>/log from the test kubelet's log files there.
+    with tempfile.TemporaryDirectory(prefix="k8s-", dir="/tmp") as nodes_root, \
+            kubernetes_emulator(tmp_path / "api", pod_logs=Path(nodes_root) / "logs") as k8s:
         kubeconfig = k8s.write_kubeconfig(tmp_path / "kubeconfig")
         api = api_client(kubeconfig)
         core = kubernetes.client.CoreV1Api(api)
@@ -141,8 +145,7 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
         remediations.touch()
         core.create_namespaced_config_map(SYSTEM, {"metadata": {"name": names.CLUSTER_CONFIGMAP},
                                                    "data": {"cluster.yaml": cluster_file(remediations)}})
-        # A short directory: a node's hostPath /var/run/unbroken/agent.sock must fit in a socket address (107 bytes).
-        with tempfile.TemporaryDirectory(prefix="k8s-", dir="/tmp") as nodes_root, TestKubelet(kubeconfig, Path(nodes_root)) as kubelet:
+        with TestKubelet(kubeconfig, Path(nodes_root)) as kubelet:
             for node in NODES:
                 kubelet.add_node(node, allocatable={"nvidia.com/gpu": "1"})
             result = Cluster(k8s, kubeconfig, api, kubelet, tmp_path, remediations)
@@ -261,6 +264,16 @@ def test_a_rank_killed_restarts_the_job_which_resumes_from_its_checkpoint(cluste
         return bool(pods) and all((p.metadata.annotations or {}).get(names.ATTEMPT) == "1" for p in pods) \
             and "resumed at step" in rank_log(cluster, f"{name}-master-0")
     wait_until(resumed, 120, "attempt 1's pods to resume from a checkpoint")
+    # job logs on the cluster: the current pods' container output, read from the kubelet through the API
+    logs = run_cli("--kubeconfig", str(cluster.kubeconfig), "job", "logs", f"{JOBS}/{name}").stdout.splitlines()
+    master = [line.removeprefix(f"[{name}-master-0] ") for line in logs if line.startswith(f"[{name}-master-0] ")]
+    assert any("resumed at step" in line for line in master), logs[-40:]
+    assert any(line.startswith(f"[{name}-worker-0] ") for line in logs), logs[-40:]
+    # Only attempt 1's pod: the kubelet's file holds both pods of that name one after the other, and attempt 0's
+    # first step (a single digit; attempt 1 resumed at step 20 or later) is in the file but not in the pod's log.
+    first_steps = re.compile(r"rank 0: first step \d at ")
+    assert first_steps.search(rank_log(cluster, f"{name}-master-0"))
+    assert not any(first_steps.search(line) for line in master), master[:20]
     wait_until(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Succeeded", 180, "the job to finish")
     assert cluster.annotations(name)[names.RESTART_COUNT] == "1"
     wait_until(lambda: cluster.reasons(name)[-1:] == ["JobSucceeded"], 10, "the JobSucceeded event")  # a write after the phase
@@ -356,15 +369,16 @@ def test_an_operator_killed_mid_job_loses_no_restart_and_doubles_none(cluster: C
     assert time.time() - time_killed < 60
 
 
-def start_agent(cluster: Cluster, node: str) -> subprocess.Popen[bytes]:
+def start_agent(cluster: Cluster, node: str, *, kernel_log: str | None = None) -> subprocess.Popen[bytes]:
     """``unbroken agent --kubernetes`` for ``node`` (its DaemonSet pod), tailing the node's kernel log
-    file (``/dev/kmsg`` on a real node) and renewing its Lease."""
+    file (``/dev/kmsg`` on a real node; ``kernel_log="none"``: none, as the base DaemonSet) and renewing its Lease."""
     node_dir = cluster.kubelet.node_dir(node)
     (node_dir / "kmsg.log").touch()
+    kernel_log = kernel_log or str(node_dir / "kmsg.log")
     log = open(cluster.workdir / f"agent-{node}.log", "ab")
     return subprocess.Popen(
         [sys.executable, "-m", "unbroken.agent.kubernetes", "--kubernetes", "--node", node, "--kubeconfig", str(cluster.kubeconfig),
-         "--namespace", SYSTEM, "--kernel-log", str(node_dir / "kmsg.log"), "--socket-dir", str(node_dir / AGENT_DIR.lstrip("/")),
+         "--namespace", SYSTEM, "--kernel-log", kernel_log, "--socket-dir", str(node_dir / AGENT_DIR.lstrip("/")),
          "--state-dir", str(node_dir / "state")],
         # the memory tier's hostPath (/dev/shm/unbroken), as the pods' mount of it is rewritten
         env={**os.environ, "UNBROKEN_SHM_BASE": str(node_shm(cluster, node))},
@@ -456,6 +470,15 @@ def test_with_the_memory_tier_an_xid_79_moves_the_job_which_restores_from_a_peer
     # the job saves on: by now the listed steps may be newer than ``saved``
     assert any((r["memory"], r["replicated"], r["world_size"]) == ("Committed", 2, 2) and r["step"] >= saved
                for r in listed["steps"]), listed
+    # ckpt verify on the cluster: the CLI presents the agents' certificate (the Secret) to every node's shard server
+    # (every step: the job saves on, and keep 2 retires ``saved`` within a second or so)
+    verified = json.loads(run_cli("--kubeconfig", str(cluster.kubeconfig), "ckpt", "verify", job, "-o", "json").stdout)
+    by_step: dict[int, set[tuple[str, int]]] = {}
+    for c in verified["checks"]:
+        if c["ok"] is True:
+            by_step.setdefault(c["step"], set()).add((c["tier"], c["rank"]))
+    whole = {("memory", 0), ("memory", 1), ("replica", 0), ("replica", 1)}
+    assert verified["ok"] and any(found == whole for found in by_step.values()), verified
     faulty = cluster.core.read_namespaced_pod(f"{name}-master-0", JOBS).spec.node_name
     assert (node_shm(cluster, faulty)).is_dir() and any(node_shm(cluster, faulty).rglob("*.slot")), "rank 0's slots on its node"
 
@@ -496,6 +519,56 @@ def test_a_node_whose_agent_stops_renewing_its_lease_is_lost_and_the_job_moves(c
 
 
 STARTUP_TAINT = {"key": names.TAINT_KEY, "value": names.TAINT_VALUE, "effect": names.TAINT_EFFECT}
+
+
+FAN_CHECK = """
+from pathlib import Path
+from unbroken.health.result import FaultAction, Outcome, Status, passed
+
+def fans(ctx):
+    if (Path({marker!r}) / ctx.node).exists():
+        return Outcome(Status.FAIL, "fan 3 stopped", "FanFailure", {{"fan": 3}}, FaultAction.REBOOT)
+    return passed("all fans spinning")
+"""
+
+
+def test_a_continuous_check_failing_on_a_working_node_takes_it_out_for_a_reboot(cluster: Cluster, tmp_path: Path) -> None:
+    """The DaemonSet's continuous checks (here with no kernel log at all): a site's check in the cluster file's
+    Continuous suite runs every MonitorIntervalSeconds on each Schedulable node; when it fails on one, that node's
+    agent takes it out (labels, taint, condition) and the operator's remediator reboots it. The others keep working."""
+    marker = tmp_path / "broken-fans"
+    marker.mkdir()
+    check = tmp_path / "site_checks.py"
+    check.write_text(FAN_CHECK.format(marker=str(marker)))
+    config = yaml.safe_load(cluster.core.read_namespaced_config_map(names.CLUSTER_CONFIGMAP, SYSTEM).data["cluster.yaml"])
+    config["Health"] = {**config.get("Health", {}), "MonitorIntervalSeconds": 1,
+                        "CustomChecks": [{"Id": "site.fans", "Suites": ["Continuous"], "Target": f"{check}:fans"}]}
+    cluster.core.patch_namespaced_config_map(names.CLUSTER_CONFIGMAP, SYSTEM, {"data": {"cluster.yaml": yaml.safe_dump(config)}})
+    for node in NODES:  # the group whose InstanceType (cpu-dev) names the checks' health profile
+        cluster.core.patch_node(node, {"metadata": {"labels": {f"{names.PREFIX}/instance-group": "gpu"}}})
+    cluster.start_operator()
+    agents = {node: start_agent(cluster, node, kernel_log="none") for node in NODES}
+    try:
+        def passed_everywhere() -> bool:
+            return all(any(r == "HealthCheckPassed" and m.startswith("site.fans") for r, m in node_events(cluster, n)) for n in NODES)
+        wait_until(passed_everywhere, 60, "site.fans to pass on every node")
+        (marker / "gpu-b").touch()
+        node = wait_until(lambda: (n := cluster.core.read_node("gpu-b")).metadata.labels.get(names.NODE_HEALTH_STATUS)
+                          == "UnschedulablePendingReboot" and n, 30, "the failed check to take gpu-b out")
+        assert "site.fans" in node.metadata.labels[names.FAULT_REASONS], node.metadata.labels
+        assert any(t.key == names.TAINT_KEY for t in node.spec.taints or [])
+        wait_until(lambda: any(c.type == names.CONDITION_TYPE and c.status == "False"
+                               for c in cluster.core.read_node("gpu-b").status.conditions or []), 10, "the condition")
+        wait_until(lambda: "Reboot gpu-b" in cluster.remediations.read_text(), 30, "the Command remediator to reboot gpu-b")
+        failed = [m for r, m in node_events(cluster, "gpu-b") if r == "HealthCheckFailed"]
+        assert failed and "site.fans" in failed[0] and "fan 3 stopped" in failed[0], failed
+        for healthy in ("gpu-a", "gpu-c"):  # passing checks write nothing on the Node: it stays as unbroken found it
+            node = cluster.core.read_node(healthy)
+            assert node.metadata.labels.get(names.NODE_HEALTH_STATUS) is None and not node.spec.taints, node.metadata.labels
+        assert "continuous checks cannot run" not in (cluster.workdir / "agent-gpu-a.log").read_text()
+    finally:
+        for proc in agents.values():
+            stop_process(proc, sig=signal.SIGKILL)
 
 
 def node_events(cluster: Cluster, node: str) -> list[tuple[str, str]]:
@@ -557,6 +630,44 @@ def test_a_joining_node_is_deep_checked_by_jobs_pinned_to_it_then_admitted_or_ta
     # the nodes that were there when unbroken started were never checked nor tainted
     for old in NODES:
         assert labels(old).get(names.DEEP_HEALTH_CHECK_STATUS) is None and not check_jobs(cluster, old)
+
+
+def test_node_commands_on_a_cluster_cordon_a_node_and_reboot_one_through_the_remediator(cluster: Cluster) -> None:
+    """``unbroken --kubeconfig F node cordon|uncordon|reboot``: a cordon is unbroken's label and taint (its
+    job keeps running, nothing new lands there); a reboot goes through the operator's remediator (here the
+    Command one) and the node, back on a new bootID, is Schedulable again. Wrong moves are one-line errors."""
+    cluster.start_operator()
+    kube = ("--kubeconfig", str(cluster.kubeconfig))
+
+    def labels(node: str) -> dict[str, str]:
+        return cluster.core.read_node(node).metadata.labels or {}
+
+    def tainted(node: str) -> bool:
+        return any(t.key == names.TAINT_KEY for t in cluster.core.read_node(node).spec.taints or [])
+
+    assert "Schedulable -> Unschedulable" in run_cli(*kube, "node", "cordon", "gpu-a").stdout
+    assert labels("gpu-a")[names.NODE_HEALTH_STATUS] == "Unschedulable" and tainted("gpu-a")
+    refused = run_cli(*kube, "node", "cordon", "gpu-a", check=False)
+    assert refused.returncode == 2 and "node gpu-a is Unschedulable; NodeCordoned needs one of" in refused.stderr, refused
+    run_cli(*kube, "node", "uncordon", "gpu-a")
+    assert labels("gpu-a")[names.NODE_HEALTH_STATUS] == "Schedulable" and not tainted("gpu-a")
+    unknown = run_cli(*kube, "node", "reboot", "gpu-zz", check=False)
+    assert unknown.returncode == 2 and "gpu-zz" in unknown.stderr and "Traceback" not in unknown.stderr, unknown
+
+    booted = cluster.core.read_node("gpu-c").status.node_info.boot_id
+    run_cli(*kube, "node", "reboot", "gpu-c")
+    wait_until(lambda: "Reboot gpu-c" in cluster.remediations.read_text(), 30, "the Command remediator to reboot gpu-c")
+    assert labels("gpu-c")[names.NODE_HEALTH_STATUS] == "UnschedulablePendingReboot" and tainted("gpu-c")
+    assert cluster.core.read_node("gpu-c").spec.unschedulable, "cordoned while it reboots"
+    cluster.kubelet.reboot_node("gpu-c")
+    wait_until(lambda: labels("gpu-c").get(names.NODE_HEALTH_STATUS) == "Schedulable" and not tainted("gpu-c"), 60,
+               "gpu-c back from its reboot")
+    reasons = [r for r, _ in node_events(cluster, "gpu-c")]
+    assert reasons[0] == "NodeRebootRequested" and "NodeRebooted" in reasons, reasons
+    rebooted = next(m for r, m in node_events(cluster, "gpu-c") if r == "NodeRebooted")
+    assert booted in rebooted, rebooted
+    assert not cluster.core.read_node("gpu-c").spec.unschedulable, "unbroken's cordon lifted"
+    assert cluster.remediations.read_text() == "Reboot gpu-c\n", "no other node was touched"
 
 
 def test_self_reboot_the_agent_reboots_its_node_which_joins_again_through_deep_checks(cluster: Cluster, tmp_path: Path) -> None:

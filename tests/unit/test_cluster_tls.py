@@ -56,3 +56,19 @@ def test_a_secret_missing_a_file_is_a_clear_error_that_says_how_to_mend_it(kubec
     with pytest.raises(StoreUnavailable, match=f"{names.CLUSTER_TLS_SECRET} lacks cluster.crt, cluster.key: delete it"):
         cluster_tls.ensure(api_client(kubeconfig), namespace, tmp_path / "node", "c")
     assert not (tmp_path / "node").exists(), "nothing half-written"
+
+
+def test_fetch_reads_the_agents_secret_and_never_makes_one(kubeconfig: Path, namespace: str, tmp_path: Path) -> None:
+    """``ckpt verify`` on a cluster presents the agents' certificate; with no Secret yet it says why and creates none."""
+    from unbroken.errors import NotFoundError
+
+    with pytest.raises(NotFoundError, match="no node agent has started the checkpoint memory tier yet"):
+        cluster_tls.fetch(api_client(kubeconfig), namespace, tmp_path / "cli")
+    core = kubernetes.client.CoreV1Api(api_client(kubeconfig))
+    assert not [s for s in core.list_namespaced_secret(namespace).items if s.metadata.name == names.CLUSTER_TLS_SECRET]
+
+    cluster_tls.ensure(api_client(kubeconfig), namespace, tmp_path / "agent", "c")
+    fetched = cluster_tls.fetch(api_client(kubeconfig), namespace, tmp_path / "cli")
+    assert fetched.ca.read_bytes() == (tmp_path / "agent" / credentials.CA_FILE).read_bytes()
+    assert fetched.key.read_bytes() == (tmp_path / "agent" / credentials.KEY_FILE).read_bytes()
+    assert stat.S_IMODE(fetched.key.stat().st_mode) == 0o600

@@ -138,6 +138,10 @@ def test_start_creates_the_job_the_cli_then_lists_and_a_second_start_is_refused(
     logs = run_cli("--kubeconfig", str(kubeconfig), "job", "logs", f"{namespace}/mlp", "-f", check=False)
     assert logs.returncode != 0 and "Traceback" not in logs.stderr
     assert f"kubectl logs -n {namespace} -l training.kubeflow.org/job-name=mlp --prefix --tail=-1 --follow" in logs.stderr
+    no_pods = run_cli("--kubeconfig", str(kubeconfig), "job", "logs", f"{namespace}/mlp", check=False)
+    assert no_pods.returncode == 2 and f"job {namespace}/mlp has no pods now" in no_pods.stderr, no_pods.stderr
+    by_rank = run_cli("--kubeconfig", str(kubeconfig), "job", "logs", f"{namespace}/mlp", "--rank", "1", check=False)
+    assert by_rank.returncode == 2 and "a pod's ranks share its container's log" in by_rank.stderr, by_rank.stderr
 
     again = run_cli("--kubeconfig", str(kubeconfig), "k8s", "start", "-f", str(EXAMPLE), "--image", "img:1", "-n", namespace, check=False)
     assert again.returncode != 0 and f"PyTorchJob {namespace}/mlp already exists" in again.stderr and "Traceback" not in again.stderr

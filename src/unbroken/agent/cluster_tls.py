@@ -8,6 +8,9 @@ is no install step and no operator dependency. Each agent then writes the files
 into its node's socket folder (``/var/run/unbroken/cluster``), which the training
 pods mount already: their ranks present the same certificate to restore from
 peers. The CA's key is not kept, as locally: nobody can mint a second certificate.
+
+``unbroken ckpt verify`` on a cluster reads the same Secret (:func:`fetch`), never
+creating it, to dial the nodes' shard servers as a peer would.
 """
 
 from __future__ import annotations
@@ -34,6 +37,19 @@ def ensure(api: kubernetes.client.ApiClient, namespace: str, directory: Path, cl
     data = _read(core, namespace)
     if data is None:
         data = _create(core, namespace, cluster_name)
+    return _write(data, directory)
+
+
+def fetch(api: kubernetes.client.ApiClient, namespace: str, directory: Path) -> Credentials:
+    """The cluster's credentials from the Secret, written into ``directory``; NotFoundError if no agent has made them yet."""
+    data = _read(kubernetes.client.CoreV1Api(api), namespace)
+    if data is None:
+        raise NotFoundError(f"Secret {namespace}/{names.CLUSTER_TLS_SECRET} does not exist: no node agent has started the "
+                            "checkpoint memory tier yet (it is made by the first one), so no node holds a copy to verify")
+    return _write(data, directory)
+
+
+def _write(data: dict[str, str], directory: Path) -> Credentials:
     directory.mkdir(mode=0o755, parents=True, exist_ok=True)
     for name in _FILES:
         write_bytes_atomically(directory / name, base64.b64decode(data[name]), mode=0o600 if name.endswith(".key") else 0o644)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -10,7 +14,8 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, Trans
 from unbroken.checkpoint import inventory as inv
 from unbroken.checkpoint import credentials
 from unbroken.checkpoint.persistent import PersistentStore
-from unbroken.cli.common import DirOption, Output, OutputOption, ago, console, open_runtime, print_json, table
+from unbroken.checkpoint.credentials import Credentials
+from unbroken.cli.common import DirOption, Output, OutputOption, ago, console, kube_api, kubernetes_target, on_kubernetes, open_runtime, print_json, table
 from unbroken.config.checkpoint import TierPolicy
 from unbroken.errors import UsageError
 from unbroken.runtime import Runtime
@@ -29,6 +34,20 @@ def _policy(runtime: Runtime, job: str) -> TierPolicy:
     if tiers is None:
         raise UsageError(f"job {job} uses the file checkpointer (no 'memory' tier in its job file); its checkpoints are files under checkpoint.dir")
     return tiers
+
+
+@contextlib.contextmanager
+def _peer_credentials(runtime: Runtime) -> Iterator[Credentials]:
+    """What a peer presents to a node's shard server: the cluster directory's files locally; on
+    Kubernetes the Secret ``unbroken-cluster-tls``, copied for this command into a private folder
+    that is removed after it (the CLI's user needs ``get`` on that Secret)."""
+    if not on_kubernetes():
+        yield credentials.load(runtime.layout.root)
+        return
+    from unbroken.agent import cluster_tls  # here: local commands need not import the kubernetes client
+
+    with tempfile.TemporaryDirectory(prefix="unbroken-verify-") as scratch:
+        yield cluster_tls.fetch(kube_api(), kubernetes_target().namespace, Path(scratch))
 
 
 def _size(n: int) -> str:
@@ -67,12 +86,16 @@ def verify(
 ) -> None:
     """Re-read every copy and check its checksum: each node's shared memory (own and replicas), then the persistent tier.
 
-    Exits 1 if any copy is damaged; restore would skip it and fall back.
+    Exits 1 if any copy is damaged; restore would skip it and fall back. On Kubernetes
+    (--kubeconfig) it dials each node's shard server at its pod IP with the cluster's
+    certificate from the Secret unbroken-cluster-tls: run it where pod IPs are reachable
+    (inside the cluster, e.g. kubectl exec into the operator); elsewhere nodes show as unreachable.
     """
     runtime = open_runtime(directory)
     policy = _policy(runtime, job)
     store = runtime.catalog
-    checks = [c for c in inv.verify_memory(store, job, credentials.load(runtime.layout.root)) if step is None or c.step in (step, -1)]
+    with _peer_credentials(runtime) as peer_credentials:
+        checks = [c for c in inv.verify_memory(store, job, peer_credentials) if step is None or c.step in (step, -1)]
     if policy.persistent is not None:
         steps = None if step is None else [step]
         total = sum(r.size for r in store.list_checkpoint_steps(job, tier=CheckpointTier.PERSISTENT)

@@ -66,6 +66,11 @@ def use_kubernetes(target: KubernetesTarget | None) -> None:
     _kubernetes = target
 
 
+def on_kubernetes() -> bool:
+    """Whether the root options name a Kubernetes cluster (else commands act on a local one)."""
+    return _kubernetes is not None
+
+
 def kubernetes_target() -> KubernetesTarget:
     """The named cluster, or the kubeconfig's current context (kubectl's default) for commands that are Kubernetes-only."""
     return _kubernetes or KubernetesTarget()

@@ -145,22 +145,47 @@ def logs(
 ) -> None:
     """Print the job's logs: torchrun's per node and each rank's, prefixed with where they came from.
 
-    On Kubernetes the logs are the kubelet's: the command says which kubectl call shows them."""
+    On Kubernetes (--kubeconfig) they are the current pods' container output, read from the
+    kubelet through the API and prefixed [pod]; --follow and --rank are local only (the
+    error names the kubectl command that follows them)."""
     runtime = open_runtime(directory)
     job = runtime.cluster.get_job(name)
-    if runtime.worker_table is None:  # Kubernetes: no log files of ours to read
-        from unbroken.kube.store import KubernetesStore  # here: local commands need not import the kubernetes client
-
-        assert isinstance(runtime.cluster, KubernetesStore)
-        namespace, _, short = name.partition("/")
-        kind = runtime.cluster.kind_of(name)
-        raise UsageError(f"on Kubernetes a job's logs are its pods' (the kubelet keeps them); read them with: "
-                         f"kubectl logs -n {namespace} -l {kind.pod_selector(short)} --prefix --tail=-1"
-                         f"{' --follow' if follow_ else ''}")
+    if runtime.worker_table is None:  # Kubernetes: the kubelet keeps the logs
+        _pod_logs(runtime, job, node=node, rank=rank, attempt=attempt, follow=follow_)
+        return
     chosen = job.attempt if attempt is None else attempt
     if not 0 <= chosen <= job.attempt:
         raise UsageError(f"job {name} has attempts 0..{job.attempt}, not {chosen}")
     logs_view.show(runtime, job, chosen, node=node, rank=rank, follow=follow_)
+
+
+def _pod_logs(runtime: Runtime, job: Job, *, node: str | None, rank: int | None, attempt: int | None, follow: bool) -> None:
+    from unbroken.kube import pod_logs  # here: local commands need not import the kubernetes client
+    from unbroken.kube.store import KubernetesStore
+
+    assert isinstance(runtime.cluster, KubernetesStore)
+    namespace, _, short = job.name.partition("/")
+    kubectl = f"kubectl logs -n {namespace} -l {runtime.cluster.kind_of(job.name).pod_selector(short)} --prefix --tail=-1"
+    if follow:
+        raise UsageError(f"--follow is not built for Kubernetes jobs; follow the pods with: {kubectl} --follow")
+    if rank is not None:
+        raise UsageError("--rank: on Kubernetes a pod's ranks share its container's log (torchrun prefixes each line "
+                         "with its local rank); pick the pod with --node, or read them all")
+    if attempt is not None and attempt != job.attempt:
+        raise UsageError(f"on Kubernetes only the pods of the latest attempt ({job.attempt}) exist, and with them their logs; "
+                         f"attempt {attempt}'s went with its pods (keep them with a log collector)")
+    found = pod_logs.job_pod_logs(runtime.cluster, job.name, node=node)
+    if not found:
+        where = f" on node {node}" if node else ""
+        raise UsageError(f"job {job.name} has no pods{where} now (phase {job.phase.value}); its Events say why: "
+                         f"unbroken job describe {job.name}")
+    for entry in found:
+        prefix = f"[{entry.pod}]"
+        if entry.text is None:
+            console.print(f"{prefix} (no log: {entry.unavailable})", highlight=False, markup=False)
+            continue
+        for line in entry.text.splitlines():
+            print(f"{prefix} {line}")
 
 
 @app.command("cancel")
