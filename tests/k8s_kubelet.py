@@ -44,9 +44,10 @@ Everything runs on this one machine, as the test's user, with the test's environ
   (``nodeSelectorTerms`` ORed, expressions ANDed, In/NotIn/Exists/DoesNotExist/Gt/Lt, ``matchFields`` on
   ``metadata.name``); extended resources (e.g. ``nvidia.com/gpu``: the requests, else limits, of the
   non-terminal pods on the node must fit its allocatable). cpu and memory always fit. Among the nodes that
-  fit, the first by name wins: no scoring, spreading, preferred affinity, pod (anti-)affinity, topology
-  spread or preemption. A pod that fits nowhere stays Pending with ``PodScheduled=False``, reason
-  ``Unschedulable`` and a message in the scheduler's style.
+  fit, the first by name wins: no scoring, spreading, preferred affinity, pod affinity, topology spread or
+  preemption; required pod anti-affinity is emulated on ``kubernetes.io/hostname`` with ``matchLabels``
+  (one pod of a cross-node sweep per node). A pod that fits nowhere stays Pending with
+  ``PodScheduled=False``, reason ``Unschedulable`` and a message in the scheduler's style.
 * Kubelet: runs the *first* container's ``command + args`` as a local process (``start_new_session``, so
   one process group per pod) with cwd = ``workingDir`` if it exists here, else the node directory; init and
   sidecar containers are not run, images are ignored (a container without a command cannot run: it waits
@@ -347,6 +348,23 @@ def _node_selected(pod: Obj, node: Obj) -> bool:
     if affinity is None:
         return True
     return any(_term_matches(term, node) for term in affinity.get("nodeSelectorTerms") or [])
+
+
+def _repelled(pod: Obj, residents: list[Obj]) -> bool:
+    """Required pod anti-affinity with ``topologyKey: kubernetes.io/hostname`` (one node is one domain):
+    a pod of the same namespace on the node matches a term's ``matchLabels``. Other topology keys,
+    ``matchExpressions`` and ``namespaceSelector`` are not emulated (refused, so no test relies on them)."""
+    terms = ((_spec(pod).get("affinity") or {}).get("podAntiAffinity") or {}).get("requiredDuringSchedulingIgnoredDuringExecution") or []
+    for term in terms:
+        selector = term.get("labelSelector") or {}
+        if term.get("topologyKey") != "kubernetes.io/hostname" or set(selector) - {"matchLabels"} or term.get("namespaceSelector"):
+            raise ValueError(f"pod anti-affinity term not emulated: {term}")
+        wanted = selector.get("matchLabels") or {}
+        for other in residents:
+            labels = _meta(other).get("labels") or {}
+            if _meta(other)["namespace"] == _meta(pod)["namespace"] and all(labels.get(k) == v for k, v in wanted.items()):
+                return True
+    return False
 
 
 def _node_ready(node: Obj) -> bool:
@@ -809,13 +827,18 @@ class TestKubelet:
             if node and _phase(pod) not in TERMINAL:
                 for resource, amount in _extended_requests(pod).items():
                     usage.setdefault(node, {})[resource] = usage.get(node, {}).get(resource, 0) + amount
+        residents: dict[str, list[Obj]] = {}
+        for pod in pods:
+            if _spec(pod).get("nodeName") and _active(pod):
+                residents.setdefault(_spec(pod)["nodeName"], []).append(pod)
         waiting = [p for p in pods if not _spec(p).get("nodeName") and _active(p)]
         waiting.sort(key=lambda p: (_meta(p).get("creationTimestamp") or "", _meta(p)["namespace"], _meta(p)["name"]))
         ordered = sorted(nodes, key=lambda n: _meta(n)["name"])
         for pod in waiting:
-            self._guard(f"scheduling {_meta(pod)['namespace']}/{_meta(pod)['name']}", self._schedule_one, pod, ordered, usage)
+            self._guard(f"scheduling {_meta(pod)['namespace']}/{_meta(pod)['name']}", self._schedule_one, pod, ordered, usage,
+                        residents)
 
-    def _unfit(self, pod: Obj, node: Obj, usage: dict[str, dict[str, float]]) -> str | None:
+    def _unfit(self, pod: Obj, node: Obj, usage: dict[str, dict[str, float]], residents: dict[str, list[Obj]]) -> str | None:
         """Why the pod cannot go to the node (in the scheduler's words), or None when it fits."""
         name = _meta(node)["name"]
         managed = self._nodes.get(name)
@@ -829,6 +852,8 @@ class TestKubelet:
                 return f"node(s) had untolerated taint {{{taint.get('key')}: {taint.get('value') or ''}}}"
         if not _node_selected(pod, node):
             return "node(s) didn't match Pod's node affinity/selector"
+        if _repelled(pod, residents.get(name, [])):
+            return "node(s) didn't match pod anti-affinity rules"
         allocatable = (node.get("status") or {}).get("allocatable") or {}
         for resource, amount in sorted(_extended_requests(pod).items()):
             have = _quantity(allocatable[resource]) if resource in allocatable else 0.0
@@ -836,14 +861,15 @@ class TestKubelet:
                 return f"Insufficient {resource}"
         return None
 
-    def _schedule_one(self, pod: Obj, nodes: list[Obj], usage: dict[str, dict[str, float]]) -> None:
+    def _schedule_one(self, pod: Obj, nodes: list[Obj], usage: dict[str, dict[str, float]], residents: dict[str, list[Obj]]) -> None:
         reasons: dict[str, int] = {}
         for node in nodes:
-            why = self._unfit(pod, node, usage)
+            why = self._unfit(pod, node, usage, residents)
             if why is None:
                 name = _meta(node)["name"]
                 self._api.patch_pod(pod, {"spec": {"nodeName": name}})
                 pod.setdefault("spec", {})["nodeName"] = name  # so that its kubelet starts it in this round
+                residents.setdefault(name, []).append(pod)
                 for resource, amount in _extended_requests(pod).items():
                     usage.setdefault(name, {})[resource] = usage.get(name, {}).get(resource, 0) + amount
                 log.info("bound %s/%s to %s", _meta(pod)["namespace"], _meta(pod)["name"], name)

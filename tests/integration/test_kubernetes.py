@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -109,6 +110,12 @@ class Cluster:
         return (self.workdir / "operator.log").read_text(errors="replace")
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def cluster_file(remediations: Path) -> str:
     """Automatic recovery through the Command remediator: a script that appends "<action> <node>"
     to ``remediations`` (argv ends with [action, node]); force-delete after 2 s, not 60."""
@@ -126,7 +133,9 @@ def cluster_file(remediations: Path) -> str:
         "Kubernetes": {"Remediator": "Command", "RemediationCommand": [sys.executable, "-c", script, str(remediations)],
                        "ForceDeleteGraceSeconds": 2,
                        # the deep-check Jobs' pods run this machine's Python (the test kubelet ignores images)
-                       "DeepCheckCommand": [sys.executable, "-m", "unbroken.health.pod"], "DeepCheckStartSeconds": 30},
+                       "DeepCheckCommand": [sys.executable, "-m", "unbroken.health.pod"], "DeepCheckStartSeconds": 30,
+                       # the cross-node sweep's rank 0 listens here (every test node's address is 127.0.0.1)
+                       "ConnectivityPort": free_port()},
     })
 
 
@@ -587,7 +596,10 @@ def check_jobs(cluster: Cluster, node: str) -> list[Any]:
 def test_a_joining_node_is_deep_checked_by_jobs_pinned_to_it_then_admitted_or_taken_out(cluster: Cluster) -> None:
     """Done-when 1: nodes registered with the startup taint are checked by Jobs on them; the healthy one is
     admitted (Passed, taint gone), the one a real matmul finds too slow is failed, tainted, conditioned and
-    handed to the Command remediator. Nodes that were there before are left as they are."""
+    handed to the Command remediator. Nodes that were there before are left as they are. InstanceConnectivity
+    runs across gpu-new and the one idle node whose deep check passed (gpu-a) as an Indexed Job, a pod on
+    each, rank 0 on gpu-new."""
+    cluster.core.patch_node("gpu-a", {"metadata": {"labels": {names.DEEP_HEALTH_CHECK_STATUS: "Passed"}}})
     cluster.start_operator()
     cluster.kubelet.add_node("gpu-new", labels={f"{names.PREFIX}/instance-group": "checked"}, taints=[STARTUP_TAINT])
     cluster.kubelet.add_node("gpu-slow", labels={"node.kubernetes.io/instance-type": "cpu-slow"}, taints=[STARTUP_TAINT])
@@ -613,6 +625,16 @@ def test_a_joining_node_is_deep_checked_by_jobs_pinned_to_it_then_admitted_or_ta
     assert not any(t.key == names.TAINT_KEY for t in node.spec.taints or []), node.spec.taints
     suites = sorted(j.metadata.annotations[f"{names.PREFIX}/check-suite"] for j in check_jobs(cluster, "gpu-new"))
     assert suites == ["InstanceConnectivity", "InstanceStress"]
+    sweep = next(j for j in check_jobs(cluster, "gpu-new") if j.metadata.annotations[f"{names.PREFIX}/check-suite"] == "InstanceConnectivity")
+    assert (sweep.spec.completion_mode, sweep.spec.completions) == ("Indexed", 2)
+    sweep_pods = cluster.core.list_namespaced_pod(SYSTEM, label_selector=f"job-name={sweep.metadata.name}").items
+    assert sorted(p.spec.node_name for p in sweep_pods) == ["gpu-a", "gpu-new"], "one pod on each node of the sweep"
+    leader = next(p for p in sweep_pods if p.spec.node_name == "gpu-new")
+    judged = [json.loads(line) for line in cluster.core.read_namespaced_pod_log(leader.metadata.name, SYSTEM).splitlines()
+              if line.startswith("{") and '"collective.allreduce"' in line]
+    assert judged and judged[0]["status"] == "Pass" and "across gpu-new, gpu-a" in judged[0]["message"], judged
+    started = [m for r, m in node_events(cluster, "gpu-new") if r == "DeepHealthCheckStarted"]
+    assert any("InstanceConnectivity: Indexed Job" in m and "across gpu-new (rank 0), gpu-a" in m for m in started), started
     reasons = [r for r, _ in node_events(cluster, "gpu-new")]
     assert reasons == ["DeepHealthCheckStarted", "DeepHealthCheckStarted", "JoinChecksPassed", "NodeSchedulable"], reasons
 
@@ -627,9 +649,10 @@ def test_a_joining_node_is_deep_checked_by_jobs_pinned_to_it_then_admitted_or_ta
     assert "InstanceStress: stress.matmul: matmul below threshold" in failed, failed
     assert slow.metadata.annotations[names.FAULT_DETAILS]
 
-    # the nodes that were there when unbroken started were never checked nor tainted
+    # the nodes that were there when unbroken started were never checked nor tainted (gpu-a only lent its ranks)
     for old in NODES:
-        assert labels(old).get(names.DEEP_HEALTH_CHECK_STATUS) is None and not check_jobs(cluster, old)
+        assert labels(old).get(names.DEEP_HEALTH_CHECK_STATUS) == ("Passed" if old == "gpu-a" else None)
+        assert not check_jobs(cluster, old) and not any(t.key == names.TAINT_KEY for t in cluster.core.read_node(old).spec.taints or [])
 
 
 def test_node_commands_on_a_cluster_cordon_a_node_and_reboot_one_through_the_remediator(cluster: Cluster) -> None:

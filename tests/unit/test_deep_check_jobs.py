@@ -5,6 +5,7 @@ in pods on emulated nodes) is tests/integration/test_kubernetes.py."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import kubernetes_validate
 import pytest
@@ -67,6 +68,35 @@ def test_the_job_is_pinned_tolerant_single_shot_and_valid_for_kubernetes() -> No
         "ip-10-0-1-17.ec2.internal", "p5.48xlarge", "InstanceStress")
 
 
+def test_the_cross_node_sweep_is_an_indexed_job_one_pod_per_node_in_the_hosts_network() -> None:
+    from dataclasses import replace
+
+    from unbroken.health.context import Peer
+
+    joining = replace(node(), address="10.0.1.17")
+    peers = (Peer("ip-10-0-1-20.ec2.internal", "10.0.1.20"),)
+    name = "unbroken-check-connectivity-x-1234abcd"
+    body = job_manifest("unbroken-system", CLUSTER, CLUSTER.group("gpu"), joining, Suite.INSTANCE_CONNECTIVITY, name, peers)
+    assert kubernetes_validate.validate(body, schema_version(), strict=True)
+    spec = body["spec"]
+    assert (spec["completionMode"], spec["completions"], spec["parallelism"], spec["backoffLimit"]) == ("Indexed", 2, 2, 0)
+    pod = spec["template"]["spec"]
+    assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert terms[0]["matchFields"][0]["values"] == ["ip-10-0-1-17.ec2.internal", "ip-10-0-1-20.ec2.internal"]
+    (apart,) = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert apart["topologyKey"] == "kubernetes.io/hostname"
+    assert spec["template"]["metadata"]["labels"].items() >= apart["labelSelector"]["matchLabels"].items()
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    context = json.loads(env["UNBROKEN_CHECK_CONTEXT"])
+    # rank 0 on the joining node, at its InternalIP, on the configured port
+    assert [(p["name"], p["address"]) for p in context["peers"]] == [("ip-10-0-1-17.ec2.internal", "10.0.1.17"),
+                                                                       ("ip-10-0-1-20.ec2.internal", "10.0.1.20")]
+    assert context["params"] == {"port": CLUSTER.Kubernetes.ConnectivityPort}
+    alone = job_manifest("unbroken-system", CLUSTER, CLUSTER.group("gpu"), joining, Suite.INSTANCE_CONNECTIVITY, name)
+    assert "completionMode" not in alone["spec"] and "hostNetwork" not in alone["spec"]["template"]["spec"]
+
+
 def result(check: str, status: Status, *, action: FaultAction = FaultAction.REPLACE, faulty: tuple[str, ...] = ()) -> CheckResult:
     return CheckResult(check, Suite.INSTANCE_STRESS, status, f"{check} said so", action=action, node="n1", faulty_nodes=faulty)
 
@@ -87,3 +117,46 @@ def test_a_pod_that_died_before_its_verdict_has_none(text: str) -> None:
 def test_the_verdict_is_the_last_marked_line_of_the_log_tail() -> None:
     tail = "noise\n" + VERDICT_MARK + json.dumps({"passed": False, "reason": "x"}) + "\n"
     assert parse_verdict(tail) == {"passed": False, "reason": "x"}
+
+
+def test_a_peer_the_cross_node_sweep_blames_is_taken_out_and_the_joining_node_passes(kubeconfig: Path, namespace: str) -> None:
+    """The operator's side of a sweep that named a peer as the slow node (a slow link cannot be made between
+    the test kubelet's nodes, which share one loopback): emulated API only. The Job's completion and the
+    joining node's pod, with its verdict in the termination message, are written here as the Job controller
+    and the kubelet would."""
+    import kubernetes
+
+    from unbroken.kube.client import api_client
+    from unbroken.kube.store import KubernetesStore
+    from unbroken.operator.deep_checks import DeepCheckJobs
+
+    api = api_client(kubeconfig)
+    core, batch = kubernetes.client.CoreV1Api(api), kubernetes.client.BatchV1Api(api)
+    joining, slow = f"join-{namespace}", f"peer-{namespace}"
+    ready = {"conditions": [{"type": "Ready", "status": "True"}], "addresses": [{"type": "InternalIP", "address": "10.0.0.9"}]}
+    core.create_node({"metadata": {"name": joining, "labels": {f"{names.PREFIX}/instance-group": "conn"}},
+                      "spec": {"taints": [{"key": names.TAINT_KEY, "value": "Unschedulable", "effect": "NoSchedule"}]},
+                      "status": ready})
+    core.create_node({"metadata": {"name": slow, "labels": {names.DEEP_HEALTH_CHECK_STATUS: "Passed"}}, "status": ready})
+    cluster = ClusterConfig(ClusterName="k8s", InstanceGroups=[InstanceGroup(
+        InstanceGroupName="conn", InstanceType="cpu-dev", InstanceCount=0, OnStartDeepHealthChecks=["InstanceConnectivity"])])
+    store = KubernetesStore(api, namespace)
+    checks = DeepCheckJobs(api, namespace, store)
+
+    checks.reconcile(cluster)
+    (job,) = [j for j in batch.list_namespaced_job(namespace).items if j.metadata.annotations[f"{names.PREFIX}/check-node"] == joining]
+    assert job.spec.completion_mode == "Indexed" and job.spec.completions >= 2
+    verdict = {"passed": True, "reason": "1 checks passed", "fault_type": None, "blamed": [slow], "results": []}
+    pod = core.create_namespaced_pod(namespace, {
+        "metadata": {"name": f"{job.metadata.name}-0-abcde", "labels": {"job-name": job.metadata.name}},
+        "spec": {"nodeName": joining, "containers": [{"name": "check", "image": "x"}]}})
+    core.patch_namespaced_pod_status(pod.metadata.name, namespace, {"status": {"phase": "Succeeded", "containerStatuses": [
+        {"name": "check", "image": "x", "imageID": "", "ready": False, "restartCount": 0,
+         "state": {"terminated": {"exitCode": 0, "message": VERDICT_MARK + json.dumps(verdict)}}}]}})
+    batch.patch_namespaced_job_status(job.metadata.name, namespace, {"status": {"conditions": [{"type": "Complete", "status": "True"}]}})
+
+    checks.reconcile(cluster)
+    assert store.get_node(joining).deep_health is DeepHealthStatus.PASSED
+    blamed = store.get_node(slow)
+    assert blamed.state is NodeState.PENDING_REPLACEMENT and blamed.fault_type == "FaultyInstance", blamed
+    assert f"InstanceConnectivity of {joining}" in (blamed.fault_reason or "") and "slow node of the sweep" in (blamed.fault_reason or "")

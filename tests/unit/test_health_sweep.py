@@ -91,3 +91,42 @@ def test_the_verdict_figure_is_the_fastest_iteration_of_the_better_column():
               in_time_us=6000.0, in_wrong=0, ranks=2, out_best_us=5000.0, in_best_us=4194.304)
     assert row.best_busbw == pytest.approx((4 << 20) / 1e9 / 0.004194304)
     assert Row(**{**row.__dict__, "out_best_us": 0.0, "in_best_us": 0.0}).best_busbw == pytest.approx(row.in_busbw)
+
+
+def _plan() -> dict:
+    return {"backend": "gloo", "ops": ["all_reduce"], "sizes": [4096], "iters": 1, "warmup": 0, "repeat": 1,
+            "floor": 0.0, "retries": 0}
+
+
+def test_shares_of_a_sweep_started_apart_meet_at_rank_0_which_alone_gets_the_report():
+    """What each pod of the Kubernetes Indexed Job does: start only its node's ranks (real gloo workers here,
+    two shares of one rank each on loopback), rendezvous at the first node's address and the given port."""
+    import socket
+    import threading
+
+    from unbroken.health.collective.launch import run_sweep
+    from unbroken.health.context import Peer
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    peers = (Peer("joining", "127.0.0.1"), Peer("passed", "127.0.0.1"))
+    reports: dict[int, object] = {}
+    shares = [threading.Thread(target=lambda i=i: reports.__setitem__(i, run_sweep(peers, _plan(), share=i, port=port, timeout=60)))
+              for i in (0, 1)]
+    for share in shares:
+        share.start()
+    for share in shares:
+        share.join(90)
+    assert reports[1] is None, "a peer's share reports nothing: the joining node's judges"
+    assert isinstance(reports[0], dict) and reports[0]["world"] == 2, reports[0]
+
+
+def test_a_share_whose_peer_never_comes_fails_within_its_timeout():
+    from unbroken.errors import BackendError
+    from unbroken.health.collective.launch import free_port, run_sweep
+    from unbroken.health.context import Peer
+
+    peers = (Peer("joining", "127.0.0.1"), Peer("absent", "127.0.0.1"))
+    with pytest.raises(BackendError, match="did not finish within 5 s"):
+        run_sweep(peers, _plan(), share=0, port=free_port("127.0.0.1"), timeout=5)

@@ -116,6 +116,9 @@ class KubernetesSettings(_Strict):
     DeepCheckStartSeconds: float = Field(default=300.0, ge=10, le=3600)
     """Added to the suite's check timeouts for a deep-check Job's ``activeDeadlineSeconds``:
     time to pull the image and start the pod on a fresh node."""
+    ConnectivityPort: int = Field(default=29411, ge=1024, le=65535)
+    """The InstanceConnectivity sweep across nodes runs in the host's network (``hostNetwork``: the
+    node's own links are what it measures); its rank 0, on the joining node, listens on this port."""
 
     @model_validator(mode="after")
     def _command_given(self) -> "KubernetesSettings":

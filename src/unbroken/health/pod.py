@@ -11,6 +11,11 @@ verdict back from the pod's termination message:
 * ``UNBROKEN_CHECK_DIR``: the scratch directory on the node (a hostPath mount)
   where stress and storage checks write.
 
+InstanceConnectivity across nodes is one Indexed Job with a pod on each node of
+the sweep (the context's ``peers``, the joining node first): each pod starts its
+own node's ranks (found by ``NODE_NAME``) and the joining node's pod, which holds
+rank 0, judges. Peers only lend their ranks: their pods run the sweep alone.
+
 Each result is logged as one JSON line; the last line of stdout is the verdict,
 ``VERDICT_MARK`` + JSON ``{"passed", "reason", "fault_type", "blamed", "results"}``, also
 written to ``/dev/termination-log`` where the kubelet provides it. The exit code
@@ -34,6 +39,7 @@ SUITE_ENV = "UNBROKEN_CHECK_SUITE"
 CONTEXT_ENV = "UNBROKEN_CHECK_CONTEXT"
 DIR_ENV = "UNBROKEN_CHECK_DIR"
 VERDICT_MARK = "@@unbroken-verdict@@ "
+SWEEP_CHECK = "collective.allreduce"
 TERMINATION_LOG = Path("/dev/termination-log")
 REASON_LIMIT = 1500
 """Characters of the reason kept: the kubelet keeps at most 4096 bytes (2048 lines' tail) of a termination message."""
@@ -71,7 +77,18 @@ def main() -> int:
     scratch = Path(os.environ.get(DIR_ENV) or ctx.node_dir)
     ctx = dataclasses.replace(ctx, node_dir=scratch, storage_dir=scratch / "storage")
     scratch.mkdir(parents=True, exist_ok=True)
-    results = runner.run_suite(catalogue.for_suite(suite, ctx.settings), ctx, suite)
+    checks = catalogue.for_suite(suite, ctx.settings)
+    if len(ctx.peers) > 1:  # one pod of the cross-node sweep's Indexed Job: which node's share is ours
+        here = os.environ.get("NODE_NAME", "")
+        shares = [i for i, peer in enumerate(ctx.peers) if peer.name == here]
+        if not shares:
+            print(f"deep-check pod: NODE_NAME {here!r} is none of the sweep's nodes "
+                  f"({', '.join(p.name for p in ctx.peers)})", file=sys.stderr)
+            return 2
+        ctx = dataclasses.replace(ctx, node=here, params={**ctx.params, "share": shares[0]})
+        if shares[0] != 0:  # a peer that passed already: it lends its ranks to the sweep, it is not re-judged
+            checks = [c for c in checks if c.id == SWEEP_CHECK]
+    results = runner.run_suite(checks, ctx, suite)
     for r in results:
         print(json.dumps({"check": r.check, "status": r.status.value, "reason": r.reason, "message": r.message,
                           "duration_s": r.duration_s, "node": ctx.node}), flush=True)

@@ -165,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         log.error("cannot start: %s", exc)
         return 2
     operator = Operator(runtime, LeaderLease(api, args.namespace, names.LEADER_LEASE, args.identity),
-                        deep_checks.DeepCheckJobs(api, args.namespace, runtime.cluster))
+                        deep_checks.DeepCheckJobs(api, args.namespace, runtime.cluster,
+                                                  busy=lambda: {w.node for w in runtime.backend.active_workers()}))
     endpoint = None
     if runtime.config.Metrics.Enabled:
         registry = CollectorRegistry()

@@ -83,10 +83,19 @@ def blame(pairs: dict[tuple[str, ...], float], floor: float, nodes: list[str]) -
 
 
 def allreduce(ctx: CheckContext) -> Outcome:
+    """The sweep across ``ctx.peers`` (this node first). With ``params["share"]`` (the index of this
+    node in the peers: a pod of the Kubernetes Indexed Job) only this node's ranks are started here,
+    at ``params["port"]``; the share with rank 0 judges, the others report their part done."""
     peers = ctx.peers or (Peer(ctx.node, "127.0.0.1"),)
     plan = plan_for(ctx, len(peers))
+    share = ctx.params.get("share")
     report = launch.run_sweep(peers, plan, procs_per_node=procs_per_node(ctx, len(peers)),
-                              timeout=float(ctx.params.get("timeout_s", 200)))
+                              timeout=float(ctx.params.get("timeout_s", 200)),
+                              share=int(share) if share is not None else None,
+                              port=int(ctx.params["port"]) if "port" in ctx.params else None)
+    if report is None:
+        return Outcome(Status.PASS, f"ran {ctx.node}'s ranks of the sweep across {', '.join(p.name for p in peers)}; "
+                       f"{peers[0].name} judges it", "", {"nodes": [p.name for p in peers]}, FaultAction.NONE)
     outcome = judge(report, ctx.profile.BusBwFloorGBps, [p.name for p in peers])
     outcome.metrics["sizes"] = plan["sizes"]
     outcome.metrics["report"] = report if ctx.params.get("include_report") else None
