@@ -33,7 +33,7 @@ test: $(STAMP) system-packages
 	$(BIN)/ruff check src tests benchmarks docs
 	$(BIN)/mypy
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=15 tests
 
 install: $(STAMP)
 

@@ -95,18 +95,19 @@ class KubernetesAgent:
     def run(self, metrics_host: str, metrics_port: int | None) -> None:
         self.socket_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         receiver = AgentReceiver(agent_socket(self.socket_dir))
-        self.store.renew_lease(self.node, at=time.time())
-        checkpoints = self._start_checkpoints()
         watch_kernel_log = self.kernel_log != "none"
         if not watch_kernel_log:
             log.warning("the kernel log is not watched (no Xid detection): set UNBROKEN_KERNEL_LOG or --kernel-log "
                         "(deploy/overlays/gpu sets /dev/kmsg)", extra={"node": self.node})
         # The continuous checks run whatever the kernel log: their context is this agent's state
         # directory (the hostPath /var/lib/unbroken), so storage.checkpoint checks the node's own disk,
-        # as the deep-check Jobs do.
+        # as the deep-check Jobs do. The kernel log is opened here, at "now": a line written after the
+        # Lease below says the agent is up is always seen.
         HealthMonitor(self.store, self._jobs_on, self.runtime.layout, self.node, self.runtime.config, self.stopping,
                       self.metrics, source=kernel_log_source(self.kernel_log) if watch_kernel_log else None,
                       kernel_log=watch_kernel_log).start()
+        self.store.renew_lease(self.node, at=time.time())
+        checkpoints = self._start_checkpoints()
         endpoint = metrics.serve(self.metrics.registry, metrics_host, metrics_port or 0) if metrics_port is not None else None
         log.info("agent started", extra={"node": self.node, "kernel_log": self.kernel_log, "socket": str(receiver.path),
                                          "metrics": endpoint.address if endpoint else None})
