@@ -145,12 +145,12 @@ class KubernetesBackend:
             return  # the job was deleted: its pods go with it
         for child in kind.children_to_recreate(short):
             self._delete_child(namespace, child)
-        for pod in self._job_pods(job):
+        for pod in self.store.job_pods(job):
             if _attempt(pod) == attempt and not pod["metadata"].get("deletionTimestamp"):
                 self._delete(pod, grace=None)
 
     def observe_attempt(self, job: str, attempt: int) -> list[Worker]:
-        return [w for w in self._workers(job, self._job_pods(job)) if w.attempt == attempt]
+        return [w for w in self._workers(job, self.store.job_pods(job)) if w.attempt == attempt]
 
     def active_workers(self) -> list[Worker]:
         by_job: dict[str, list[dict[str, Any]]] = {}
@@ -161,7 +161,7 @@ class KubernetesBackend:
 
     def worker_history(self, job: str) -> list[Worker]:
         """The pods that still exist (the API server keeps no deleted pods; the job's Events tell the rest)."""
-        return sorted(self._workers(job, self._job_pods(job)), key=lambda w: (w.attempt, w.node_rank))
+        return sorted(self._workers(job, self.store.job_pods(job)), key=lambda w: (w.attempt, w.node_rank))
 
     def progress_history(self, job: str) -> list[tuple[int, float, int]]:
         return []  # ranks' progress is not sampled on Kubernetes yet (docs/kubernetes.md)
@@ -198,11 +198,6 @@ class KubernetesBackend:
                 if job in managed and self.store.kind_of(job) is kind:
                     found.append((job, pod))
         return found
-
-    def _job_pods(self, job: str) -> list[dict[str, Any]]:
-        namespace, _, short = job.partition("/")
-        kind = self.store.kind_of(job)
-        return self.store._json(self.store.core.list_namespaced_pod, namespace, label_selector=kind.pod_selector(short))["items"]
 
     def _delete_child(self, namespace: str, child: Child) -> None:
         try:

@@ -310,6 +310,13 @@ class KubernetesStore:
         self._kinds = kinds
         return items
 
+    def job_pods(self, name: str) -> list[dict[str, Any]]:
+        """The training pods of the job ``name`` (``<namespace>/<name>``), as the API serves them."""
+        namespace, _, short = name.partition("/")
+        pods: list[dict[str, Any]] = self._json(self.core.list_namespaced_pod, namespace,
+                                                label_selector=self.kind_of(name).pod_selector(short))["items"]
+        return pods
+
     def kind_of(self, name: str) -> WorkloadKind:
         """The kind of the workload that is the job ``name``."""
         if name not in self._kinds:
