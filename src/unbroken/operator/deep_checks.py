@@ -58,7 +58,7 @@ from unbroken.config.cluster import ClusterConfig, InstanceGroup
 from unbroken.errors import NotFoundError
 from unbroken.health import catalogue, events, join
 from unbroken.health.context import CheckContext, Peer
-from unbroken.health.pod import CONTEXT_ENV, DIR_ENV, SUITE_ENV, parse_verdict
+from unbroken.health.pod import CONTEXT_ENV, DIR_ENV, SUITE_ENV, SWEEP_CHECK, parse_verdict
 from unbroken.health.result import FaultAction, Suite
 from unbroken.kube import names
 from unbroken.kube.api import call
@@ -247,7 +247,10 @@ class DeepCheckJobs:
         conditions = {c.get("type"): c for c in (job.get("status") or {}).get("conditions") or [] if c.get("status") == "True"}
         node = (job["metadata"].get("annotations") or {}).get(NODE_ANNOTATION, "")
         if "Complete" in conditions:
-            return SuiteJob(name, done=True, passed=True, blamed=tuple((self._pod_verdict(name, node) or {}).get("blamed") or ()))
+            # only a sweep across nodes can blame a peer: other suites' pods are not read again on every pass
+            across = SWEEP_LABEL in (job["metadata"].get("labels") or {})
+            blamed = tuple((self._pod_verdict(name, node) or {}).get("blamed") or ()) if across else ()
+            return SuiteJob(name, done=True, passed=True, blamed=blamed)
         failed = conditions.get("Failed")
         if failed is None:
             return SuiteJob(name, done=False, passed=False)
@@ -281,7 +284,7 @@ class DeepCheckJobs:
             if self.store.get_node(peer).state is not NodeState.SCHEDULABLE:
                 continue  # out already: the Job is read again on every pass until the node's verdict
             reason = f"{suite.value} of {node.name} (Job {self.namespace}/{job}) named {peer} the slow node of the sweep"
-            events.apply_fault(self.store, lambda _: (), peer, FaultAction.REPLACE, reason, source="collective.allreduce")
+            events.apply_fault(self.store, lambda _: (), peer, FaultAction.REPLACE, reason, source=SWEEP_CHECK)
 
     def _verdict(self, node: Node, passed: bool, reason: str, fault_type: str | None = None) -> None:
         if passed:
