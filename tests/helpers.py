@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -23,6 +25,28 @@ T = TypeVar("T")
 
 STEPS = 60
 """Steps of the integration tests' MLP jobs (and of their reference run)."""
+
+
+def race(count: int, contender: Callable[[int], None], timeout: float = 30) -> list[BaseException]:
+    """Run ``contender(0..count-1)`` on ``count`` threads released together by a barrier (the closest
+    start a test can make); returns what they raised, so the test asserts on it."""
+    errors: list[BaseException] = []
+    start = threading.Barrier(count)
+
+    def run(i: int) -> None:
+        try:
+            start.wait()
+            contender(i)
+        except BaseException as exc:  # noqa: BLE001 - returned to the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+    assert not any(t.is_alive() for t in threads), f"a contender still runs after {timeout:g} s"
+    return errors
 
 
 def assert_same_parameters(a: Path, b: Path) -> None:

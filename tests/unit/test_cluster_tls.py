@@ -7,12 +7,12 @@ real certificates are made and loaded into real TLS contexts.
 from __future__ import annotations
 
 import stat
-import threading
 from pathlib import Path
 
 import kubernetes
 import pytest
 
+from helpers import race
 from unbroken.agent import cluster_tls
 from unbroken.checkpoint import credentials
 from unbroken.errors import StoreUnavailable
@@ -24,21 +24,7 @@ pytestmark = pytest.mark.timeout(60)
 
 def test_agents_racing_to_create_it_all_end_with_the_same_ca_and_a_private_key_file(kubeconfig: Path, namespace: str,
                                                                                      tmp_path: Path) -> None:
-    errors: list[BaseException] = []
-    start = threading.Barrier(4)
-
-    def agent(i: int) -> None:
-        try:
-            start.wait()
-            cluster_tls.ensure(api_client(kubeconfig), namespace, tmp_path / f"node-{i}", "c")
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=agent, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    errors = race(4, lambda i: cluster_tls.ensure(api_client(kubeconfig), namespace, tmp_path / f"node-{i}", "c"))
     assert not errors, errors
     cas = {(tmp_path / f"node-{i}" / credentials.CA_FILE).read_bytes() for i in range(4)}
     assert len(cas) == 1, "one CA for the cluster, whoever created the Secret"

@@ -101,23 +101,15 @@ def _plan() -> dict:
 def test_shares_of_a_sweep_started_apart_meet_at_rank_0_which_alone_gets_the_report():
     """What each pod of the Kubernetes Indexed Job does: start only its node's ranks (real gloo workers here,
     two shares of one rank each on loopback), rendezvous at the first node's address and the given port."""
-    import socket
-    import threading
-
-    from unbroken.health.collective.launch import run_sweep
+    from helpers import race
+    from unbroken.health.collective.launch import free_port, run_sweep
     from unbroken.health.context import Peer
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port("127.0.0.1")
     peers = (Peer("joining", "127.0.0.1"), Peer("passed", "127.0.0.1"))
     reports: dict[int, object] = {}
-    shares = [threading.Thread(target=lambda i=i: reports.__setitem__(i, run_sweep(peers, _plan(), share=i, port=port, timeout=60)))
-              for i in (0, 1)]
-    for share in shares:
-        share.start()
-    for share in shares:
-        share.join(90)
+    errors = race(2, lambda i: reports.__setitem__(i, run_sweep(peers, _plan(), share=i, port=port, timeout=60)), timeout=90)
+    assert not errors, errors
     assert reports[1] is None, "a peer's share reports nothing: the joining node's judges"
     assert isinstance(reports[0], dict) and reports[0]["world"] == 2, reports[0]
 

@@ -8,12 +8,12 @@ resourceVersion preconditions on patch and delete, over real HTTP); the catalog 
 from __future__ import annotations
 
 import dataclasses
-import threading
 from pathlib import Path
 
 import kubernetes
 import pytest
 
+from helpers import race
 from unbroken.kube import names
 from unbroken.kube.catalog import KubernetesCatalog, configmap_name
 from unbroken.kube.client import api_client
@@ -96,24 +96,15 @@ def test_shard_copies_are_forgotten_per_rank_tier_and_node(catalog: KubernetesCa
 def test_racing_agents_never_lose_a_copy_and_exactly_one_opens_the_step(kubeconfig: Path, namespace: str) -> None:
     """Eight writers, each with its own client, add their copies and all try to open the same step at once."""
     opened: list[int] = []
-    errors: list[BaseException] = []
-    start = threading.Barrier(8)
+    clients = [KubernetesCatalog(api_client(kubeconfig), namespace) for _ in range(8)]  # made before the race starts
 
     def agent(rank: int) -> None:
-        try:
-            mine = KubernetesCatalog(api_client(kubeconfig), namespace)
-            start.wait()
-            mine.put_shard_copy(a_copy(rank, CheckpointTier.MEMORY, f"gpu-{rank}"))
-            if mine.put_checkpoint_step(a_step(message=f"rank {rank}"), only_if_absent=True):
-                opened.append(rank)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        mine = clients[rank]
+        mine.put_shard_copy(a_copy(rank, CheckpointTier.MEMORY, f"gpu-{rank}"))
+        if mine.put_checkpoint_step(a_step(message=f"rank {rank}"), only_if_absent=True):
+            opened.append(rank)
 
-    threads = [threading.Thread(target=agent, args=(r,)) for r in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    errors = race(8, agent)
     assert not errors, errors
     catalog = KubernetesCatalog(api_client(kubeconfig), namespace)
     assert sorted(c.rank for c in catalog.list_shard_copies(JOB)) == list(range(8))
