@@ -475,10 +475,20 @@ def test_with_the_memory_tier_an_xid_79_moves_the_job_which_restores_from_a_peer
         return next((step for step in committed if {c.rank for c in copies if c.step == step} == {0, 1}), None)
     saved = wait_until(replicated_step, 120, "a committed memory step with a peer replica of each rank")
     assert not (tmp_path / "no-files").exists(), "the tiered checkpoint writes no files"
-    listed = json.loads(run_cli("--kubeconfig", str(cluster.kubeconfig), "ckpt", "list", job, "-o", "json").stdout)
-    # the job saves on: by now the listed steps may be newer than ``saved``
-    assert any((r["memory"], r["replicated"], r["world_size"]) == ("Committed", 2, 2) and r["step"] >= saved
-               for r in listed["steps"]), listed
+
+    def listed_replicated() -> list[tuple[int, str, int, int]] | None:
+        """``ckpt list`` shows a committed step at or after ``saved`` with a replica of each rank. Polled: the job
+        saves on while the agents replicate and retire steps, so one listing can catch a newer step whose replicas
+        are still being pushed next to an older one already retired (the rows are what the CLI saw, for the failure)."""
+        listed = json.loads(run_cli("--kubeconfig", str(cluster.kubeconfig), "ckpt", "list", job, "-o", "json").stdout)
+        rows = [(r["step"], r["memory"], r["replicated"], r["world_size"]) for r in listed["steps"]]
+        listings.append(rows)
+        return rows if any(row[1:] == ("Committed", 2, 2) and row[0] >= saved for row in rows) else None
+    listings: list[list[tuple[int, str, int, int]]] = []
+    try:
+        wait_until(listed_replicated, 20, f"ckpt list to show a committed step >= {saved} replicated for both ranks")
+    except WaitTimeout as exc:
+        pytest.fail(f"{exc}; the last listings (step, memory, replicated, world size): {listings[-3:]}")
     # ckpt verify on the cluster: the CLI presents the agents' certificate (the Secret) to every node's shard server
     # (every step: the job saves on, and keep 2 retires ``saved`` within a second or so)
     verified = json.loads(run_cli("--kubeconfig", str(cluster.kubeconfig), "ckpt", "verify", job, "-o", "json").stdout)
