@@ -7,6 +7,7 @@ agent's launcher, so the two sides cannot drift apart.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,9 +25,39 @@ AGENT_SOCKET = "UNBROKEN_AGENT_SOCKET"
 """The node agent's socket file (``channel.py``): where ``ctx.progress`` goes."""
 SHM_BASE = "UNBROKEN_SHM_BASE"
 """Where the memory tier's folders are (default ``/dev/shm``); agent and ranks must agree."""
+REJOIN_DIR = "UNBROKEN_REJOIN_DIR"
+"""Set for a job with in-process restarts: the worker's handshake folder with its agent (rejoin.py)."""
+GROUP_RANK = "UNBROKEN_GROUP_RANK"
+NNODES = "UNBROKEN_NNODES"
+RENDEZVOUS = "UNBROKEN_RENDEZVOUS"
+"""With in-process restarts, the attempt's store ``host:port`` (hosted by global rank 0), this node's
+rank among ``UNBROKEN_NNODES``: torchrun runs each node on its own, so its RANK is node-local."""
+COLLECTIVE_TIMEOUT = "UNBROKEN_COLLECTIVE_TIMEOUT"
 ENDPOINT_FILE = "checkpoint-endpoint"
 """Beside the agent's socket on Kubernetes: the shard server's ``host:port``, written by the agent
 (a pod's env is fixed when it starts; the agent's port is not known then)."""
+
+
+@dataclass(frozen=True)
+class GroupPlacement:
+    """Where a worker of a job with in-process restarts stands in its attempt, and how its ranks talk to its agent."""
+
+    group_rank: int
+    nnodes: int
+    rendezvous: str
+    rejoin_dir: Path
+    collective_timeout: float
+
+    def to_environ(self) -> dict[str, str]:
+        return {GROUP_RANK: str(self.group_rank), NNODES: str(self.nnodes), RENDEZVOUS: self.rendezvous,
+                REJOIN_DIR: str(self.rejoin_dir), COLLECTIVE_TIMEOUT: f"{self.collective_timeout:g}"}
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str]) -> GroupPlacement | None:
+        if not env.get(REJOIN_DIR):
+            return None
+        return cls(group_rank=int(env[GROUP_RANK]), nnodes=int(env[NNODES]), rendezvous=env[RENDEZVOUS],
+                   rejoin_dir=Path(env[REJOIN_DIR]), collective_timeout=float(env[COLLECTIVE_TIMEOUT]))
 
 
 @dataclass(frozen=True)
@@ -42,6 +73,8 @@ class LaunchEnv:
     checkpoint_tiers: str | None = None
     checkpoint_endpoint: str | None = None
     agent_socket: Path | None = None
+    group: GroupPlacement | None = None
+    """Set for a job with in-process restarts (the ranks form their process group themselves)."""
 
     @property
     def advertised_endpoint(self) -> str | None:
@@ -73,6 +106,7 @@ class LaunchEnv:
             checkpoint_tiers=env.get(CHECKPOINT_TIERS) or None,
             checkpoint_endpoint=env.get(CHECKPOINT_ENDPOINT) or None,
             agent_socket=Path(env[AGENT_SOCKET]) if env.get(AGENT_SOCKET) else None,
+            group=GroupPlacement.from_environ(env),
         )
 
     def to_environ(self) -> dict[str, str]:
@@ -87,4 +121,6 @@ class LaunchEnv:
             env[CHECKPOINT_ENDPOINT] = self.checkpoint_endpoint
         if self.agent_socket is not None:
             env[AGENT_SOCKET] = str(self.agent_socket)
+        if self.group is not None:
+            env.update(self.group.to_environ())
         return env

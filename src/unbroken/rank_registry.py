@@ -20,6 +20,10 @@ from pathlib import Path
 
 REGISTRY_DIR = "UNBROKEN_RANK_REGISTRY"
 """Set for ranks started from a warm spare: where they register."""
+IN_PROCESS_REGISTRY = "UNBROKEN_REJOIN_DIR"
+"""``launch_env.REJOIN_DIR``: set for the ranks of a job with in-process restarts. Their environment
+names a node-local RANK (each node's torchrun runs alone) and their global rank changes with each
+attempt they join, so they register it in that folder, again at every rejoin (train.py)."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +62,12 @@ def exit_code(directory: Path, pid: int) -> int | None:
 
 def identify(pid: int, environ: dict[str, str], registry: Path | None) -> RankIdentity | None:
     """The rank a process is: from its environment (``RANK``, ``LOCAL_RANK``), else from the
-    registry; None for a process that is no rank (torchrun, a forkserver, a stray)."""
+    registry; None for a process that is no rank (torchrun, a forkserver, a stray). A rank of a job
+    with in-process restarts is known by its registration first."""
+    if environ.get(IN_PROCESS_REGISTRY):
+        registered = _registered(Path(environ[IN_PROCESS_REGISTRY]), pid)
+        if registered is not None:
+            return registered
     if "RANK" in environ and "LOCAL_RANK" in environ:
         try:
             return RankIdentity(int(environ["RANK"]), int(environ["LOCAL_RANK"]))
@@ -66,6 +75,10 @@ def identify(pid: int, environ: dict[str, str], registry: Path | None) -> RankId
             return None
     if registry is None:
         return None
+    return _registered(registry, pid)
+
+
+def _registered(registry: Path, pid: int) -> RankIdentity | None:
     try:
         data = json.loads((registry / f"{pid}.json").read_text())
         return RankIdentity(int(data["rank"]), int(data["local_rank"]))

@@ -20,13 +20,18 @@ import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TypeVar
 
-from unbroken import logs
+from unbroken import logs, rank_registry, rejoin
 from unbroken.channel import MessageKind, RankMessage, RankSender
 from unbroken.checkpoint.api import Checkpointer, RestoreReport, SaveReport
-from unbroken.launch_env import LaunchEnv
+from unbroken.launch_env import GroupPlacement, LaunchEnv
+from unbroken.rejoin import RejoinNotice
+
+T = TypeVar("T")
 
 _PR_SET_PDEATHSIG = 1
 
@@ -41,6 +46,32 @@ class Context:
     attempt: int
     checkpoint: Checkpointer
     _sender: RankSender = field(repr=False)
+    _env: LaunchEnv = field(repr=False, default_factory=LaunchEnv.from_environ)
+    _make_checkpointer: Callable[[LaunchEnv, int, int], Checkpointer] | None = field(repr=False, default=None)
+    _backend: str | None = field(repr=False, default=None)
+    _structured_logs: bool = field(repr=False, default=False)
+
+    def run(self, train: Callable[[Context], T]) -> T:
+        """Train with in-process restarts: ``return ctx.run(train)``, where ``train(ctx)`` builds the model
+        on ``ctx``'s process group, restores ``ctx.checkpoint`` and trains.
+
+        When a peer fails (its collective raises here), this rank does not exit: it leaves the process
+        group, tells its agent, waits for the next attempt, joins its new process group (with the
+        replacement ranks, maybe as another rank) and calls ``train`` again, which restores the newest
+        checkpoint as a fresh process would -- without the imports, the CUDA context or the process.
+        A job without ``resilience.in_process_restart``, an error that is not a collective's, or no
+        next attempt within ``REJOIN_WAIT_SECONDS``: the error propagates and the rank exits as always.
+        """
+        while True:
+            try:
+                return train(self)
+            except Exception as exc:  # noqa: BLE001 - only collective failures are kept; the rest re-raise below
+                if self._env.group is None or not _is_collective_failure(exc):
+                    raise
+                notice = self._leave_process_group(exc)
+                if notice is None:
+                    raise
+                self._join(notice)
 
     @property
     def is_main(self) -> bool:
@@ -62,6 +93,116 @@ class Context:
             ),
             must_arrive=kind is MessageKind.HELLO or kind is MessageKind.RESTORED,
         )
+
+
+    def _leave_process_group(self, cause: Exception) -> RejoinNotice | None:
+        """Abort this attempt's process group, say so to the agent, wait for the next attempt's notice."""
+        import torch.distributed as dist
+
+        group = self._env.group
+        assert group is not None
+        left = time.monotonic()
+        print(f"unbroken: rank {self.rank} leaves attempt {self.attempt}'s process group ({type(cause).__name__}: "
+              f"{_one_line(cause)}); waiting for the next attempt", flush=True)
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a group broken by a dead peer may fail to tear down; it is dropped either way
+                pass
+        self.checkpoint.close()
+        rejoin.acknowledge_abort(group.rejoin_dir, self.local_rank, self.attempt,
+                                 f"rank {self.rank}: {type(cause).__name__}: {_one_line(cause, 160)}")
+        notice = rejoin.await_notice(group.rejoin_dir, self.attempt, REJOIN_WAIT_SECONDS)
+        if notice is None:
+            print(f"unbroken: no next attempt within {REJOIN_WAIT_SECONDS:g} s; exiting for a full restart", flush=True)
+        else:
+            print(f"unbroken: rank {self.rank} rejoins as attempt {notice.attempt} after {time.monotonic() - left:.2f} s", flush=True)
+        return notice
+
+    def _join(self, notice: RejoinNotice) -> None:
+        """Become a rank of ``notice``'s attempt: new identity, new checkpointer, new process group."""
+        assert self._env.group is not None and self._make_checkpointer is not None
+        group = replace(self._env.group, group_rank=notice.group_rank, nnodes=notice.nnodes, rendezvous=notice.rendezvous)
+        self._env = replace(self._env, attempt=notice.attempt, group=group)
+        os.environ.update(self._env.to_environ())
+        self.rank, self.world_size = _enter_group(group, self.local_rank)
+        _register(group, self.rank, self.local_rank)
+        self.attempt = notice.attempt
+        if self._structured_logs:
+            _setup_logs(self._env, self.rank, self.local_rank)
+        self.checkpoint = self._make_checkpointer(self._env, self.rank, self.world_size)
+        self._send(MessageKind.HELLO, None)
+        _init_process_group(self._backend, self.local_rank, group)
+
+
+REJOIN_WAIT_SECONDS = 300.0
+"""How long a rank that left its process group waits for the next attempt. The agent decides sooner:
+it adopts the worker into the next attempt, or stops it (then this wait ends with the process)."""
+
+
+def _is_collective_failure(exc: BaseException) -> bool:
+    """A failure of the process group (a peer died, hung past the timeout, or the group was aborted),
+    not of this rank's own code: only those are worth staying alive for."""
+    import torch.distributed as dist
+
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc)
+    # gloo reports a vanished peer as a plain RuntimeError from its transport
+    return isinstance(exc, RuntimeError) and any(mark in text for mark in _PEER_FAILURE_MARKS)
+
+
+_PEER_FAILURE_MARKS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "gloo", "Gloo", "NCCL",
+                       "Timed out", "timed out", "ProcessGroup")
+
+
+def _one_line(exc: BaseException, limit: int = 200) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _enter_group(group: GroupPlacement, local_rank: int) -> tuple[int, int]:
+    """Set the torch.distributed variables for the job-wide group (torchrun's are node-local under
+    in-process restarts) and return (rank, world size). Global rank 0 hosts the store."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    rank = group.group_rank * local_world + local_rank
+    world_size = group.nnodes * local_world
+    host, port = group.rendezvous.rsplit(":", 1)
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "GROUP_RANK": str(group.group_rank),
+                       "MASTER_ADDR": host, "MASTER_PORT": port, "GROUP_WORLD_SIZE": str(group.nnodes),
+                       # the ranks' own store, not their (node-local) torchrun's
+                       "TORCHELASTIC_USE_AGENT_STORE": "False"})
+    return rank, world_size
+
+
+def _register(group: GroupPlacement, rank: int, local_rank: int) -> None:
+    """Say which global rank this process is now, where the agent, chaos and the CLI look (rank_registry.py)."""
+    identity = rank_registry.RankIdentity(rank, local_rank)
+    rank_registry.register(group.rejoin_dir, os.getpid(), identity)
+    warm = os.environ.get(rank_registry.REGISTRY_DIR)
+    if warm:  # a warm spare's rank registered its node-local RANK there before the script ran
+        rank_registry.register(Path(warm), os.getpid(), identity)
+
+
+def _init_process_group(backend: str | None, local_rank: int, group: GroupPlacement | None) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    chosen = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if chosen == "nccl":
+        torch.cuda.set_device(local_rank)
+    if group is None:
+        dist.init_process_group(backend=chosen)
+    else:
+        # every wait has a timeout: a survivor blocked on a hung peer gives up and can rejoin
+        dist.init_process_group(backend=chosen, timeout=datetime.timedelta(seconds=group.collective_timeout))
+
+
+def _setup_logs(env: LaunchEnv, rank: int, local_rank: int) -> None:
+    known = {"job": env.job, "node": env.node, "attempt": env.attempt if env.managed else None}
+    logs.setup(component="rank", **{k: v for k, v in known.items() if v is not None}, rank=rank, local_rank=local_rank)
 
 
 @dataclass
@@ -96,12 +237,15 @@ def init(
     ``print`` output stays as printed.
     """
     env = LaunchEnv.from_environ()
-    rank = int(os.environ.get("RANK", "0"))
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if env.group is not None:
+        rank, world_size = _enter_group(env.group, local_rank)
+        _register(env.group, rank, local_rank)
+    else:
+        rank = int(os.environ.get("RANK", "0"))
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if structured_logs:
-        known = {"job": env.job, "node": env.node, "attempt": env.attempt if env.managed else None}
-        logs.setup(component="rank", **{k: v for k, v in known.items() if v is not None}, rank=rank, local_rank=local_rank)
+        _setup_logs(env, rank, local_rank)
     if env.managed:
         _die_with_parent()
     _record_uncaught_errors()
@@ -109,34 +253,32 @@ def init(
     directory = Path(checkpoint_dir) if checkpoint_dir else env.checkpoint_dir or Path("checkpoints")
 
     observer = _AgentObserver()  # bound to the context below: the checkpointer is part of it
-    checkpointer: Checkpointer
-    if env.checkpoint_tiers and env.managed:
-        from unbroken.config.checkpoint import TierPolicy
-        from unbroken.checkpoint.tiered import from_environment
 
-        policy = TierPolicy.model_validate_json(env.checkpoint_tiers)
-        checkpointer = from_environment(env, rank, world_size, policy, observer)
-    else:
+    def make_checkpointer(env: LaunchEnv, rank: int, world_size: int) -> Checkpointer:
+        if env.checkpoint_tiers and env.managed:
+            from unbroken.config.checkpoint import TierPolicy
+            from unbroken.checkpoint.tiered import from_environment
+
+            policy = TierPolicy.model_validate_json(env.checkpoint_tiers)
+            return from_environment(env, rank, world_size, policy, observer)
         from unbroken.checkpoint.file import FileCheckpointer
 
-        checkpointer = FileCheckpointer(directory, rank=rank, world_size=world_size, keep=env.checkpoint_keep, observer=observer)
+        return FileCheckpointer(directory, rank=rank, world_size=world_size, keep=env.checkpoint_keep, observer=observer)
+
     ctx = Context(
         rank=rank, world_size=world_size, local_rank=local_rank, job=env.job, node=env.node,
-        attempt=env.attempt, checkpoint=checkpointer, _sender=sender,
+        attempt=env.attempt, checkpoint=make_checkpointer(env, rank, world_size), _sender=sender, _env=env,
+        _make_checkpointer=make_checkpointer, _backend=backend, _structured_logs=structured_logs,
     )
     observer.ctx = ctx
     # Hello before joining the process group: from here on the agent expects progress,
     # so a rank stuck in rendezvous counts against startup_timeout.
     ctx._send(MessageKind.HELLO, None)
     if init_process_group and world_size > 1:
-        import torch
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            chosen = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-            if chosen == "nccl":
-                torch.cuda.set_device(local_rank)
-            dist.init_process_group(backend=chosen)
+            _init_process_group(backend, local_rank, env.group)
     return ctx
 
 

@@ -36,3 +36,13 @@ def test_a_damaged_entry_is_no_identity_not_an_error(tmp_path: Path) -> None:
     assert identify(7, {}, registry) is None
     assert identify(8, {}, registry) is None
     assert exit_code(registry, 9) is None
+
+
+def test_a_rank_of_an_in_process_job_is_known_by_its_registration_not_its_node_local_environment(tmp_path):
+    from unbroken import launch_env, rank_registry
+
+    assert rank_registry.IN_PROCESS_REGISTRY == launch_env.REJOIN_DIR, "the rank registers where its environment points"
+    environ = {"RANK": "0", "LOCAL_RANK": "0", launch_env.REJOIN_DIR: str(tmp_path)}
+    assert rank_registry.identify(4242, environ, None) == rank_registry.RankIdentity(0, 0), "not registered yet: torchrun's"
+    rank_registry.register(tmp_path, 4242, rank_registry.RankIdentity(3, 0))
+    assert rank_registry.identify(4242, environ, None) == rank_registry.RankIdentity(3, 0)

@@ -56,3 +56,7 @@ class Checkpointer(Protocol):
 
     def restore(self) -> Restored | None:
         """The newest step that every rank can read, or None for a fresh start."""
+
+    def close(self) -> None:
+        """Finish the save in flight and let go of what the checkpointer holds (an in-process
+        restart makes a new one for the next attempt)."""

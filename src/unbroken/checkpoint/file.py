@@ -74,6 +74,9 @@ class FileCheckpointer:
         self.keep = keep
         self.observer = observer
 
+    def close(self) -> None:
+        """Nothing to let go of: every save is durable when it returns."""
+
     def fence(self) -> None:
         """Nothing to wait for: ``save`` returns with the state on disk."""
 

@@ -107,6 +107,13 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)  # deterministic CPU kernels; 2 cores are shared by all ranks anyway
     ctx = unbroken.init()
+    # The restart point: with resilience.in_process_restart, a rank whose peer failed re-enters
+    # train() in the next attempt's process group instead of exiting (elsewhere it just calls it).
+    return ctx.run(lambda ctx: train(ctx, args))
+
+
+def train(ctx: unbroken.Context, args: argparse.Namespace) -> int:
+    """Build, restore, train: everything that depends on the process group, so it runs again after a rejoin."""
     model = build_model(args.seed)
     # One gradient bucket per parameter, fixed from the first step. By default DDP
     # starts with all parameters in one bucket and re-buckets after the first
