@@ -482,3 +482,37 @@ def test_the_cli_form_min_colon_max_reads_like_torchrun():
     parsed = JobSpec.model_validate({"name": "train", "nodes": "2:4", "command": ["-m", "x"]})
     assert (parsed.min_nodes, parsed.nodes, parsed.elastic, parsed.fewest_nodes) == (2, 4, True, 2)
     assert not JobSpec.model_validate({"name": "train", "nodes": "3", "command": ["-m", "x"]}).elastic
+
+
+# -- in-process restarts --------------------------------------------------------------
+
+
+def test_an_in_process_restart_holds_the_workers_still_stepping_on_healthy_nodes():
+    s = spec(nodes=3, in_process_restart=True)
+    ns = nodes(node("node-1"), node("node-2"), node("node-3", NodeState.UNSCHEDULABLE))
+    d = running(failed(2, "node-2"), worker(1, "node-1"), worker(3, "node-3"), s=s, ns=ns)
+    assert d.action is Action.RESTART
+    assert d.hold == ("node-1",), "not the failed worker, not the one on a node taken out"
+    assert d.reason.endswith("; in-process: the ranks on node-1 stay"), d.reason
+    assert running(failed(2, "node-2"), worker(1, "node-1")).hold == (), "only a job that asks for it"
+
+
+def test_a_hang_restarts_in_full_every_rank_is_stuck_in_a_collective():
+    s = spec(in_process_restart=True)
+    silent = dict(last_progress_at=NOW - 31)
+    d = running(worker(1, "node-1", **silent), worker(2, "node-2", **silent), s=s)
+    assert d.action is Action.RESTART and "hang" in d.reason
+    assert d.hold == ()
+
+
+def test_ranks_that_left_their_group_restart_the_job_at_once_and_are_held_naming_the_silent_node():
+    """A lost node reports nothing; the survivors' agent does (Interrupted), so the restart need not
+    wait for the node to be declared lost."""
+    s = spec(in_process_restart=True)
+    ns = nodes(node("node-1"), node("node-2", heartbeat_at=NOW - 3))
+    left = worker(1, "node-1", WorkerPhase.INTERRUPTED, message="ranks left the process group: rank 0: Connection reset by peer")
+    d = running(left, worker(2, "node-2", last_progress_at=NOW - 3), s=s, ns=ns)
+    assert d.action is Action.RESTART
+    assert d.reason.startswith("worker on node-1: ranks left the process group: rank 0: Connection reset by peer"), d.reason
+    assert "suspect: node-2 silent for 3.0 s" in d.reason, d.reason
+    assert d.hold == ("node-1",), "not the worker of a node gone silent (no agent would hold it)"

@@ -66,12 +66,14 @@ def test_deep_checks_are_required_only_when_asked() -> None:
     assert required(spec(), True) == "true"
 
 
-def test_a_module_command_runs_under_torchrun_and_warm_spares_are_refused() -> None:
+def test_a_module_command_runs_under_torchrun_and_warm_spares_and_in_process_restarts_are_refused() -> None:
     body = render_pytorchjob(spec(command=["-m", "pkg.train"], nodes=1), Placement(image="i"))
     assert list(body["spec"]["pytorchReplicaSpecs"]) == ["Master"]
     assert body["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["command"][-2:] == ["--module", "pkg.train"]
     with pytest.raises(UsageError, match="warm_spares 1 needs a node agent that launches the ranks"):
         render_pytorchjob(spec(resilience={"warm_spares": 1}), Placement(image="i"))
+    with pytest.raises(UsageError, match="in_process_restart needs a node agent that holds the ranks"):
+        render_pytorchjob(spec(resilience={"in_process_restart": True}), Placement(image="i"))
     with pytest.raises(UsageError, match="must be an absolute path in the container"):
         render_pytorchjob(spec(checkpoint={"dir": "ckpt"}), Placement(image="i"))
     assert parse_label_selector(["a=1,b=2", "c=3"]) == {"a": "1", "b": "2", "c": "3"}

@@ -50,6 +50,7 @@ def test_worker_phase_values_are_stable():
     assert {p.name: p.value for p in WorkerPhase} == {
         "PENDING": "Pending",
         "RUNNING": "Running",
+        "INTERRUPTED": "Interrupted",
         "SUCCEEDED": "Succeeded",
         "FAILED": "Failed",
         "STOPPED": "Stopped",
@@ -63,7 +64,7 @@ def test_other_persisted_enums_are_stable():
         "PASSED": "Passed",
         "FAILED": "Failed",
     }
-    assert {d.name: d.value for d in Desired} == {"RUN": "Run", "STOP": "Stop"}
+    assert {d.name: d.value for d in Desired} == {"RUN": "Run", "STOP": "Stop", "HOLD": "Hold"}
     assert {t.name: t.value for t in EventType} == {"NORMAL": "Normal", "WARNING": "Warning"}
 
 

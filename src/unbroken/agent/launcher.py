@@ -6,11 +6,13 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -18,7 +20,7 @@ from unbroken import procs, rank_registry
 from unbroken.agent import warm_spare
 from unbroken.agent.spare_pool import Spare
 from unbroken.config.job import JobSpec
-from unbroken.launch_env import LaunchEnv
+from unbroken.launch_env import GroupPlacement, LaunchEnv
 from unbroken.state.records import Worker
 
 STOP_GRACE_SECONDS = 3.0
@@ -40,17 +42,23 @@ def torchrun_args(spec: JobSpec, worker: Worker, log_dir: Path, local_addr: str 
     """torchrun's arguments (what follows ``python -m torch.distributed.run``) for the worker.
     ``nnodes``: the attempt's nodes (default ``spec.nodes``; fewer for an elastic job below its size)."""
     host, port = worker.rdzv_endpoint.rsplit(":", 1)
-    argv = [
-        "--nnodes", str(nnodes or spec.nodes),
-        "--nproc-per-node", str(spec.procs_per_node),
-        "--node-rank", str(worker.node_rank),
+    if spec.resilience.in_process_restart:
+        # Each node's torchrun on its own: its ranks form the job's process group themselves, at the
+        # attempt's endpoint (train.py), so a torchrun outlives the attempt it was launched for and
+        # never waits on other nodes' torchruns (whose store may be gone with a lost node 0).
+        group = ["--nnodes", "1", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(free_local_port())]
+        local_addr = None
+    else:
         # The controller has placed the attempt already (its nodes, their ranks, node 0's address
         # and port), so the static rendezvous: node 0's torchrun hosts the store, the others
         # connect, and they meet at once. c10d's rendezvous found the same answer by polling
         # its store once a second, which cost a restart up to a second.
+        group = ["--nnodes", str(nnodes or spec.nodes), "--node-rank", str(worker.node_rank),
+                 "--master-addr", host, "--master-port", port]
+    argv = [
+        *group,
+        "--nproc-per-node", str(spec.procs_per_node),
         "--rdzv-backend", "static",
-        "--master-addr", host,
-        "--master-port", port,
         "--rdzv-id", f"{worker.job}-attempt-{worker.attempt}",
         "--rdzv-conf", f"timeout={int(spec.resilience.startup_timeout)}",
         # unbroken owns restarts (on healthy nodes, with a retry budget), not torchrun.
@@ -95,6 +103,12 @@ class RunningWorker:
     warm: bool = False
     """A warm spare became this torchrun: its ranks are forks of the spare's forkserver, and say who they are
     in ``log_dir/ranks`` (rank_registry.py), not in their environment."""
+    rejoin_dir: Path | None = None
+    """Its ranks' handshake folder for in-process restarts (rejoin.py); None for a job without them."""
+    ranks: int = 1
+    abort_timeout: float = 0.0
+    """In-process restarts: how long its ranks have to leave their process group once asked to hold."""
+    hold_started: float | None = None
 
     def begin_stop(self) -> None:
         """SIGTERM (+SIGCONT) the whole tree once; :meth:`continue_stop` escalates."""
@@ -123,6 +137,21 @@ class RunningWorker:
         return code
 
 
+def free_local_port() -> int:
+    """A loopback port free now, for a torchrun of its own (in-process restarts): bound, read, closed."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def group_placement(spec: JobSpec, worker: Worker, log_dir: Path, nnodes: int | None) -> GroupPlacement | None:
+    """For a job with in-process restarts: the worker's place in its attempt, for its ranks' own rendezvous."""
+    if not spec.resilience.in_process_restart:
+        return None
+    return GroupPlacement(group_rank=worker.node_rank, nnodes=nnodes or spec.nodes, rendezvous=worker.rdzv_endpoint,
+                          rejoin_dir=log_dir / "rejoin", collective_timeout=spec.resilience.hang_timeout)
+
+
 def job_environ(spec: JobSpec, launch_env: LaunchEnv) -> dict[str, str]:
     """The job's part of a rank's environment, on top of the agent's own."""
     return {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **spec.env, **launch_env.to_environ()}
@@ -134,16 +163,20 @@ def launch(
 ) -> RunningWorker:
     """Start the worker's torchrun: a new process, or ``spare`` (a warm one, see agent/warm_spare.py) given its identity."""
     log_dir.mkdir(parents=True, exist_ok=True)
+    group = group_placement(spec, worker, log_dir, nnodes)
     job_env = job_environ(spec, launch_environ(spec, worker.job, worker.attempt, cluster_dir=cluster_dir, node=node,
-                                               checkpoint_dir=checkpoint_dir, settings=settings))
+                                               checkpoint_dir=checkpoint_dir, settings=settings, group=group))
     args = torchrun_args(spec, worker, log_dir, settings.local_addr, nnodes=nnodes)
+    in_process: dict[str, Any] = {"ranks": spec.procs_per_node}
+    if group is not None:
+        in_process.update(rejoin_dir=group.rejoin_dir, abort_timeout=spec.resilience.in_process_abort_timeout)
     if spare is not None and spare.process.stdin is not None:
         identity = warm_spare.Identity(args, {**job_env, rank_registry.REGISTRY_DIR: str(log_dir / "ranks")},
                                        str(spec.working_dir or Path.cwd()), str(log_dir / "torchrun.log"))
         try:
             spare.process.stdin.write(identity.to_line())
             spare.process.stdin.close()
-            return RunningWorker(worker_id=worker.id, process=spare.process, log_dir=log_dir, warm=True)
+            return RunningWorker(worker_id=worker.id, process=spare.process, log_dir=log_dir, warm=True, **in_process)
         except BrokenPipeError:
             spare.process.wait()  # it died since it was taken: start cold, as without a spare
     env = {**os.environ, **job_env}
@@ -153,17 +186,17 @@ def launch(
             argv, cwd=spec.working_dir, env=env, stdout=out, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True,
         )
-    return RunningWorker(worker_id=worker.id, process=process, log_dir=log_dir)
+    return RunningWorker(worker_id=worker.id, process=process, log_dir=log_dir, **in_process)
 
 
 def launch_environ(spec: JobSpec, job: str, attempt: int, *, cluster_dir: Path, node: str, checkpoint_dir: Path,
-                   settings: NodeSettings) -> LaunchEnv:
+                   settings: NodeSettings, group: GroupPlacement | None = None) -> LaunchEnv:
     tiers = spec.checkpoint.tiers
     return LaunchEnv(
         cluster_dir=cluster_dir.resolve(), node=node, job=job, attempt=attempt,
         checkpoint_dir=checkpoint_dir, checkpoint_keep=spec.checkpoint.keep,
         checkpoint_tiers=tiers.model_dump_json() if tiers else None, checkpoint_endpoint=settings.checkpoint_endpoint,
-        agent_socket=settings.agent_socket,
+        agent_socket=settings.agent_socket, group=group,
     )
 
 

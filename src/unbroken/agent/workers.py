@@ -23,12 +23,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from unbroken import doorbell, procs
-from unbroken.agent import launcher
+from unbroken import doorbell, procs, rejoin
+from unbroken.agent import held, launcher
 from unbroken.agent.progress import ProgressBook
 from unbroken.agent.rank_watch import RankDeath, RankWatch
 from unbroken.agent.spare_pool import SparePool
 from unbroken.config.job import JobSpec
+from unbroken.errors import NotFoundError
 from unbroken.launch_env import LaunchEnv
 from unbroken.layout import ClusterLayout
 from unbroken.state.phases import NodeState, WorkerPhase
@@ -62,6 +63,8 @@ class WorkerRunner:
         """By worker id, for the running workers whose job keeps warm spares: its spec and environment."""
         self._jobs_wanting: dict[str, tuple[JobSpec, dict[str, str]]] = {}
         self._jobs_read_at = float("-inf")
+        self.held = held.HeldWorkers()
+        """Workers kept for the next attempt of their job (in-process restarts), by job."""
         self._unread_deaths: dict[int, RankDeath] = {}
         """By worker id: its first rank that ended with a status torchrun reaped before the watch read it."""
 
@@ -113,10 +116,58 @@ class WorkerRunner:
             code = running.exited()
             if code is not None:
                 self._record_exit(worker, running, code)
-            elif worker.desired is Desired.STOP:
+            elif worker.desired is Desired.HOLD and running.rejoin_dir is not None and running.stop_started is None:
+                self._hold(worker, running)
+            elif worker.desired is Desired.RUN and worker.phase is WorkerPhase.RUNNING and running.rejoin_dir is not None:
+                self._notice_interruption(worker, running)
+            elif worker.desired is not Desired.RUN:  # Stop, or Hold of a worker that cannot be held
                 running.begin_stop()
                 running.continue_stop()
+        if self.held:
+            self.held.expire(self._job_over)
         self._keep_spares(active)
+
+    def _hold(self, worker: Worker, running: launcher.RunningWorker) -> None:
+        """An in-process restart (agent/held.py): keep the worker once its ranks left their process group."""
+        verdict, left = held.leaving(running, worker.attempt, time.monotonic())
+        extra = {"node": self.node, "job": worker.job, "attempt": worker.attempt, "pid": running.process.pid}
+        if verdict is held.Leaving.TIMED_OUT:
+            log.warning("in-process restart: local ranks %s of %d did not leave the process group within %g s; "
+                        "stopping the worker (full restart)", sorted(left), running.ranks, running.abort_timeout, extra=extra)
+            running.begin_stop()
+            return
+        if verdict is held.Leaving.WAITING:
+            return
+        del self.running[worker.id]
+        self._unread_deaths.pop(worker.id, None)
+        self._spare_wants.pop(worker.id, None)
+        self.watch.forget(worker.id)
+        self.held.keep(worker.job, running, worker.attempt)
+        last = _progress_update(self.book.take(worker.job, worker.attempt))
+        self.table.update_worker(worker.id, WorkerUpdate(
+            phase=WorkerPhase.STOPPED, ended_at=time.time(), exit_code=None,
+            message=f"held for an in-process restart: its {running.ranks} ranks left the process group", **last))
+        doorbell.ring(self.layout.controller_doorbell)
+        log.info("in-process restart: worker held for the next attempt", extra=extra)
+
+    def _notice_interruption(self, worker: Worker, running: launcher.RunningWorker) -> None:
+        """A rank that left its process group (in-process restarts) means the attempt is broken: say so now.
+        When a whole node is lost nobody else reports the dead ranks until the node is declared lost."""
+        assert running.rejoin_dir is not None
+        left = rejoin.acknowledged(running.rejoin_dir, worker.attempt, running.ranks)
+        if not left:
+            return
+        why = left[min(left)]
+        self.table.update_worker(worker.id, WorkerUpdate(phase=WorkerPhase.INTERRUPTED,
+                                                         message=f"ranks left the process group: {why}"))
+        doorbell.ring(self.layout.controller_doorbell)
+        log.warning("worker interrupted: %s", why, extra={"node": self.node, "job": worker.job, "attempt": worker.attempt})
+
+    def _job_over(self, job: str) -> bool:
+        try:
+            return self.store.get_job(job).phase.is_terminal
+        except NotFoundError:
+            return True
 
     def _keep_spares(self, active: list[Worker]) -> None:
         """Warm spares for the unfinished jobs that want them: those that run here, and, on a
@@ -153,12 +204,13 @@ class WorkerRunner:
     def stop_orphans(self) -> None:
         """Workers this node ran before the agent restarted are gone or unmanageable: stop them."""
         for worker in self.table.list_workers(node=self.node, active=True):
-            if worker.phase is WorkerPhase.RUNNING and worker.pid and procs.alive(worker.pid):
+            if worker.phase in (WorkerPhase.RUNNING, WorkerPhase.INTERRUPTED) and worker.pid and procs.alive(worker.pid):
                 procs.terminate_tree(worker.pid, grace=1.0)
 
     def kill_all(self) -> None:
         for running in list(self.running.values()):
             running.kill()
+        self.held.kill_all()
 
     def _stop_unwanted(self, active_ids: set[int]) -> None:
         """Stop processes whose worker row was closed by someone else (the controller
@@ -180,7 +232,11 @@ class WorkerRunner:
             self.table.update_worker(worker.id, WorkerUpdate(phase=WorkerPhase.STOPPED, ended_at=time.time(),
                                                              message="stopped before launch"))
         elif worker.phase is WorkerPhase.PENDING:
-            self._launch(worker)
+            kept = self.held.take(worker.job)
+            if kept is not None:
+                self._adopt(worker, kept)
+            else:
+                self._launch(worker)
         else:  # Running but not ours: launched by a previous incarnation of this agent
             if worker.pid:
                 procs.terminate_tree(worker.pid, grace=1.0)
@@ -214,6 +270,27 @@ class WorkerRunner:
                                                          started_at=time.time(), log_dir=str(log_dir)))
         log.info("launched worker%s", " on a warm spare" if running.warm else "",
                  extra={"node": self.node, "job": worker.job, "attempt": worker.attempt, "pid": running.process.pid})
+
+    def _adopt(self, worker: Worker, kept: held.Held) -> None:
+        """The next attempt takes the worker held here: its ranks get the notice and re-form the group."""
+        job = self.store.get_job(worker.job)
+        running = kept.running
+        assert running.rejoin_dir is not None
+        rejoin.post_notice(running.rejoin_dir, rejoin.RejoinNotice(
+            attempt=worker.attempt, group_rank=worker.node_rank, nnodes=len(job.nodes) if job.nodes else job.spec().nodes,
+            rendezvous=worker.rdzv_endpoint))
+        running.worker_id = worker.id
+        self.running[worker.id] = running
+        self.watch.track(worker.id, running.process.pid, running.ranks, running.log_dir / "ranks" if running.warm else None)
+        spec = job.spec()
+        if spec.resilience.warm_spares:
+            self._spare_wants[worker.id] = (spec, launcher.job_environ(spec, self._launch_env(spec, worker.job, worker.attempt)))
+        # The logs stay where the process writes them: the folder of the attempt that launched it.
+        self.table.update_worker(worker.id, WorkerUpdate(phase=WorkerPhase.RUNNING, pid=running.process.pid,
+                                                         started_at=time.time(), log_dir=str(running.log_dir)))
+        log.info("in-process restart: the held worker of attempt %d joins attempt %d as node rank %d", kept.attempt,
+                 worker.attempt, worker.node_rank, extra={"node": self.node, "job": worker.job, "attempt": worker.attempt,
+                                                          "pid": running.process.pid})
 
     def _launch_env(self, spec: JobSpec, job: str, attempt: int) -> LaunchEnv:
         checkpoint_dir = spec.checkpoint.dir or self.layout.checkpoint_dir(job)

@@ -16,7 +16,7 @@ deciding and doing, and does the same again on its next pass.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Protocol
 
 from unbroken.state.records import Job, Node, Worker
@@ -36,8 +36,10 @@ class Backend(Protocol):
         """Start ``attempt`` of ``job`` on ``placement`` (node rank = position); returns the
         rendezvous endpoint. Launching an attempt that exists already changes nothing."""
 
-    def stop_attempt(self, job: str, attempt: int) -> None:
-        """Ask every worker of the attempt to stop; they report Stopped once gone."""
+    def stop_attempt(self, job: str, attempt: int, *, hold: Collection[str] = ()) -> None:
+        """Ask every worker of the attempt to stop; they report Stopped once gone. The workers on the
+        ``hold`` nodes keep their processes for the next attempt (in-process restart; a backend that
+        cannot keep them stops them)."""
 
     def observe_attempt(self, job: str, attempt: int) -> list[Worker]:
         """Each worker of the attempt: running, exited (code or signal), stopped, or lost with its node."""

@@ -20,7 +20,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,10 +138,11 @@ class LocalBackend:
         ])
         return endpoint
 
-    def stop_attempt(self, job: str, attempt: int) -> None:
+    def stop_attempt(self, job: str, attempt: int, *, hold: Collection[str] = ()) -> None:
         for worker in self.workers.list_workers(job=job, attempt=attempt, active=True):
-            if worker.desired is not Desired.STOP:
-                self.workers.update_worker(worker.id, WorkerUpdate(desired=Desired.STOP))
+            desired = Desired.HOLD if worker.node in hold else Desired.STOP
+            if worker.desired is not desired and worker.desired is not Desired.STOP:  # a stop is never taken back
+                self.workers.update_worker(worker.id, WorkerUpdate(desired=desired))
 
     def observe_attempt(self, job: str, attempt: int) -> list[Worker]:
         return self.workers.list_workers(job=job, attempt=attempt)

@@ -53,6 +53,16 @@ class ResilienceSpec(_Strict):
     imported torch and started a forkserver whose ranks need not import it again. A restart
     takes one instead of starting torchrun and every rank cold. Each costs a few hundred MB of
     host memory, nothing on the GPU; 1 is enough (a node runs one worker per job)."""
+    in_process_restart: bool = False
+    """Keep the processes of healthy workers across a restart: their ranks abort the process group,
+    wait, and re-form it with the replacement ranks, then re-enter the training function given to
+    ``ctx.run`` (no new process, no imports, no CUDA context or data loader rebuilt). Needs the
+    script to train inside ``ctx.run(train)``; a worker whose ranks do not abort within
+    ``in_process_abort_timeout`` is restarted in full, as without it. Local backend only."""
+    in_process_abort_timeout: float = Field(default=10.0, gt=0)
+    """Seconds a held worker's ranks have to leave the broken process group (a rank in a long step
+    reaches its next collective first). Also every collective's timeout under in-process restarts,
+    at least ``hang_timeout``, so no survivor stays blocked on a dead peer."""
     warm_imports: list[str] = Field(default_factory=list)
     """Modules the spares' forkserver imports besides torch (the script's heavy imports:
     ``transformers``, your model package). Never the script itself: importing runs it."""

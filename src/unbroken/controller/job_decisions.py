@@ -20,7 +20,7 @@ class Action(StrEnum):
     SCHEDULE = "Schedule"
     """Place the next attempt on ``nodes`` (from Pending or Restarting)."""
     RESTART = "Restart"
-    """Stop this attempt's workers; the job goes Restarting."""
+    """Stop this attempt's workers (those on ``hold`` keep their processes: an in-process restart); the job goes Restarting."""
     RESIZE = "Resize"
     """Grow an elastic job: stop this attempt's workers right after a checkpoint; the job goes
     Restarting and the next attempt is placed on more nodes. Not counted against max_retry."""
@@ -35,6 +35,8 @@ class Decision:
     action: Action
     reason: str = ""
     nodes: tuple[str, ...] = ()
+    hold: tuple[str, ...] = ()
+    """RESTART of a job with in-process restarts: the nodes whose workers stay alive for the next attempt."""
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,11 @@ def decide(
     if failure is not None:
         failure = _with_suspects(now, failure, workers, nodes, silent_after)
         if can_restart(job, spec, failure):
-            return Decision(Action.RESTART, f"{failure.reason}; restart {restarts_used(job) + 1} of {spec.resilience.max_retry}")
+            reason = f"{failure.reason}; restart {restarts_used(job) + 1} of {spec.resilience.max_retry}"
+            hold = holdable(now, spec, workers, nodes, silent_after)
+            if hold:
+                reason += f"; in-process: the ranks on {', '.join(hold)} stay"
+            return Decision(Action.RESTART, reason, hold=hold)
         return Decision(Action.FAIL, _final_reason(job, spec, failure))
     if workers and all(w.phase is WorkerPhase.SUCCEEDED for w in workers):
         return Decision(Action.SUCCEED, f"all {len(workers)} workers succeeded")
@@ -82,6 +88,19 @@ def decide(
     if growable:
         return _grow(job, spec, workers, growable, grow_after)
     return Decision(Action.WAIT, "running")
+
+
+def holdable(now: float, spec: JobSpec, workers: list[Worker], nodes: dict[str, Node], silent_after: float) -> tuple[str, ...]:
+    """For a job with in-process restarts, the nodes whose workers can stay for the next attempt:
+    running, on a Schedulable node whose agent answers (the next attempt is placed on no other), and stepping until the fault (in a hang every rank is silent, stuck
+    in a collective it cannot leave, so none is held: that restart is a full one)."""
+    if not spec.resilience.in_process_restart:
+        return ()
+    recent = spec.resilience.hang_timeout
+    return tuple(w.node for w in workers
+                 if w.phase in (WorkerPhase.RUNNING, WorkerPhase.INTERRUPTED)
+                 and (n := nodes.get(w.node)) is not None and n.state is NodeState.SCHEDULABLE and not _silent(now, n, silent_after)
+                 and w.last_progress_at is not None and now - w.last_progress_at <= recent)
 
 
 def restarts_used(job: Job) -> int:
@@ -154,11 +173,14 @@ def restart_cause(failed_attempt: list[Worker], restart_reason: str) -> Worker |
 
 def detect_failure(now: float, spec: JobSpec, workers: list[Worker], nodes: dict[str, Node]) -> Failure | None:
     """First reason this attempt cannot finish, in order: worker exit (the root cause among
-    several), lost node, hang."""
+    several), ranks that left their process group (in-process restarts), lost node, hang."""
     failed = sorted((w for w in workers if w.phase is WorkerPhase.FAILED), key=_root_cause_first)
     if failed:
         w = failed[0]
         return Failure(f"worker on {w.node}: {w.message}", is_peer_lost(w) or _retryable_exit(spec, w.exit_code))
+    for w in workers:
+        if w.phase is WorkerPhase.INTERRUPTED:  # a symptom (a peer is gone); the cause, if it reports, is noted later
+            return Failure(f"worker on {w.node}: {w.message}", True)
     for w in workers:
         if w.phase is WorkerPhase.STOPPED and w.desired is Desired.RUN:
             return Failure(f"worker on {w.node} {w.message or 'stopped unexpectedly'}", True)

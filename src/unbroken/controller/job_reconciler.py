@@ -62,6 +62,9 @@ class JobReconciler:
         taken = busy - {w.node for w in workers}
         free = [n.name for n in nodes.values()
                 if n.name not in taken and job_decisions.eligible(n, spec, now, self.silent_after)]
+        if spec.resilience.in_process_restart and job.phase is JobPhase.RESTARTING:
+            # the last attempt's nodes first: their agents hold its workers, which the next attempt adopts
+            free.sort(key=lambda name: name not in job.nodes)
         decision = job_decisions.decide(now, job, spec, workers, nodes, free, silent_after=self.silent_after,
                                         grow_after=self._noticed_growth(job, spec, workers, free))
         if decision.action is not Action.WAIT:
@@ -122,7 +125,7 @@ class JobReconciler:
             resizes = job.resizes + 1 if action is Action.RESIZE else job.resizes
             self.store.update_job(job.name, JobUpdate(phase=phase, reason=decision.reason, ended_at=now if phase.is_terminal else None,
                                                       resizes=resizes), expect_version=job.version)
-            self.backend.stop_attempt(job.name, job.attempt)
+            self.backend.stop_attempt(job.name, job.attempt, hold=decision.hold)
             self.store.add_event("Job", job.name, reason, decision.reason,
                                  type=EventType.NORMAL if action in (Action.CANCEL, Action.RESIZE) else EventType.WARNING)
         elif action is Action.SUCCEED:

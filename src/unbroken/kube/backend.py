@@ -28,7 +28,7 @@ import re
 import subprocess
 import time
 from dataclasses import replace
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, Protocol
 
 from unbroken.errors import BackendError, NotFoundError
@@ -135,7 +135,8 @@ class KubernetesBackend:
         call(lambda: self.store.custom.patch_namespaced_custom_object(kind.group, kind.version, namespace, kind.plural, short, patch))
         return f"{kind.rdzv_endpoint(short)} (the workload's controller sets the rendezvous address)"
 
-    def stop_attempt(self, job: str, attempt: int) -> None:
+    def stop_attempt(self, job: str, attempt: int, *, hold: Collection[str] = ()) -> None:
+        # ``hold`` is never asked of this backend: k8s render refuses resilience.in_process_restart
         namespace, _, short = job.partition("/")
         try:
             kind = self.store.kind_of(job)

@@ -113,6 +113,9 @@ def render_pytorchjob(spec: JobSpec, placement: Placement) -> dict[str, Any]:
         raise UsageError(f"job {spec.name}: resilience.warm_spares {spec.resilience.warm_spares} needs a node agent that "
                          "launches the ranks (the local backend); on Kubernetes the pod's container starts them: "
                          "remove warm_spares")
+    if spec.resilience.in_process_restart:
+        raise UsageError(f"job {spec.name}: resilience.in_process_restart needs a node agent that holds the ranks between "
+                         "attempts (the local backend); on Kubernetes a restart recreates the pods: remove in_process_restart")
     client = kubernetes.client
     checkpoint_dir = spec.checkpoint.dir or DEFAULT_CHECKPOINT_DIR
     if not checkpoint_dir.is_absolute():

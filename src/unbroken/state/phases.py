@@ -103,6 +103,10 @@ class WorkerPhase(StrEnum):
     PENDING = "Pending"
     """Assigned by the controller; the node's agent has not launched it yet."""
     RUNNING = "Running"
+    INTERRUPTED = "Interrupted"
+    """Still running, but its ranks left the process group after a collective failed (a peer is gone)
+    and wait to be held for the next attempt: a job with in-process restarts. Its agent reports it
+    at once, so a restart does not wait for the lost peer's node to be declared lost."""
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
     """Exited non-zero or by a signal on its own."""
@@ -116,7 +120,8 @@ class WorkerPhase(StrEnum):
 
 WORKER_TRANSITIONS: dict[WorkerPhase, frozenset[WorkerPhase]] = {
     WorkerPhase.PENDING: frozenset({WorkerPhase.RUNNING, WorkerPhase.FAILED, WorkerPhase.STOPPED}),
-    WorkerPhase.RUNNING: frozenset({WorkerPhase.SUCCEEDED, WorkerPhase.FAILED, WorkerPhase.STOPPED}),
+    WorkerPhase.RUNNING: frozenset({WorkerPhase.INTERRUPTED, WorkerPhase.SUCCEEDED, WorkerPhase.FAILED, WorkerPhase.STOPPED}),
+    WorkerPhase.INTERRUPTED: frozenset({WorkerPhase.SUCCEEDED, WorkerPhase.FAILED, WorkerPhase.STOPPED}),
     WorkerPhase.SUCCEEDED: frozenset(),
     WorkerPhase.FAILED: frozenset(),
     WorkerPhase.STOPPED: frozenset(),

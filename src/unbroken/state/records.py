@@ -25,6 +25,9 @@ class Desired(StrEnum):
 
     RUN = "Run"
     STOP = "Stop"
+    HOLD = "Hold"
+    """Leave this attempt but keep the processes: an in-process restart. The ranks leave their process
+    group and the agent keeps them (the row closes as Stopped) for the next attempt on this node."""
 
 
 class EventType(StrEnum):
