@@ -12,6 +12,9 @@ The systems:
   log (``chaos xid``): the agent takes the node out and the job moves.
 * **unbroken+warm**: the same with ``resilience.warm_spares: 1``: restarts take a torchrun
   (and ranks) that imported torch before the fault.
+* **unbroken+warm+inproc**: and ``resilience.in_process_restart``: the ranks on the node that
+  did not fail keep their processes and rejoin (rank 0's process then survives a restart, so a
+  recovery is also seen as a step that does not follow the one before it).
 
   Both unbroken systems checkpoint the way a user of unbroken does, through its tiers
   (``--unbroken-checkpoint tiers``, the default): every save into shared memory with a
@@ -140,7 +143,7 @@ def analyse(system: str, timeline: list[tuple[int, float, int]], started: float,
         before = [t for t in timeline if t[1] <= at]
         until = next((later for later, _, failed in injected[index + 1 :] if failed is None), ended)
         pid = before[-1][2] if before else None
-        after = next((t for t in timeline if t[1] > at and t[2] != pid), None)
+        after = _first_resumed_step(timeline, at, step_s)
         if after is not None and after[1] <= until:
             lost = max(0, (before[-1][0] if before else 0) - (after[0] - 1))
             badput["recovery"] += after[1] - at
@@ -153,6 +156,18 @@ def analyse(system: str, timeline: list[tuple[int, float, int]], started: float,
         badput["hang_wait" if kind == "hang-worker" else "down"] += until - stuck_from
         faults.append({"kind": kind, "at_s": round(at - started, 1), "recover_s": None, "lost_steps": None})
     return Outcome(system, min(1.0, final_step * step_s / wall), badput, faults)
+
+
+def _first_resumed_step(timeline: list[tuple[int, float, int]], at: float, step_s: float) -> tuple[int, float, int] | None:
+    """The first step after ``at`` that does not continue the one before it: a new rank-0 process, or
+    (an in-process restart keeps rank 0's process) a step that is not the next one, or one that came
+    after a pause no step takes (10 step times: an in-process resume from the very last step)."""
+    for previous, current in zip(timeline, timeline[1:], strict=False):
+        if current[1] <= at:
+            continue
+        if current[2] != previous[2] or current[0] != previous[0] + 1 or current[1] - previous[1] > 10 * step_s:
+            return current
+    return None
 
 
 def read_timeline(path: Path) -> list[tuple[int, float, int]]:
@@ -203,8 +218,9 @@ def checkpoint_spec(kind: str, root: Path) -> dict[str, Any]:
             "persistent": {"uri": (root / "unbroken-persistent").as_uri(), "every_steps": PERSIST_EVERY}}
 
 
-def run_unbroken(faults: list[Fault], minutes: float, root: Path, *, warm: bool = False, checkpoint: str = "tiers") -> Outcome:
-    system = "unbroken+warm" if warm else "unbroken"
+def run_unbroken(faults: list[Fault], minutes: float, root: Path, *, warm: bool = False, in_process: bool = False,
+                 checkpoint: str = "tiers") -> Outcome:
+    system = "unbroken" + ("+warm" if warm else "") + ("+inproc" if in_process else "")
     root = root / system
     root.mkdir()
     layout = ClusterLayout.at(root / "cluster")
@@ -216,7 +232,7 @@ def run_unbroken(faults: list[Fault], minutes: float, root: Path, *, warm: bool 
         spec = JobSpec.model_validate({
             "name": "goodput", "nodes": 2, "procs_per_node": 2, "command": workload(timeline_path),
             "resilience": {"auto_resume": True, "max_retry": 1000, "hang_timeout": HANG_TIMEOUT, "require_deep_health_passed": False,
-                           "warm_spares": 1 if warm else 0},
+                           "warm_spares": 1 if warm else 0, "in_process_restart": in_process},
             "checkpoint": checkpoint_spec(checkpoint, root),
         })
         started = time.time()
@@ -332,8 +348,9 @@ def main() -> int:
         root = Path(tmp)
         for system in systems:
             print(f"running {system} for {args.minutes:g} min", file=sys.stderr)
-            if system in ("unbroken", "unbroken+warm"):
-                outcomes.append(run_unbroken(faults, args.minutes, root, warm=system == "unbroken+warm",
+            if system.split("+")[0] == "unbroken":
+                extras = system.split("+")[1:]
+                outcomes.append(run_unbroken(faults, args.minutes, root, warm="warm" in extras, in_process="inproc" in extras,
                                              checkpoint=args.unbroken_checkpoint))
             else:
                 outcomes.append(run_torchrun(system, faults, args.minutes, root, retry_loop=system == "retry-loop"))

@@ -17,6 +17,8 @@ tiered one (shared memory, one replica, no persistent tier here). A ``+warm``
 suffix (``file+warm``) runs the job with ``resilience.warm_spares: 1`` and
 injects the fault once every node of the job (and the idle third node) holds a
 ready spare: the restart then skips importing torch in torchrun and every rank.
+A ``+inproc`` suffix (``file+warm+inproc``) adds ``resilience.in_process_restart``:
+the ranks on the node that did not fail stay in their processes and rejoin.
 ``--repeat N`` runs every scenario N times and adds p50/p95 rows. ``--state-mb``
 adds that much per-rank state to every checkpoint so that save and restore
 cost something (the MLP itself is ~0.3 MB per rank).
@@ -106,7 +108,8 @@ def poll(predicate, timeout: float, interval: float = 0.05):
 
 def run_unbroken(fault: str, root: Path, variant: str) -> Result:
     system = f"unbroken ({variant})"
-    checkpoint, _, warm = variant.partition("+")
+    checkpoint, *extras = variant.split("+")
+    warm, in_process = "warm" in extras, "inproc" in extras
     layout = ClusterLayout.at(Path(tempfile.mkdtemp(prefix=f"unbroken-{fault}-{checkpoint}-", dir=root)))
     runtime, _ = local_cluster.up(layout, ClusterConfig.with_nodes(3, name="bench"))
     store, backend = runtime.cluster, runtime.backend
@@ -114,7 +117,8 @@ def run_unbroken(fault: str, root: Path, variant: str) -> Result:
         local_cluster.wait_ready(runtime, 120)
         spec = JobSpec.model_validate({
             "name": "bench", "nodes": 2, "procs_per_node": 2, "command": workload_args(),
-            "resilience": {"auto_resume": True, "max_retry": 3, "hang_timeout": HANG_TIMEOUT, "warm_spares": 1 if warm else 0},
+            "resilience": {"auto_resume": True, "max_retry": 3, "hang_timeout": HANG_TIMEOUT, "warm_spares": 1 if warm else 0,
+                           "in_process_restart": in_process},
             "checkpoint": {"memory": {"keep": 2, "replicas": 1}} if checkpoint == "tiered" else {},
         })
         jobs.submit(store, spec, note="benchmarks/recovery.py")
@@ -252,7 +256,8 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--faults", default="kill-worker,hang-worker,kill-node")
     parser.add_argument("--checkpoints", default="file,tiered",
-                        help="unbroken's variants to compare: a checkpointer (file, tiered), +warm for warm spares")
+                        help="unbroken's variants to compare: a checkpointer (file, tiered), +warm for warm spares, "
+                             "+inproc for in-process restarts")
     parser.add_argument("--repeat", type=int, default=1, help="runs of every scenario; more than one adds p50/p95 rows")
     parser.add_argument("--state-mb", type=float, default=0.0, help="extra per-rank checkpoint state (MB)")
     parser.add_argument("--checkpoint-every", type=int, default=CHECKPOINT_EVERY,
