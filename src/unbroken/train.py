@@ -23,13 +23,16 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from unbroken import logs, rank_registry, rejoin
 from unbroken.channel import MessageKind, RankMessage, RankSender
 from unbroken.checkpoint.api import Checkpointer, RestoreReport, SaveReport
 from unbroken.launch_env import GroupPlacement, LaunchEnv
 from unbroken.rejoin import RejoinNotice
+
+if TYPE_CHECKING:
+    from unbroken.checkpoint.live import LiveState
 
 T = TypeVar("T")
 
@@ -47,7 +50,9 @@ class Context:
     checkpoint: Checkpointer
     _sender: RankSender = field(repr=False)
     _env: LaunchEnv = field(repr=False, default_factory=LaunchEnv.from_environ)
-    _make_checkpointer: Callable[[LaunchEnv, int, int], Checkpointer] | None = field(repr=False, default=None)
+    _make_checkpointer: Callable[[LaunchEnv, int, int, LiveState | None], Checkpointer] | None = field(repr=False, default=None)
+    _live: Callable[[], dict[str, Any]] | None = field(repr=False, default=None)
+    _live_state: LiveState | None = field(repr=False, default=None)
     _backend: str | None = field(repr=False, default=None)
     _structured_logs: bool = field(repr=False, default=False)
 
@@ -68,21 +73,37 @@ class Context:
             except Exception as exc:  # noqa: BLE001 - only collective failures are kept; the rest re-raise below
                 if self._env.group is None or not _is_collective_failure(exc):
                     raise
+                live, self._live, self._live_state = self._live_state, None, None  # the next entry offers its own
                 notice = self._leave_process_group(exc)
                 if notice is None:
                     raise
-                self._join(notice)
+                self._join(notice, live)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def keep_live(self, state: Callable[[], dict[str, Any]]) -> None:
+        """Offer this rank's *replicated* state (DDP: model, optimizer, a shared sampler position; never
+        per-rank parts) to the ranks that replace a failed peer in an in-process restart: they restore it
+        from this rank's memory, as of the last ``progress(step)``, instead of reading a checkpoint.
+        Call it in ``train`` once the objects exist. ``state()`` runs at every ``progress``: it must be
+        cheap and must not copy (a ``state_dict()`` holds references, which stay that step's until the
+        next optimizer step, itself followed by the next ``progress``)."""
+        self._live = state
+
     def progress(self, step: int, **metrics: float) -> None:
         """Report that ``step`` finished. Cheap (one datagram) and never blocks.
 
         The agent uses it as this rank's heartbeat: no call for
-        ``resilience.hang_timeout`` seconds means the job is hung.
+        ``resilience.hang_timeout`` seconds means the job is hung. With ``keep_live``, it also takes the
+        live state of this step (references) and the RNG state (a few KB) for the ranks that restore it.
         """
+        if self._live is not None:
+            from unbroken.checkpoint import rng
+            from unbroken.checkpoint.live import LiveState
+
+            self._live_state = LiveState(step, self._live(), rng.capture())
         self._send(MessageKind.PROGRESS, step, {k: float(v) for k, v in metrics.items()})
 
     def _send(self, kind: MessageKind, step: int | None, metrics: dict[str, float] | None = None, detail: str = "") -> None:
@@ -119,7 +140,7 @@ class Context:
             print(f"unbroken: rank {self.rank} rejoins as attempt {notice.attempt} after {time.monotonic() - left:.2f} s", flush=True)
         return notice
 
-    def _join(self, notice: RejoinNotice) -> None:
+    def _join(self, notice: RejoinNotice, live: LiveState | None = None) -> None:
         """Become a rank of ``notice``'s attempt: new identity, new checkpointer, new process group."""
         assert self._env.group is not None and self._make_checkpointer is not None
         group = replace(self._env.group, group_rank=notice.group_rank, nnodes=notice.nnodes, rendezvous=notice.rendezvous)
@@ -130,7 +151,7 @@ class Context:
         self.attempt = notice.attempt
         if self._structured_logs:
             _setup_logs(self._env, self.rank, self.local_rank)
-        self.checkpoint = self._make_checkpointer(self._env, self.rank, self.world_size)
+        self.checkpoint = self._make_checkpointer(self._env, self.rank, self.world_size, live)
         self._send(MessageKind.HELLO, None)
         _init_process_group(self._backend, self.local_rank, group)
 
@@ -254,16 +275,24 @@ def init(
 
     observer = _AgentObserver()  # bound to the context below: the checkpointer is part of it
 
-    def make_checkpointer(env: LaunchEnv, rank: int, world_size: int) -> Checkpointer:
+    def make_checkpointer(env: LaunchEnv, rank: int, world_size: int, live: LiveState | None = None) -> Checkpointer:
+        inner: Checkpointer
         if env.checkpoint_tiers and env.managed:
             from unbroken.config.checkpoint import TierPolicy
             from unbroken.checkpoint.tiered import from_environment
 
             policy = TierPolicy.model_validate_json(env.checkpoint_tiers)
-            return from_environment(env, rank, world_size, policy, observer)
-        from unbroken.checkpoint.file import FileCheckpointer
+            inner = from_environment(env, rank, world_size, policy, observer)
+        else:
+            from unbroken.checkpoint.file import FileCheckpointer
 
-        return FileCheckpointer(directory, rank=rank, world_size=world_size, keep=env.checkpoint_keep, observer=observer)
+            inner = FileCheckpointer(directory, rank=rank, world_size=world_size, keep=env.checkpoint_keep, observer=observer)
+        if env.group is None:
+            return inner
+        # in-process restarts: every rank's first restore of an attempt asks the live peers first
+        from unbroken.checkpoint.live import LiveFirst
+
+        return LiveFirst(inner, live, rank=rank, observer=observer)
 
     ctx = Context(
         rank=rank, world_size=world_size, local_rank=local_rank, job=env.job, node=env.node,

@@ -34,6 +34,12 @@ entries = []
 
 def train(ctx):
     entries.append([ctx.attempt, ctx.rank, ctx.world_size])
+    restored = ctx.checkpoint.restore()  # the first restore of an attempt asks the live peers first
+    weight = restored.state["w"] if restored else torch.zeros(1)
+    ctx.keep_live(lambda: {"w": weight})
+    if ctx.attempt == 0:
+        weight = torch.full((1,), 7.0)
+        ctx.progress(7)  # the state of step 7 is live on every rank of attempt 0
     total = torch.ones(1)
     dist.all_reduce(total)
     if ctx.attempt == 0 and os.environ.get("DIE_IN_ATTEMPT_0"):
@@ -41,7 +47,9 @@ def train(ctx):
     while ctx.attempt == 0:  # the survivor: collectives until the dead peer's absence raises
         dist.all_reduce(torch.ones(1))
     with open(os.environ["RESULT"], "w") as out:
-        json.dump({"pid": os.getpid(), "entries": entries, "sum": total.item()}, out)
+        json.dump({"pid": os.getpid(), "entries": entries, "sum": total.item(), "w": weight.item(),
+                   "restored": [restored.step, restored.source] if restored else None}, out)
+    dist.destroy_process_group()
     return 0
 
 sys.exit(ctx.run(train))
@@ -98,6 +106,9 @@ def test_a_survivor_leaves_the_broken_group_and_rejoins_the_next_attempt_in_the_
     assert result["pid"] == survivor.pid
     assert result["entries"] == [[0, 0, 2], [1, 1, 2]], "the same process trained in attempt 0 as rank 0, then in attempt 1 as rank 1"
     assert result["sum"] == 2.0, "attempt 1's collective ran across the survivor and the replacement"
+    new = json.loads((tmp_path / "replacement.json").read_text())
+    assert new["restored"] == [7, "live peer (rank 1)"] and new["w"] == 7.0, "the new rank has the survivor's step-7 state"
+    assert result["restored"] == [7, "own memory"] and result["w"] == 7.0
     log = (tmp_path / "survivor.log").read_text()
     assert "leaves attempt 0's process group" in log and "rejoins as attempt 1" in log, log[-3000:]
     # the agent, chaos and the CLI know the process by its new rank (rank_registry.py)
@@ -121,7 +132,8 @@ def test_without_a_next_attempt_the_survivor_exits_with_the_collective_error(tmp
     assert "Traceback" in log and not (tmp_path / "survivor.json").exists()
 
 
-def test_a_killed_rank_restarts_in_process_and_the_job_ends_bit_identical(cluster3, tmp_path, reference) -> None:
+def test_a_killed_rank_restarts_in_process_from_the_survivors_state_and_the_job_ends_bit_identical(cluster3, tmp_path,
+                                                                                                      reference) -> None:
     output = cluster3.submit(tmp_path, "inproc", steps=STEPS, step_time=0.2, checkpoint_every=5, in_process_restart=True)
     cluster3.wait_step("inproc", 3, 120)
     (before,) = [w for w in cluster3.workers("inproc", 0) if w.node_rank == 0]
@@ -139,6 +151,14 @@ def test_a_killed_rank_restarts_in_process_and_the_job_ends_bit_identical(cluste
     assert sorted(p.pid for p in cluster3.runtime.backend.rank_processes(after)) == survivors, "the same rank processes"
     held = next(w for w in cluster3.workers("inproc", 0) if w.node == before.node)
     assert held.message and held.message.startswith("held for an in-process restart"), held.message
+    # state from live peers (item 4): the new ranks took the survivors' state at their last step, no checkpoint read
+    resumed = wait_until(lambda: [e.message for e in cluster3.store.list_events(object_kind="Job", object_name="inproc")
+                                  if e.reason == "JobResumed"], 30, "the JobResumed event")
+    lost = int(resumed[0].split("; ")[1].split()[0])
+    assert lost <= 1, resumed
+    (replaced,) = [w for w in cluster3.workers("inproc", 1) if w.node != before.node]
+    rank_logs = "".join(path.read_text() for path in Path(replaced.log_dir).glob("*/attempt_*/*/stdout.log"))
+    assert "from live peer (rank 0)" in rank_logs, rank_logs[-3000:]
 
     job = cluster3.wait_job_phase("inproc", {"Succeeded", "Failed"}, 180)
     assert job.phase.value == "Succeeded", job.reason

@@ -127,6 +127,9 @@ def train(ctx: unbroken.Context, args: argparse.Namespace) -> int:
 
     ballast = torch.randn(int(args.state_mb * 2**20) // 4, generator=torch.Generator().manual_seed(ctx.rank))
 
+    # DDP keeps these the same on every rank: a rank replacing a failed peer in an in-process
+    # restart can take them from a survivor's memory (the ballast is per rank: not offered)
+    ctx.keep_live(lambda: {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "sampler": sampler.state_dict()})
     step = 0
     restore_started = time.monotonic()
     restored = ctx.checkpoint.restore()

@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 
 from unbroken.checkpoint.api import SaveReport
 from unbroken.checkpoint.file import FileCheckpointer
+from unbroken.checkpoint.live import LiveFirst
 from unbroken.checkpoint.tiered import TieredCheckpointer
 from unbroken.train import Context
 
@@ -39,12 +40,14 @@ class Loaded:
 class ShardedCheckpoint:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
-        self.tiered = ctx.checkpoint if isinstance(ctx.checkpoint, TieredCheckpointer) else None
+        # under in-process restarts the checkpointer is wrapped (live peers first): DCP writes to what it wraps
+        checkpoint = ctx.checkpoint.inner if isinstance(ctx.checkpoint, LiveFirst) else ctx.checkpoint
+        self.tiered = checkpoint if isinstance(checkpoint, TieredCheckpointer) else None
         self.files: FileCheckpointer | None = None
         if self.tiered is None:
-            if not isinstance(ctx.checkpoint, FileCheckpointer):
-                raise TypeError(f"no DCP storage for a {type(ctx.checkpoint).__name__}")
-            self.files = ctx.checkpoint
+            if not isinstance(checkpoint, FileCheckpointer):
+                raise TypeError(f"no DCP storage for a {type(checkpoint).__name__}")
+            self.files = checkpoint
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         """Every rank, together. Returns once this step is committed (tiered: in shared memory)."""

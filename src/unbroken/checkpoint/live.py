@@ -1,0 +1,89 @@
+"""State from live peers (issue 11, item 4): after an in-process restart, restore from a survivor's memory.
+
+A survivor of an in-process restart still holds the job's state as of its last
+``ctx.progress(step)`` -- newer than any checkpoint. When that state is replicated
+on every rank (DDP: the model, the optimizer, a sampler position shared by all
+ranks), the replacement ranks can take it from a survivor over the new process
+group instead of reading a checkpoint, and the job loses at most the step that was
+in flight. The script says what that state is, once, with ``ctx.keep_live(fn)``:
+``fn()`` returns the replicated part of what it would save (never per-rank parts).
+
+``LiveFirst`` wraps the job's checkpointer for the first restore of an attempt:
+
+1. every rank says which step it holds live (-1: none, a fresh process);
+2. if some rank holds one, the lowest such rank with the newest step sends its
+   state (``broadcast_object_list``) and every rank restores it, with the RNG
+   state captured at that step (survivors their own, new ranks the sender's);
+3. else the wrapped checkpointer restores, as without it.
+
+A survivor's live step is the last one it reported: the state it holds is that
+step's as long as the script steps its optimizer before ``ctx.progress`` and
+only after the step's collectives (true of DDP and FSDP loops), so a peer failing
+in a collective leaves every survivor at the reported step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from unbroken.checkpoint import rng
+from unbroken.checkpoint.api import Checkpointer, CheckpointObserver, RestoreReport, Restored
+
+
+@dataclass(frozen=True)
+class LiveState:
+    """What a survivor keeps across an in-process restart."""
+
+    step: int
+    state: dict[str, Any]
+    rng: dict[str, Any]
+
+
+class LiveFirst:
+    """A checkpointer whose first restore asks the live peers before the checkpoints."""
+
+    def __init__(self, inner: Checkpointer, live: LiveState | None, *, rank: int,
+                 observer: CheckpointObserver | None = None) -> None:
+        self.inner = inner
+        self.live = live
+        self.rank = rank
+        self.observer = observer
+
+    def save(self, step: int, state: dict[str, Any]) -> None:
+        self.inner.save(step, state)
+
+    def fence(self) -> None:
+        self.inner.fence()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def restore(self) -> Restored | None:
+        live, self.live = self.live, None  # a later restore in the same attempt reads the checkpoints
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return self.inner.restore()
+        started = time.perf_counter()
+        held: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(held, live.step if live is not None else -1)
+        newest = max(held)
+        if newest < 0:
+            return self.inner.restore()
+        sender = held.index(newest)
+        sent: list[Any] = [(live.state, live.rng) if self.rank == sender and live is not None else None]
+        dist.broadcast_object_list(sent, src=sender)
+        state, sender_rng = sent[0]
+        # a survivor at the newest step keeps its own RNG stream; anyone else takes the sender's
+        rng.apply(live.rng if live is not None and live.step == newest else sender_rng)
+        source = "own memory" if self.rank == sender else f"live peer (rank {sender})"
+        if self.observer is not None:
+            self.observer.restored(RestoreReport(newest, "peer" if self.rank != sender else "memory",
+                                                 time.perf_counter() - started))
+        print(f"unbroken: restored step {newest} from {source}", flush=True)
+        return Restored(step=newest, state=state, source=source)
+
+
+__all__ = ["LiveFirst", "LiveState"]
