@@ -39,7 +39,7 @@ from unbroken.data.token_shards import TokenStream
 from unbroken.errors import ConfigError
 from unbroken.workloads.llama import CONFIGS, Llama, LlamaConfig, init_module
 from unbroken.workloads.schedule import learning_rate
-from unbroken.workloads.script import add_common_arguments, finish, pace, run, state_digest
+from unbroken.workloads.script import add_common_arguments, exit_rank, finish, pace, run, state_digest
 from unbroken.workloads.sharded_checkpoint import ShardedCheckpoint
 
 log = logging.getLogger("unbroken.workloads.llm")
@@ -220,4 +220,4 @@ def parameters_digest(model: torch.nn.Module) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_rank(main(sys.argv[1:]))

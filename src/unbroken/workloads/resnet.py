@@ -32,7 +32,7 @@ from unbroken.errors import UnbrokenError
 from unbroken.workloads.image_folder import ImageFolder
 from unbroken.workloads.resnet_model import DEPTHS, ResNet
 from unbroken.workloads.schedule import learning_rate
-from unbroken.workloads.script import add_common_arguments, finish, pace, run, state_digest
+from unbroken.workloads.script import add_common_arguments, exit_rank, finish, pace, run, state_digest
 
 log = logging.getLogger("unbroken.workloads.resnet")
 
@@ -161,4 +161,4 @@ def _train(args: argparse.Namespace, ctx: unbroken.Context) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_rank(main(sys.argv[1:]))

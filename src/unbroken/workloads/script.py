@@ -6,12 +6,15 @@ import argparse
 import hashlib
 import json
 import logging
+import os
+import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import unbroken
+from unbroken import rank_registry
 from unbroken.errors import UnbrokenError
 
 
@@ -35,6 +38,23 @@ def run(train: Callable[[argparse.Namespace, unbroken.Context], int], args: argp
     except UnbrokenError as exc:
         log.error(str(exc))
         return 2
+
+
+def exit_rank(code: int) -> NoReturn:
+    """End the rank's process with ``code`` now, once what it wrote is flushed.
+
+    Skips the C++ static destructors: with torch 2.13 a gloo FSDP2 rank now and then aborts in
+    them ("terminate called without an active exception", a joinable thread of torch's) after a
+    run that ended well, which reads as a rank killed by SIGABRT and fails the job at its last
+    line. A warm spare's rank records its exit code first, as its runner would (agent/warm_spare.py).
+    """
+    registry = os.environ.get(rank_registry.REGISTRY_DIR)
+    if registry:
+        rank_registry.record_exit(Path(registry), os.getpid(), code)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def pace(started: float, step_time: float) -> None:
@@ -68,4 +88,5 @@ def finish(ctx: unbroken.Context, step: int, digest: str | None, output: Path | 
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    ctx.checkpoint.close()  # the last save's copy is done before the process ends (see exit_rank)
     ctx.progress(step)
