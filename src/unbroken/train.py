@@ -126,9 +126,9 @@ class Context:
         print(f"unbroken: rank {self.rank} leaves attempt {self.attempt}'s process group ({type(cause).__name__}: "
               f"{_one_line(cause)}); waiting for the next attempt", flush=True)
         if dist.is_initialized():
-            # Abort, not only destroy: the failed attempt's objects (DDP in the traceback's frames)
-            # keep the group alive, and with it its sockets, so a local peer still blocked on this
-            # rank would never see it leave. Abort closes them (gloo) or aborts the communicator (NCCL).
+            # Abort, not only destroy: the failed attempt's objects (DDP in the traceback's frames) can
+            # keep the group alive, and with it its sockets, so a local peer still blocked on this rank
+            # might not see it leave. Abort tears the backend down (gloo) or aborts the communicator (NCCL).
             try:
                 dist.distributed_c10d._abort_process_group()
             except Exception:  # noqa: BLE001 - a group broken by a dead peer may fail to tear down; it is dropped either way
