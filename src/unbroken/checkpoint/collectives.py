@@ -25,7 +25,7 @@ from unbroken.errors import CheckpointError
 
 T = TypeVar("T")
 
-__all__ = ["all_ok", "any_rank", "device", "distributed", "from_rank0"]
+__all__ = ["all_ok", "any_rank", "device", "distributed", "everyones", "from_rank", "from_rank0"]
 
 
 def distributed(group: dist.ProcessGroup | None = None) -> bool:
@@ -71,6 +71,25 @@ def from_rank0(compute: Callable[[], T], group: dist.ProcessGroup | None = None)
     if status == "error":
         raise CheckpointError(f"rank 0 failed while choosing what to restore: {value}")
     return value  # type: ignore[no-any-return]
+
+
+def everyones(value: T, group: dist.ProcessGroup | None = None) -> list[T]:
+    """Every rank's ``value`` (picklable), in rank order, on every rank."""
+    if not distributed(group):
+        return [value]
+    values: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    return values
+
+
+def from_rank(source: int, value: T | None, group: dist.ProcessGroup | None = None) -> T:
+    """Rank ``source``'s ``value`` (picklable; what the others pass is ignored), on every rank."""
+    if not distributed(group):
+        assert value is not None
+        return value
+    box: list[Any] = [value]
+    dist.broadcast_object_list(box, src=source, group=group)
+    return box[0]  # type: ignore[no-any-return]
 
 
 def _reduce(flag: bool, op: dist.ReduceOp.RedOpType, group: dist.ProcessGroup | None) -> bool:

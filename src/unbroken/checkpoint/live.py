@@ -12,7 +12,7 @@ in flight. The script says what that state is, once, with ``ctx.keep_live(fn)``:
 
 1. every rank says which step it holds live (-1: none, a fresh process);
 2. if some rank holds one, the lowest such rank with the newest step sends its
-   state (``broadcast_object_list``) and every rank restores it, with the RNG
+   state (``collectives.from_rank``) and every rank restores it, with the RNG
    state captured at that step (survivors their own, new ranks the sender's);
 3. else the wrapped checkpointer restores, as without it.
 
@@ -28,9 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed as dist
-
-from unbroken.checkpoint import rng
+from unbroken.checkpoint import collectives, rng
 from unbroken.checkpoint.api import Checkpointer, CheckpointObserver, RestoreReport, Restored
 
 
@@ -64,18 +62,16 @@ class LiveFirst:
 
     def restore(self) -> Restored | None:
         live, self.live = self.live, None  # a later restore in the same attempt reads the checkpoints
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        if not collectives.distributed():
             return self.inner.restore()
         started = time.perf_counter()
-        held: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(held, live.step if live is not None else -1)
+        held = collectives.everyones(live.step if live is not None else -1)
         newest = max(held)
         if newest < 0:
             return self.inner.restore()
         sender = held.index(newest)
-        sent: list[Any] = [(live.state, live.rng) if self.rank == sender and live is not None else None]
-        dist.broadcast_object_list(sent, src=sender)
-        state, sender_rng = sent[0]
+        mine = (live.state, live.rng) if self.rank == sender and live is not None else None
+        state, sender_rng = collectives.from_rank(sender, mine)
         # a survivor at the newest step keeps its own RNG stream; anyone else takes the sender's
         rng.apply(live.rng if live is not None and live.step == newest else sender_rng)
         source = "own memory" if self.rank == sender else f"live peer (rank {sender})"
