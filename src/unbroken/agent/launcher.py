@@ -6,7 +6,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from typing import Any
 import psutil
 
 from unbroken import procs, rank_registry
+from unbroken.ports import free_port
 from unbroken.agent import warm_spare
 from unbroken.agent.spare_pool import Spare
 from unbroken.config.job import JobSpec
@@ -46,7 +46,7 @@ def torchrun_args(spec: JobSpec, worker: Worker, log_dir: Path, local_addr: str 
         # Each node's torchrun on its own: its ranks form the job's process group themselves, at the
         # attempt's endpoint (train.py), so a torchrun outlives the attempt it was launched for and
         # never waits on other nodes' torchruns (whose store may be gone with a lost node 0).
-        group = ["--nnodes", "1", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(free_local_port())]
+        group = ["--nnodes", "1", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
         local_addr = None
     else:
         # The controller has placed the attempt already (its nodes, their ranks, node 0's address
@@ -135,13 +135,6 @@ class RunningWorker:
         if any(procs.alive(p.pid) for p in self.members):
             return None  # torchrun is gone but a rank lingers: not stopped yet
         return code
-
-
-def free_local_port() -> int:
-    """A loopback port free now, for a torchrun of its own (in-process restarts): bound, read, closed."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def group_placement(spec: JobSpec, worker: Worker, log_dir: Path, nnodes: int | None) -> GroupPlacement | None:

@@ -138,10 +138,7 @@ class WorkerRunner:
             return
         if verdict is held.Leaving.WAITING:
             return
-        del self.running[worker.id]
-        self._unread_deaths.pop(worker.id, None)
-        self._spare_wants.pop(worker.id, None)
-        self.watch.forget(worker.id)
+        self._forget(worker.id)
         self.held.keep(worker.job, running, worker.attempt)
         last = _progress_update(self.book.take(worker.job, worker.attempt))
         self.table.update_worker(worker.id, WorkerUpdate(
@@ -219,13 +216,17 @@ class WorkerRunner:
             if worker_id in active_ids:
                 continue
             if running.exited() is not None:
-                del self.running[worker_id]
-                self._unread_deaths.pop(worker_id, None)
-                self._spare_wants.pop(worker_id, None)
-                self.watch.forget(worker_id)
+                self._forget(worker_id)
             else:
                 running.begin_stop()
                 running.continue_stop()
+
+    def _forget(self, worker_id: int) -> None:
+        """The worker's processes are no longer ours to run (exited, held, or given up): drop what we track of them."""
+        del self.running[worker_id]
+        self._unread_deaths.pop(worker_id, None)
+        self._spare_wants.pop(worker_id, None)
+        self.watch.forget(worker_id)
 
     def _reconcile_unstarted(self, worker: Worker) -> None:
         if worker.desired is Desired.STOP:
@@ -298,10 +299,7 @@ class WorkerRunner:
                                        checkpoint_dir=checkpoint_dir, settings=self.launch_settings())
 
     def _record_exit(self, worker: Worker, running: launcher.RunningWorker, code: int) -> None:
-        del self.running[worker.id]
-        self._unread_deaths.pop(worker.id, None)
-        self._spare_wants.pop(worker.id, None)
-        self.watch.forget(worker.id)
+        self._forget(worker.id)
         # Stopped only if we stopped it: a worker that died on its own before the stop request
         # reached it keeps its real exit, which is what names the cause of a restart.
         if running.stop_started is not None:

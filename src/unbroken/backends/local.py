@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 import psutil
 
 from unbroken import procs, rank_registry
+from unbroken.ports import free_port
 from unbroken.backends import netns_launch
 from unbroken.config.cluster import ClusterConfig
 from unbroken.errors import BackendError, ConflictError
@@ -129,7 +129,7 @@ class LocalBackend:
         if existing:
             return existing[0].rdzv_endpoint
         first = placement[0]
-        endpoint = f"{first.address}:{_free_port(first.address)}"
+        endpoint = f"{first.address}:{free_port(first.address)}"
         now = time.time()
         self.workers.add_workers([
             Worker(job=job.name, attempt=attempt, node=node.name, node_rank=rank, desired=Desired.RUN,
@@ -229,17 +229,6 @@ class LocalBackend:
         else:
             env.pop(NODE, None)
         return env
-
-
-def _free_port(address: str) -> int:
-    """A port free on ``address`` now, for the attempt's rendezvous store. A node address
-    inside a network namespace is not bindable here: any port free here is as good."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((address, 0))
-        except OSError:
-            sock.bind(("", 0))
-        return int(sock.getsockname()[1])
 
 
 def _spawn(argv: list[str], *, log: Path, env: dict[str, str]) -> int:

@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass
 from enum import StrEnum
 
+from unbroken import peer_lost
 from unbroken.config.job import JobSpec, RestartPolicy
 from unbroken.state.phases import DeepHealthStatus, JobPhase, NodeState, WorkerPhase
 from unbroken.state.records import Desired, Job, Node, Worker
@@ -134,13 +135,6 @@ def _grow(job: Job, spec: JobSpec, workers: list[Worker], growable: list[str], g
     return Decision(Action.WAIT, f"running on {len(job.nodes)} of {spec.nodes} nodes; growing to {size} after the next checkpoint")
 
 
-_PEER_LOST = re.compile(
-    r"Connection (closed|reset) by peer|Broken pipe|Connection refused|NCCL (error|communicator was aborted)|"
-    r"ProcessGroup\w* .*(aborted|timed? ?out)|DistNetworkError|DistBackendError",
-    re.IGNORECASE,
-)
-
-
 def is_peer_lost(worker: Worker) -> bool:
     """The worker failed because a peer went away (a symptom), not of its own accord.
 
@@ -149,7 +143,7 @@ def is_peer_lost(worker: Worker) -> bool:
     node never reports one); the reconciler names the cause in a JobRestartCause event once it
     shows up, and a symptom is always retryable, whatever the restart policy says of exit codes."""
     return worker.phase is WorkerPhase.FAILED and worker.exit_code is not None and worker.exit_code > 0 \
-        and _PEER_LOST.search(worker.message or "") is not None
+        and peer_lost.says_peer_lost(worker.message or "")
 
 
 def _root_cause_first(worker: Worker) -> tuple[int, float]:
@@ -165,7 +159,7 @@ def _root_cause_first(worker: Worker) -> tuple[int, float]:
 def restart_cause(failed_attempt: list[Worker], restart_reason: str) -> Worker | None:
     """The worker whose own failure caused a restart whose event named only a peer-lost symptom,
     once it has reported; None if the event already named it or nothing better is known yet."""
-    if _PEER_LOST.search(restart_reason) is None:
+    if not peer_lost.says_peer_lost(restart_reason):
         return None
     causes = sorted((w for w in failed_attempt if w.phase is WorkerPhase.FAILED and not is_peer_lost(w)), key=_root_cause_first)
     return causes[0] if causes else None

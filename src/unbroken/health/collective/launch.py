@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,17 +22,7 @@ from unbroken.health.collective.worker import RESULT_MARK
 from unbroken.health.context import Peer
 from unbroken.launch_env import NODE
 from unbroken.netns import INNER_IFNAME
-
-
-def free_port(address: str) -> int:
-    """A port free on ``address``; where that address lives in another namespace, one free here
-    (ports are per namespace, so it is as good as any there)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((address, 0))
-        except OSError:
-            sock.bind(("", 0))
-        return int(sock.getsockname()[1])
+from unbroken.ports import free_port
 
 
 def _env(peer: Peer, local_rank: int) -> dict[str, str]:
