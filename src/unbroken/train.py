@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from unbroken import logs, peer_lost, rank_registry, rejoin
+from unbroken import logs, rank_registry, rejoin, symptoms
 from unbroken.channel import MessageKind, RankMessage, RankSender
 from unbroken.checkpoint.api import Checkpointer, RestoreReport, SaveReport
 from unbroken.launch_env import GroupPlacement, LaunchEnv
@@ -177,7 +177,7 @@ def _is_collective_failure(exc: BaseException) -> bool:
     if isinstance(exc, dist.DistError):
         return True
     # gloo reports a vanished peer as a plain RuntimeError from its transport
-    return isinstance(exc, RuntimeError) and peer_lost.from_the_process_group(str(exc))
+    return isinstance(exc, RuntimeError) and symptoms.from_the_process_group(str(exc))
 
 
 def _one_line(exc: BaseException, limit: int = 200) -> str:

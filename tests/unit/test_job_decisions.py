@@ -407,6 +407,21 @@ def test_the_cause_of_a_restart_decided_on_a_symptom_is_found_once_it_reports():
     assert restart_cause([symptom, killed], f"worker on node-2: {KILLED}; restart 1 of 3") is None, "the event named it already"
 
 
+def test_a_restart_on_a_rank_whose_end_was_unread_names_how_it_ended_once_torchrun_said():
+    """torchrun reaped the killed rank before its agent read the status: the restart names the rank at
+    once, and the signal once the agent read torchrun's root cause into the worker's row."""
+    from unbroken.controller.job_decisions import restart_cause
+    from unbroken.symptoms import UNREAD_EXIT
+
+    unread = f"rank 2 (local rank 0) {UNREAD_EXIT} (it reaped the rank before the agent read its status)"
+    reason = f"worker on node-2: {unread}; restart 1 of 3"
+    first = worker(2, "node-2", WorkerPhase.FAILED, exit_code=None, message=unread, ended_at=NOW - 0.2)
+    assert restart_cause([first, worker(1, "node-1", WorkerPhase.STOPPED)], reason) is None, "nothing better known yet"
+    named = worker(2, "node-2", WorkerPhase.FAILED, exit_code=-9, message="rank 2 (local rank 0) exited with signal 9 (SIGKILL)",
+                   ended_at=NOW - 0.2)
+    assert restart_cause([named, worker(1, "node-1", WorkerPhase.STOPPED)], reason) == named
+
+
 def test_an_error_of_its_own_is_not_waited_on():
     own = worker(1, "node-1", WorkerPhase.FAILED, exit_code=1, message="rank 0 exited with code 1: ValueError: bad batch",
                  ended_at=NOW - 0.1)

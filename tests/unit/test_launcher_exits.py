@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from unbroken.agent.launcher import describe_exit
+from unbroken.agent.launcher import describe_exit, root_cause
 
 PLAIN = """
 import os, sys
@@ -35,6 +35,7 @@ def test_a_plain_scripts_exception_names_the_failure(tmp_path: Path) -> None:
 def test_without_a_root_cause_block_the_message_is_torchruns_own_exit(tmp_path: Path) -> None:
     (tmp_path / "torchrun.log").write_text("torchrun was killed before it could say anything\n")
     assert describe_exit(-9, tmp_path) == (-9, "torchrun exited with signal 9 (SIGKILL)")
+    assert root_cause(tmp_path) is None, "nothing to name an unread rank's end with"
 
 
 TORCHRUN_SIGTERM_NAMED_ROOT_CAUSE = """\

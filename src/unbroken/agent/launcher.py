@@ -15,7 +15,7 @@ from typing import Any
 
 import psutil
 
-from unbroken import procs, rank_registry
+from unbroken import procs, rank_registry, symptoms
 from unbroken.ports import free_port
 from unbroken.agent import warm_spare
 from unbroken.agent.spare_pool import Spare
@@ -100,6 +100,9 @@ class RunningWorker:
     members: list[psutil.Process] = field(default_factory=list)
     reported: bool = False
     """Its failure is written already (a rank seen dying): its exit closes nothing more."""
+    reported_unread: bool = False
+    """What it reported named a rank whose end torchrun reaped unread, or a SIGTERM (maybe torchrun's
+    teardown): its exit reads torchrun's root cause (symptoms.says_exit_unread)."""
     warm: bool = False
     """A warm spare became this torchrun: its ranks are forks of the spare's forkserver, and say who they are
     in ``log_dir/ranks`` (rank_registry.py), not in their environment."""
@@ -203,17 +206,22 @@ def describe_exit(code: int, log_dir: Path) -> tuple[int, str]:
     log names the rank and the real exit code, which is what a person (and the
     ExitCode restart policy) needs.
     """
-    text = _tail(log_dir / "torchrun.log")
-    matches = _ROOT_CAUSE.findall(text)
+    cause = root_cause(log_dir) if code != 0 else None
+    return cause if cause is not None else (code, f"torchrun {_exit_words(code)}")
+
+
+def root_cause(log_dir: Path) -> tuple[int, str] | None:
+    """The failing rank's exit code and sentence from torchrun's "Root Cause" block, once it wrote one."""
+    matches = _ROOT_CAUSE.findall(_tail(log_dir / "torchrun.log"))
+    if not matches:
+        return None
     # torchrun stops a failed rank's siblings with SIGTERM, and its "first observed failure" goes by
     # one-second time stamps, so a sibling's SIGTERM can be named the root cause of a rank's own exit.
     # Blame a rank that failed of its own accord when torchrun lists one; the root cause block
     # comes last, so it is still preferred among those.
     own = [m for m in matches if int(m[2]) != -signal.SIGTERM]
-    if code != 0 and matches:
-        rank, local_rank, rank_code = (own or matches)[-1]
-        return int(rank_code), rank_exit_message(int(rank), int(local_rank), int(rank_code), log_dir)
-    return code, f"torchrun {_exit_words(code)}"
+    rank, local_rank, rank_code = (own or matches)[-1]
+    return int(rank_code), rank_exit_message(int(rank), int(local_rank), int(rank_code), log_dir)
 
 
 def rank_exit_message(rank: int | str, local_rank: int, code: int | None, log_dir: Path) -> str:
@@ -252,7 +260,7 @@ def _exit_words(code: int | None) -> str:
     if code is None:
         # reaped (by a warm spare's forkserver, or by a cold torchrun on a busy node) before the
         # agent could read its status
-        return "ended first; torchrun's log says how (it reaped the rank before the agent read its status)"
+        return f"{symptoms.UNREAD_EXIT} (it reaped the rank before the agent read its status)"
     if code < 0:
         try:
             name = signal.Signals(-code).name

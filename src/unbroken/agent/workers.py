@@ -93,6 +93,7 @@ class WorkerRunner:
             if worker is None:
                 return
             running.reported = True
+            running.reported_unread = death.exit_code is None or death.exit_code == -signal.SIGTERM
             message = launcher.rank_exit_message(death.rank.rank, death.rank.local_rank, death.exit_code, running.log_dir)
             last = _progress_update(self.book.take(worker.job, worker.attempt))
             self.table.update_worker(worker.id, WorkerUpdate(phase=WorkerPhase.FAILED, exit_code=death.exit_code, ended_at=time.time(),
@@ -216,10 +217,24 @@ class WorkerRunner:
             if worker_id in active_ids:
                 continue
             if running.exited() is not None:
+                if running.reported_unread:
+                    self._name_the_unread_exit(worker_id, running)
                 self._forget(worker_id)
             else:
                 running.begin_stop()
                 running.continue_stop()
+
+    def _name_the_unread_exit(self, worker_id: int, running: launcher.RunningWorker) -> None:
+        """The failure this worker reported named a rank torchrun reaped before we read how it ended, or
+        one it stopped with SIGTERM (maybe its teardown after a rank we never watched); torchrun's root cause, written as it exits, says how. The row gets it, and the controller names
+        it in a JobRestartCause event (the restart was not delayed for it)."""
+        cause = launcher.root_cause(running.log_dir)
+        if cause is None or cause[0] == -signal.SIGTERM:  # torchrun knows no better
+            return
+        exit_code, message = cause
+        self.table.update_worker(worker_id, WorkerUpdate(exit_code=exit_code, message=message))
+        doorbell.ring(self.layout.controller_doorbell)
+        log.info("worker failure named: %s (from torchrun's root cause)", message, extra={"node": self.node, "pid": running.process.pid})
 
     def _forget(self, worker_id: int) -> None:
         """The worker's processes are no longer ours to run (exited, held, or given up): drop what we track of them."""

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from enum import StrEnum
 
-from unbroken import peer_lost
+from unbroken import symptoms
 from unbroken.config.job import JobSpec, RestartPolicy
 from unbroken.state.phases import DeepHealthStatus, JobPhase, NodeState, WorkerPhase
 from unbroken.state.records import Desired, Job, Node, Worker
@@ -143,7 +143,7 @@ def is_peer_lost(worker: Worker) -> bool:
     node never reports one); the reconciler names the cause in a JobRestartCause event once it
     shows up, and a symptom is always retryable, whatever the restart policy says of exit codes."""
     return worker.phase is WorkerPhase.FAILED and worker.exit_code is not None and worker.exit_code > 0 \
-        and peer_lost.says_peer_lost(worker.message or "")
+        and symptoms.says_peer_lost(worker.message or "")
 
 
 def _root_cause_first(worker: Worker) -> tuple[int, float]:
@@ -157,11 +157,14 @@ def _root_cause_first(worker: Worker) -> tuple[int, float]:
 
 
 def restart_cause(failed_attempt: list[Worker], restart_reason: str) -> Worker | None:
-    """The worker whose own failure caused a restart whose event named only a peer-lost symptom,
-    once it has reported; None if the event already named it or nothing better is known yet."""
-    if not peer_lost.says_peer_lost(restart_reason):
+    """The worker whose own failure caused a restart whose event named only a symptom (a peer lost,
+    or a rank whose end was not read yet), once it has reported; None if the event already named
+    it or nothing better is known yet."""
+    unread = symptoms.says_exit_unread(restart_reason)
+    if not (unread or symptoms.says_peer_lost(restart_reason)):
         return None
-    causes = sorted((w for w in failed_attempt if w.phase is WorkerPhase.FAILED and not is_peer_lost(w)), key=_root_cause_first)
+    causes = sorted((w for w in failed_attempt if w.phase is WorkerPhase.FAILED and not is_peer_lost(w)
+                     and not (unread and symptoms.says_exit_unread(w.message or ""))), key=_root_cause_first)
     return causes[0] if causes else None
 
 
