@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from unbroken import logs, rank_registry, rejoin, symptoms
 from unbroken.channel import MessageKind, RankMessage, RankSender
 from unbroken.checkpoint.api import Checkpointer, RestoreReport, SaveReport
+from unbroken.group_sockets import GroupSockets
 from unbroken.launch_env import GroupPlacement, LaunchEnv
 from unbroken.rejoin import RejoinNotice
 
@@ -55,6 +56,7 @@ class Context:
     _live_state: LiveState | None = field(repr=False, default=None)
     _backend: str | None = field(repr=False, default=None)
     _structured_logs: bool = field(repr=False, default=False)
+    _group_sockets: GroupSockets | None = field(repr=False, default=None)
 
     def run(self, train: Callable[[Context], T]) -> T:
         """Train with in-process restarts: ``return ctx.run(train)``, where ``train(ctx)`` builds the model
@@ -125,10 +127,14 @@ class Context:
         left = time.monotonic()
         print(f"unbroken: rank {self.rank} leaves attempt {self.attempt}'s process group ({type(cause).__name__}: "
               f"{_one_line(cause)}); waiting for the next attempt", flush=True)
+        if self._group_sockets is not None:
+            # first: a peer blocked on this rank sees it leave now, not at its collective timeout
+            self._group_sockets.shut_down()
+            self._group_sockets = None
         if dist.is_initialized():
-            # Abort, not only destroy: the failed attempt's objects (DDP in the traceback's frames) can
-            # keep the group alive, and with it its sockets, so a local peer still blocked on this rank
-            # might not see it leave. Abort tears the backend down (gloo) or aborts the communicator (NCCL).
+            # Abort, not only destroy: the failed attempt's objects (DDP in the traceback's frames) can keep
+            # the group alive. NCCL's abort ends its communicator; gloo's leaves its connections open, which
+            # is why they were shut down above.
             try:
                 dist.distributed_c10d._abort_process_group()
             except Exception:  # noqa: BLE001 - a group broken by a dead peer may fail to tear down; it is dropped either way
@@ -161,7 +167,7 @@ class Context:
             _setup_logs(self._env, self.rank, self.local_rank)
         self.checkpoint = self._make_checkpointer(self._env, self.rank, self.world_size, live)
         self._send(MessageKind.HELLO, None)
-        _init_process_group(self._backend, self.local_rank, group)
+        self._group_sockets = _init_process_group(self._backend, self.local_rank, group)
 
 
 REJOIN_WAIT_SECONDS = 300.0
@@ -208,7 +214,9 @@ def _register(group: GroupPlacement, rank: int, local_rank: int) -> None:
         rank_registry.register(Path(warm), os.getpid(), identity)
 
 
-def _init_process_group(backend: str | None, local_rank: int, group: GroupPlacement | None) -> None:
+def _init_process_group(backend: str | None, local_rank: int, group: GroupPlacement | None) -> GroupSockets | None:
+    """Join the process group; under in-process restarts with gloo, return the connections it opened
+    (the rank shuts them down when it leaves: group_sockets.py says why)."""
     import datetime
 
     import torch
@@ -219,9 +227,13 @@ def _init_process_group(backend: str | None, local_rank: int, group: GroupPlacem
         torch.cuda.set_device(local_rank)
     if group is None:
         dist.init_process_group(backend=chosen)
-    else:
-        # every wait has a timeout: a survivor blocked on a hung peer gives up and can rejoin
-        dist.init_process_group(backend=chosen, timeout=datetime.timedelta(seconds=group.collective_timeout))
+        return None
+    # every wait has a timeout: a survivor blocked on a hung peer gives up and can rejoin
+    timeout = datetime.timedelta(seconds=group.collective_timeout)
+    if "nccl" in chosen:  # NCCL's communicator abort ends its own connections
+        dist.init_process_group(backend=chosen, timeout=timeout)
+        return None
+    return GroupSockets.opened_by(lambda: dist.init_process_group(backend=chosen, timeout=timeout))
 
 
 def _setup_logs(env: LaunchEnv, rank: int, local_rank: int) -> None:
@@ -310,7 +322,7 @@ def init(
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            _init_process_group(backend, local_rank, env.group)
+            ctx._group_sockets = _init_process_group(backend, local_rank, env.group)
     return ctx
 
 
