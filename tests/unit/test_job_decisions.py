@@ -531,3 +531,27 @@ def test_ranks_that_left_their_group_restart_the_job_at_once_and_are_held_naming
     assert d.reason.startswith("worker on node-1: ranks left the process group: rank 0: Connection reset by peer"), d.reason
     assert "suspect: node-2 silent for 3.0 s" in d.reason, d.reason
     assert d.hold == ("node-1",), "not the worker of a node gone silent (no agent would hold it)"
+
+
+def test_an_in_process_restart_places_around_a_held_worker_that_never_left_once_a_spare_is_free():
+    """A lost node's worker was stepping a moment before, so it was asked to hold with the survivors;
+    it never answers. Once the survivors left, the next attempt goes to them and a spare instead of
+    waiting for the dead node's heartbeat to be overdue."""
+    s = spec(in_process_restart=True)
+    restarting = job(JobPhase.RESTARTING)
+    held = worker(1, "node-1", WorkerPhase.STOPPED, desired=Desired.HOLD, ended_at=NOW - 0.6)
+    unanswered = worker(2, "node-2", desired=Desired.HOLD)  # its node's heartbeat is still fresh (0.2 s)
+
+    def restart(*ws: Worker, free: list[str], s: JobSpec = s) -> Decision:
+        return decide(NOW, restarting, s, list(ws), HEALTHY, free, silent_after=SILENT_AFTER)
+
+    d = restart(held, unanswered, free=["node-1", "node-2", "node-3"])
+    assert d.action is Action.SCHEDULE and d.nodes == ("node-1", "node-3"), d
+    assert "without node-2" in d.reason
+
+    just_left = worker(1, "node-1", WorkerPhase.STOPPED, desired=Desired.HOLD, ended_at=NOW - 0.1)
+    assert restart(just_left, unanswered, free=["node-1", "node-2", "node-3"]).action is Action.WAIT, "its peer may follow yet"
+    assert restart(held, unanswered, free=["node-1", "node-2"]).action is Action.WAIT, "no spare: wait for node-2"
+    stopping = worker(2, "node-2", desired=Desired.STOP)
+    assert restart(held, stopping, free=["node-1", "node-2", "node-3"]).action is Action.WAIT, "a stop, not a hold: it confirms"
+    assert restart(held, unanswered, free=["node-1", "node-2", "node-3"], s=spec()).action is Action.WAIT, "a full restart waits"

@@ -70,6 +70,9 @@ def decide(
         # stay in the books (the node stays busy) until it is declared lost.
         stopping = [w for w in workers if not w.phase.is_terminal and not _silent(now, nodes.get(w.node), silent_after)]
         if stopping:
+            without = _place_without_the_unanswered(now, spec, workers, stopping, free)
+            if without is not None:
+                return without
             return Decision(Action.WAIT, f"stopping attempt {job.attempt} on {', '.join(w.node for w in stopping)}")
         return _place(spec, free, "waiting to restart")
     # Running
@@ -89,6 +92,38 @@ def decide(
     if growable:
         return _grow(job, spec, workers, growable, grow_after)
     return Decision(Action.WAIT, "running")
+
+
+HELD_PEERS_GRACE_SECONDS = 0.5
+"""In an in-process restart, how long after the first held worker left its group the others have
+to follow before the next attempt goes on without them. Survivors of one failure notice it within
+milliseconds of each other (their collective fails, and each leaving rank ends its connections),
+so a held worker still running after this most likely has no node left to answer for it."""
+
+
+def _place_without_the_unanswered(now: float, spec: JobSpec, workers: list[Worker], stopping: list[Worker],
+                                  free: list[str]) -> Decision | None:
+    """An in-process restart whose held survivors have left need not wait for a held worker that
+    did not follow them: place the next attempt on other free nodes (a spare), if there are enough.
+
+    After a node loss the dead node's worker was stepping on a Schedulable node a moment ago, so it
+    is asked to hold with the survivors; it never answers, and its heartbeat is overdue only after
+    ``silent_after``. That wait, about a second of every node loss, buys nothing when a spare is
+    ready. A node that was only slow keeps its held worker for a later attempt (agent/held.py) and
+    stays busy until its worker stops; a full restart (no in-process) waits as before, its next
+    attempt belongs on the nodes whose memory tier holds its checkpoint."""
+    if not spec.resilience.in_process_restart or any(w.desired is not Desired.HOLD for w in stopping):
+        return None
+    left = [w.ended_at for w in workers
+            if w.desired is Desired.HOLD and w.phase is WorkerPhase.STOPPED and w.ended_at is not None]
+    if not left or now - min(left) < HELD_PEERS_GRACE_SECONDS:
+        return None
+    unanswered = sorted({w.node for w in stopping})
+    placed = _place(spec, [n for n in free if n not in unanswered], "waiting to restart")
+    if placed.action is not Action.SCHEDULE:
+        return None
+    return Decision(Action.SCHEDULE, f"placed without {', '.join(unanswered)}: its held worker did not leave within "
+                                     f"{HELD_PEERS_GRACE_SECONDS:g} s of its peers (its node may be lost)", nodes=placed.nodes)
 
 
 def holdable(now: float, spec: JobSpec, workers: list[Worker], nodes: dict[str, Node], silent_after: float) -> tuple[str, ...]:
