@@ -32,7 +32,7 @@ The systems:
 Every system's rank 0 writes its step timeline (``--progress-log``), read the same way for all:
 
 * **goodput** = the steps of the final trajectory x the median step time / wall time;
-* **recovery** per fault = fault → the first step of a new rank-0 process (none: unrecovered);
+* **recovery** per fault = fault → the first step of a new rank-0 process or attempt (none: unrecovered);
 * **badput** by cause:
   - startup: the first launch to the first step;
   - recovery: fault → first step after, for recovered faults;
@@ -126,7 +126,11 @@ class Outcome:
                 "recover_by_kind": {k: [None if v is None else round(v, 2) for v in vs] for k, vs in per_kind.items() if vs}}
 
 
-def analyse(system: str, timeline: list[tuple[int, float, int]], started: float, ended: float,
+Step = tuple[int, float, int, int]
+"""A line of rank 0's timeline: step, unix time, pid, attempt (0 where the launcher has no attempts)."""
+
+
+def analyse(system: str, timeline: list[Step], started: float, ended: float,
             injected: list[tuple[float, str, str | None]]) -> Outcome:
     """Goodput, badput and per-fault recovery from rank 0's (step, time, pid) lines."""
     wall = ended - started
@@ -158,24 +162,25 @@ def analyse(system: str, timeline: list[tuple[int, float, int]], started: float,
     return Outcome(system, min(1.0, final_step * step_s / wall), badput, faults)
 
 
-def _first_resumed_step(timeline: list[tuple[int, float, int]], at: float, step_s: float) -> tuple[int, float, int] | None:
-    """The first step after ``at`` that does not continue the one before it: a new rank-0 process, or
-    (an in-process restart keeps rank 0's process) a step that is not the next one, or one that came
-    after a pause no step takes (10 step times: an in-process resume from the very last step)."""
+def _first_resumed_step(timeline: list[Step], at: float, step_s: float) -> Step | None:
+    """The first step after ``at`` that does not continue the one before it: a new rank-0 process, a new
+    attempt (an in-process restart keeps rank 0's process, and may resume at the very next step), a step
+    that is not the next one, or one after a pause no step takes (10 step times)."""
     for previous, current in zip(timeline, timeline[1:], strict=False):
         if current[1] <= at:
             continue
-        if current[2] != previous[2] or current[0] != previous[0] + 1 or current[1] - previous[1] > 10 * step_s:
+        if current[2] != previous[2] or current[3] != previous[3] or current[0] != previous[0] + 1 \
+                or current[1] - previous[1] > 10 * step_s:
             return current
     return None
 
 
-def read_timeline(path: Path) -> list[tuple[int, float, int]]:
+def read_timeline(path: Path) -> list[Step]:
     lines = []
     for line in path.read_text().splitlines() if path.exists() else []:
         parts = line.split()
-        if len(parts) == 3:
-            lines.append((int(parts[0]), float(parts[1]), int(parts[2])))
+        if len(parts) == 4:
+            lines.append((int(parts[0]), float(parts[1]), int(parts[2]), int(parts[3])))
     return lines
 
 

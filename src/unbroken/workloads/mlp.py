@@ -92,7 +92,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--step-time", type=float, default=0.0,
                         help="extra seconds per step, standing in for a bigger model's compute")
     parser.add_argument("--output", help="rank 0 writes the final parameters here (torch.save)")
-    parser.add_argument("--progress-log", help="rank 0 appends '<step> <unix time> <pid>' per step here: the step timeline "
+    parser.add_argument("--progress-log", help="rank 0 appends '<step> <unix time> <pid> <attempt>' per step here: the step timeline "
                                                "benchmarks read under any launcher (benchmarks/goodput.py)")
     parser.add_argument("--crash-at-step", type=int, default=None,
                         help="fault injection: --crash-rank exits with code 3 when it reaches this step")
@@ -166,7 +166,7 @@ def train(ctx: unbroken.Context, args: argparse.Namespace) -> int:
             time.sleep(remaining)  # simulated compute, not synchronisation
         ctx.progress(step, loss=loss.item())
         if progress_log is not None:
-            progress_log.write(f"{step} {time.time():.3f} {os.getpid()}\n")
+            progress_log.write(f"{step} {time.time():.3f} {os.getpid()} {ctx.attempt}\n")
             progress_log.flush()
         if first_step_of_process is None:
             first_step_of_process = step
