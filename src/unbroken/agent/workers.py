@@ -226,8 +226,9 @@ class WorkerRunner:
 
     def _name_the_unread_exit(self, worker_id: int, running: launcher.RunningWorker) -> None:
         """The failure this worker reported named a rank torchrun reaped before we read how it ended, or
-        one it stopped with SIGTERM (maybe its teardown after a rank we never watched); torchrun's root cause, written as it exits, says how. The row gets it, and the controller names
-        it in a JobRestartCause event (the restart was not delayed for it)."""
+        one it stopped with SIGTERM (maybe its teardown after a rank we never watched). torchrun's root
+        cause, written as it exits, says how: the row gets it, and the controller names it in a
+        JobRestartCause event (the restart was not delayed for it)."""
         cause = launcher.root_cause(running.log_dir)
         if cause is None or cause[0] == -signal.SIGTERM:  # torchrun knows no better
             return
