@@ -52,8 +52,9 @@ Everything runs on this one machine, as the test's user, with the test's environ
   one process group per pod) with cwd = ``workingDir`` if it exists here, else the node directory; init and
   sidecar containers are not run, images are ignored (a container without a command cannot run: it waits
   with ``CreateContainerError``), there is no isolation (namespaces, cgroups, limits) and no probes (a
-  running container is Ready). Environment = the test process's ``os.environ`` overlaid with the
-  container's ``env``: values (with ``$(VAR)`` expansion, also in command/args), and ``fieldRef`` to
+  running container is Ready). Environment = the test process's ``os.environ``, with the test's Python's
+  directory first on ``PATH`` (so ``python`` in a command is an interpreter with torch and unbroken, as
+  in a training image), overlaid with the container's ``env``: values (with ``$(VAR)`` expansion, also in command/args), and ``fieldRef`` to
   ``metadata.name|namespace|uid|labels['k']|annotations['k']``, ``spec.nodeName``,
   ``spec.serviceAccountName``, ``status.podIP``/``status.hostIP`` (both 127.0.0.1); any other
   ``valueFrom`` or ``envFrom`` is not supported (``CreateContainerConfigError``). Pods get no in-cluster
@@ -130,6 +131,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -970,7 +972,9 @@ class TestKubelet:
         if not argv:
             raise _ConfigError("CreateContainerError", "the test kubelet runs a container's command and args; this container has "
                                                        "none (an image's entrypoint cannot run here)")
-        env = {**os.environ, **{k: _rewrite(v, mounts) for k, v in own.items()}}
+        # the image's python is this one (it has torch and unbroken), first on PATH as in a training image
+        image_path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+        env = {**os.environ, "PATH": image_path, **{k: _rewrite(v, mounts) for k, v in own.items()}}
         working = spec.get("workingDir")
         cwd = Path(_rewrite(working, mounts)) if working else None
         if cwd is None or not cwd.is_dir():

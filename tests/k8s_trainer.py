@@ -83,6 +83,20 @@ JOB_INDEX = "jobset.sigs.k8s.io/job-index"
 TRAINER_NODE = "node"
 
 
+def torch_distributed_runtime() -> Obj:
+    """The shape of Kubeflow Trainer's shipped ``torch-distributed`` ClusterTrainingRuntime: one replicated job
+    ``node`` whose container ``node`` runs torchrun from the PET_* env (its image is ignored here)."""
+    return {"apiVersion": TRAINJOB_API, "kind": "ClusterTrainingRuntime",
+            "metadata": {"name": "torch-distributed"},
+            "spec": {"mlPolicy": {"numNodes": 1, "torch": {"numProcPerNode": "auto"}},
+                     "template": {"spec": {"replicatedJobs": [{
+                         "name": TRAINER_NODE,
+                         "template": {"metadata": {"labels": {"trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}},
+                                      "spec": {"template": {"spec": {"restartPolicy": "OnFailure", "containers": [{
+                                          "name": TRAINER_NODE, "image": "pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime",
+                                          "command": ["torchrun"]}]}}}}}]}}}}
+
+
 def _finished(obj: Obj, *kinds: str) -> bool:
     return any(_is_true((obj.get("status") or {}).get("conditions") or [], kind) for kind in kinds)
 

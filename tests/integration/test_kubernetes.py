@@ -41,6 +41,7 @@ import yaml
 from k8s_emulator import Emulator, kubernetes_emulator
 from helpers import run_cli
 from k8s_kubelet import TestKubelet
+from k8s_trainer import torch_distributed_runtime
 from processes import stop_process
 from unbroken.kube import names
 from unbroken.kube.client import api_client
@@ -833,45 +834,31 @@ TRAINER = ("trainer.kubeflow.org", "v1alpha1")
 JOBSET_NAME = "jobset.sigs.k8s.io/jobset-name"
 
 
-def torch_runtime() -> dict[str, Any]:
-    """The shape of Kubeflow Trainer's shipped ``torch-distributed`` ClusterTrainingRuntime: one replicated job
-    ``node`` whose container ``node`` runs torchrun from the PET_* env (its image is ignored here)."""
-    return {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "ClusterTrainingRuntime",
-            "metadata": {"name": "torch-distributed"},
-            "spec": {"mlPolicy": {"numNodes": 1, "torch": {"numProcPerNode": "auto"}},
-                     "template": {"spec": {"replicatedJobs": [{
-                         "name": "node",
-                         "template": {"metadata": {"labels": {"trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}},
-                                      "spec": {"template": {"spec": {"restartPolicy": "OnFailure", "containers": [{
-                                          "name": "node", "image": "pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime",
-                                          "command": ["torchrun"]}]}}}}}]}}}}
-
-
-def trainjob(name: str, checkpoints: Path, *, steps: int, annotations: dict[str, str]) -> dict[str, Any]:
-    """A TrainJob as a user writes it against that runtime, with a runtime patch of another manager (a
-    label, as Kueue writes one) that unbroken must keep."""
-    return {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob",
-            "metadata": {"name": name, "namespace": JOBS, "annotations": annotations},
-            "spec": {"runtimeRef": {"name": "torch-distributed"},
-                     "trainer": {"numNodes": 2, "numProcPerNode": 1,
-                                 "command": [sys.executable, "-m", "torch.distributed.run", "-m", "unbroken.workloads.mlp",
-                                             "--steps", str(steps), "--checkpoint-every", "10", "--step-time", "0.05"],
-                                 "env": [{"name": "UNBROKEN_CHECKPOINT_DIR", "value": str(checkpoints)}],
-                                 "resourcesPerNode": {"limits": {"nvidia.com/gpu": 1}}},
-                     "runtimePatches": [{"manager": "example.com/queue", "trainingRuntimeSpec": {"template": {"spec": {
-                         "replicatedJobs": [{"name": "node", "template": {"spec": {"template": {
-                             "metadata": {"labels": {"example.com/queue": "research"}}}}}}]}}}}]}}
+def trainjob(name: str, checkpoints: Path, tmp_path: Path, *, steps: int, max_retry: int) -> dict[str, Any]:
+    """A job file rendered as a TrainJob by the real CLI (``k8s render --kind TrainJob``), plus a runtime patch
+    of another manager (a label, as Kueue writes one) that unbroken must keep."""
+    job_file = tmp_path / f"{name}.yaml"
+    job_file.write_text(yaml.safe_dump({
+        "name": name, "nodes": 2, "procs_per_node": 1,
+        "command": ["-m", "unbroken.workloads.mlp", "--steps", str(steps), "--checkpoint-every", "10", "--step-time", "0.05"],
+        "resilience": {"auto_resume": True, "max_retry": max_retry}, "checkpoint": {"dir": str(checkpoints)}}))
+    body: dict[str, Any] = json.loads(run_cli("k8s", "render", "--kind", "TrainJob", "-f", str(job_file), "--image", "train:1",
+                                              "-n", JOBS, "--gpus-per-node", "1", "-o", "json").stdout)
+    body["spec"]["runtimePatches"].append({"manager": "example.com/queue", "trainingRuntimeSpec": {"template": {"spec": {
+        "replicatedJobs": [{"name": "node", "template": {"spec": {"template": {
+            "metadata": {"labels": {"example.com/queue": "research"}}}}}}]}}}})
+    return body
 
 
 def test_a_trainjob_rank_killed_restarts_the_job_which_resumes_from_its_checkpoint(cluster: Cluster, tmp_path: Path) -> None:
-    """Done-when 3 for a TrainJob: Trainer -> JobSet -> Jobs -> pods (the test kubelet plays the Trainer and
-    JobSet controllers, tests/k8s_trainer.py); a rank killed -> the TrainJob is suspended, its JobSet deleted
-    and built again, the pods of attempt 1 come with unbroken's runtime patch and resume from the checkpoint."""
-    cluster.custom.create_cluster_custom_object(*TRAINER, "clustertrainingruntimes", torch_runtime())
+    """Done-when 3 for a TrainJob, as ``unbroken k8s render --kind TrainJob`` writes one: Trainer -> JobSet -> Jobs
+    -> pods (the test kubelet plays the Trainer and JobSet controllers, tests/k8s_trainer.py); a rank killed ->
+    the TrainJob is suspended, its JobSet deleted and built again, the pods of attempt 1 come with unbroken's
+    runtime patch and resume from the checkpoint."""
+    cluster.custom.create_cluster_custom_object(*TRAINER, "clustertrainingruntimes", torch_distributed_runtime())
     cluster.start_operator()
     checkpoints = tmp_path / "ckpt"
-    cluster.custom.create_namespaced_custom_object(*TRAINER, JOBS, "trainjobs",
-                                                   trainjob("tj", checkpoints, steps=400, annotations=auto_resume(2)))
+    cluster.custom.create_namespaced_custom_object(*TRAINER, JOBS, "trainjobs", trainjob("tj", checkpoints, tmp_path, steps=400, max_retry=2))
 
     def train() -> dict[str, Any]:
         return cluster.custom.get_namespaced_custom_object(*TRAINER, JOBS, "trainjobs", "tj")
@@ -895,6 +882,9 @@ def test_a_trainjob_rank_killed_restarts_the_job_which_resumes_from_its_checkpoi
     wait_until(lambda: any(s >= 20 for s in checkpoint_steps(checkpoints)), 120, "a checkpoint at step 20")
     first_jobset = jobset_uid()
     assert sorted(pods()) == [0, 1]
+    for pod in pods().values():  # the CLI's runtime patch and trainer.env reached the pods: they can reach their agent
+        assert "unbroken-agent" in {v.name for v in pod.spec.volumes or []}
+        assert "UNBROKEN_AGENT_SOCKET" in {e.name for e in pod.spec.containers[0].env or []}
 
     rank_process(cluster, pods()[1].metadata.name).send_signal(signal.SIGKILL)
 
@@ -911,7 +901,7 @@ def test_a_trainjob_rank_killed_restarts_the_job_which_resumes_from_its_checkpoi
     wait_until(resumed, 120, "attempt 1's pods to resume from a checkpoint")
     assert jobset_uid() not in (None, first_jobset)  # built again: the runtime's Job failure counts start at 0
     patches = {p["manager"]: p for p in train()["spec"]["runtimePatches"]}
-    assert set(patches) == {"example.com/queue", f"{names.PREFIX}/operator"}, patches  # the other manager's entry kept
+    assert set(patches) == {f"{names.PREFIX}/cli", "example.com/queue", f"{names.PREFIX}/operator"}, patches  # others' kept
     assert all((p.metadata.labels or {}).get("example.com/queue") == "research" for p in pods().values())
 
     wait_until(lambda: annotations().get(names.JOB_PHASE) == "Succeeded", 180, "the TrainJob to finish")

@@ -194,6 +194,16 @@ def test_module_form_needs_no_file(tmp_path: Path) -> None:
     assert spec.command == ["-m", "some.module.that_does_not_exist", "--steps", "3"]
 
 
+def test_an_entry_script_flag_replaces_the_script_or_module_and_keeps_the_arguments(tmp_path: Path) -> None:
+    """HyperPod's --entry-script: the job file's settings, another script of the same code."""
+    other = write(tmp_path / "eval.py", "")
+    module_job = write(tmp_path / "job.yaml", "name: j\ncommand: -m pkg.train --steps 3\n")
+    assert load_job(module_job, entry_script="eval.py").command == [str(other.resolve()), "--steps", "3"]
+    script_job = write(tmp_path / "script.yaml", "name: j\ncommand: [train.py, --lr, 0.1]\n")
+    assert load_job(script_job, entry_script="/opt/app/eval.py", in_image=True).command == ["/opt/app/eval.py", "--lr", "0.1"]
+    assert "'missing.py' not found" in config_error(lambda: load_job(module_job, entry_script="missing.py"), module_job)
+
+
 def test_module_form_without_a_module_is_an_error(tmp_path: Path) -> None:
     message = job_error(write(tmp_path / "job.yaml", "name: j\ncommand: [-m]\n"))
 

@@ -18,14 +18,15 @@ import pytest
 import yaml
 
 from helpers import run_cli
+from k8s_trainer import TrainerControllers, torch_distributed_runtime
 from test_deploy_manifests import schema_version
 from unbroken.config.job import JobSpec
 from unbroken.errors import UsageError
 from unbroken.kube import annotations as job_annotations
 from unbroken.kube import names
 from unbroken.kube.client import api_client
-from unbroken.kube.render import Placement, parse_label_selector, render_pytorchjob
-from unbroken.kube.workloads import PYTORCHJOB
+from unbroken.kube.render import CLI_MANAGER, Placement, parse_label_selector, render_pytorchjob, render_trainjob
+from unbroken.kube.workloads import PYTORCHJOB, TRAINJOB
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "k8s-job.yaml"
@@ -103,6 +104,44 @@ def test_the_tiered_checkpoint_is_an_annotation_for_the_agents_and_env_and_mount
     assert "unbroken-shm" not in {v["name"] for v in plain["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["volumes"]}
 
 
+def test_a_trainjob_carries_the_same_job_where_the_trainer_takes_it() -> None:
+    """--kind TrainJob: size, image, command and every env entry in spec.trainer (the Trainer refuses env in a
+    patch of the ``node`` container), the agent's hostPath and the claim in the CLI's own runtime patch; the
+    pod the Trainer builds from it (as tests/k8s_trainer.py builds it) is a valid Pod with the rank env."""
+    body = render_trainjob(spec(checkpoint={"dir": "/ckpt/llama", "memory": {"every_steps": 10}}),
+                           Placement(image="ghcr.io/me/train:1", namespace="ml", gpus_per_node=8, checkpoint_claim="ckpt",
+                                     node_selector={"node.kubernetes.io/instance-type": "p5.48xlarge"}, runtime="torch-2"))
+    model = TRAINJOB.model(body)  # the Trainer SDK reads it back
+    assert model.spec.runtime_ref.name == "torch-2" and not TRAINJOB.problems(body)
+    assert (TRAINJOB.node_count(body), TRAINJOB.procs_per_node(body)) == (3, 8)
+    assert model.spec.trainer.image == "ghcr.io/me/train:1"
+    assert body["spec"]["trainer"]["resourcesPerNode"] == {"limits": {"nvidia.com/gpu": "8"}}
+    settings = job_annotations.parse(body["metadata"]["annotations"])
+    assert (settings.max_retry, settings.hang_timeout) == (5, 600.0) and settings.checkpoint_tiers is not None
+    trainer_env = {e["name"] for e in body["spec"]["trainer"]["env"]}
+    assert {"UNBROKEN_JOB", "UNBROKEN_AGENT_SOCKET", "UNBROKEN_CHECKPOINT_DIR", "UNBROKEN_CHECKPOINT_TIERS"} <= trainer_env
+    [patch] = body["spec"]["runtimePatches"]
+    assert patch["manager"] == CLI_MANAGER
+    [node_job] = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    assert all("env" not in c for c in node_job["template"]["spec"]["template"]["spec"]["containers"])
+
+    jobset = TrainerControllers._desired_jobset(body, torch_distributed_runtime())
+    pod_spec = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": pod_spec}
+    assert kubernetes_validate.validate(pod, schema_version(), strict=True)
+    container = pod_spec["containers"][0]
+    assert container["command"] == ["python", "-m", "torch.distributed.run", "train.py", "--lr", "3e-4"]
+    assert {(m["name"], m["mountPath"]) for m in container["volumeMounts"]} == {
+        ("checkpoints", "/ckpt/llama"), ("unbroken-agent", "/var/run/unbroken"), ("unbroken-shm", "/dev/shm/unbroken")}
+    assert pod_spec["nodeSelector"] == {"node.kubernetes.io/instance-type": "p5.48xlarge"}
+    env = {e["name"]: e for e in container["env"]}
+    assert env["UNBROKEN_WORKLOAD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == f"metadata.labels['{TRAINJOB.pod_label}']"
+
+    # the operator's restart writes its own entry and keeps the CLI's
+    launch = TRAINJOB.launch_patch({**body, "spec": {**body["spec"], "suspend": True}}, 1, require_deep_health=False)
+    assert [p["manager"] for p in launch["spec"]["runtimePatches"]] == [CLI_MANAGER, f"{names.PREFIX}/operator"]
+
+
 def test_a_bad_tier_policy_annotation_names_the_field_and_what_is_valid() -> None:
     with pytest.raises(job_annotations.AnnotationError) as error:
         job_annotations.parse({names.AUTO_RESUME: "true", names.CHECKPOINT_TIERS: '{"memory": {"keep": 0}}'})
@@ -147,6 +186,30 @@ def test_start_creates_the_job_the_cli_then_lists_and_a_second_start_is_refused(
 
     again = run_cli("--kubeconfig", str(kubeconfig), "k8s", "start", "-f", str(EXAMPLE), "--image", "img:1", "-n", namespace, check=False)
     assert again.returncode != 0 and f"PyTorchJob {namespace}/mlp already exists" in again.stderr and "Traceback" not in again.stderr
+
+
+def test_job_start_on_a_cluster_is_k8s_start_and_takes_hyperpods_flags(kubeconfig: Path, installed: Any, namespace: str) -> None:
+    """``--kubeconfig ... job start`` renders and creates the job as ``k8s start`` does, here a TrainJob with
+    HyperPod start-job's flags; without --kubeconfig those flags are refused, naming them."""
+    out = run_cli("--kubeconfig", str(kubeconfig), "job", "start", "-f", str(EXAMPLE), "--image", "img:2", "-n", namespace,
+                  "--kind", "TrainJob", "--name", "tj", "--node-count", "3", "--tasks-per-node", "4", "--max-retry", "7",
+                  "--entry-script", "/opt/app/train.py", "--label-selector", "pool=h100",
+                  "--deep-health-check-passed-nodes-only").stdout
+    assert f"TrainJob {namespace}/tj created (3 x 4)" in out
+    created = kubernetes.client.CustomObjectsApi(installed).get_namespaced_custom_object(
+        TRAINJOB.group, TRAINJOB.version, namespace, TRAINJOB.plural, "tj")
+    settings = job_annotations.parse(created["metadata"]["annotations"])
+    assert (settings.max_retry, settings.require_deep_health_passed) == (7, True)
+    assert created["spec"]["trainer"]["command"][3:5] == ["/opt/app/train.py", "--steps"], created["spec"]["trainer"]["command"]
+    jobs = {j["name"]: j for j in json.loads(run_cli("--kubeconfig", str(kubeconfig), "job", "list", "-o", "json").stdout)}
+    assert f"{namespace}/tj" in jobs
+
+    without_image = run_cli("--kubeconfig", str(kubeconfig), "job", "start", "-f", str(EXAMPLE), "-n", namespace, check=False)
+    assert without_image.returncode == 2 and "--image is required on Kubernetes" in without_image.stderr
+    local = run_cli("job", "start", "-f", str(EXAMPLE), "--image", "img:2", "--kind", "TrainJob", check=False)
+    assert local.returncode == 2 and "--image, --kind: for a Kubernetes cluster" in local.stderr, local.stderr
+    bad_kind = run_cli("k8s", "render", "-f", str(EXAMPLE), "--image", "i", "--kind", "MPIJob", check=False)
+    assert bad_kind.returncode == 2 and "--kind 'MPIJob' is not a workload unbroken runs: use one of PyTorchJob, TrainJob" in bad_kind.stderr
 
 
 def test_node_list_reads_the_clusters_nodes_and_their_labels(kubeconfig: Path, installed: Any) -> None:

@@ -266,7 +266,8 @@ def test_pytorchjob_master_and_workers_get_ranks_and_succeed(cluster: Cluster) -
         assert env["MASTER_ADDR"] == env["PET_MASTER_ADDR"] == "127.0.0.1"
         assert env["PET_MASTER_PORT"] == env["MASTER_PORT"]
         assert env["PET_NPROC_PER_NODE"] == "1" and env["PYTHONUNBUFFERED"] == "1"
-    assert envs[0]["PATH"] == os.environ["PATH"]  # the test's own environment is inherited
+    # the test's own environment is inherited, with its Python first on PATH (`python` is the image's, with torch)
+    assert envs[0]["PATH"] == f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
 
     (out / "go").touch()
     status = wait_until(lambda: job_with(cluster, "train", "Succeeded"), 20, "the job to succeed")

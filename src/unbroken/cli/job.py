@@ -10,8 +10,9 @@ import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from unbroken import jobs, report
-from unbroken.cli import logs_view
-from unbroken.cli.common import DirOption, Output, OutputOption, ago, clock, console, field_line, open_runtime, print_json, table
+from unbroken.cli import k8s, logs_view
+from unbroken.cli.common import (DirOption, Output, OutputOption, ago, clock, console, field_line, on_kubernetes, open_runtime,
+                                 print_json, table)
 from unbroken.config.job import load_job
 from unbroken.errors import UsageError
 from unbroken.state.phases import JobPhase
@@ -31,35 +32,73 @@ def start(
     auto_resume: Annotated[bool | None, typer.Option("--auto-resume/--no-auto-resume", help="Override resilience.auto_resume")] = None,
     max_retry: Annotated[int | None, typer.Option("--max-retry", min=0, help="Override resilience.max_retry")] = None,
     name: Annotated[str | None, typer.Option("--name", help="Override the job's name (names are unique per cluster)")] = None,
-    nodes: Annotated[str | None, typer.Option("--nodes", help="Override nodes: N, or MIN:MAX for an elastic job that "
-                                              "shrinks to MIN when nodes are lost and grows back to MAX", show_default=False)] = None,
+    nodes: Annotated[str | None, typer.Option("--nodes", "--node-count", help="Override nodes: N, or MIN:MAX for an elastic job "
+                                              "that shrinks to MIN when nodes are lost and grows back to MAX (local only)",
+                                              show_default=False)] = None,
+    tasks_per_node: k8s.TasksOption = None,
+    entry_script: k8s.EntryScriptOption = None,
+    deep_only: k8s.DeepOption = None,
     wait: Annotated[bool, typer.Option("--wait", help="Follow the job with a progress bar until it ends; exit 1 unless it Succeeded")] = False,
     total_steps: Annotated[int | None, typer.Option("--steps", help="With --wait: steps in the whole run, for the progress bar")] = None,
+    image: Annotated[str | None, typer.Option("--image", help="Container image with PyTorch, unbroken and the training code "
+                                              "(required on Kubernetes)", show_default=False, rich_help_panel=k8s.PANEL)] = None,
+    namespace: k8s.NamespaceOption = "default",
+    gpus_per_node: k8s.GpusOption = 0,
+    label_selector: k8s.SelectorOption = None,
+    checkpoint_claim: k8s.ClaimOption = None,
+    kind: k8s.KindOption = "PyTorchJob",
+    runtime_name: Annotated[str, typer.Option("--runtime", help="A TrainJob's ClusterTrainingRuntime", rich_help_panel=k8s.PANEL)] = "torch-distributed",
 ) -> None:
     """Submit a job; the controller places it on schedulable nodes (all or nothing; an elastic job, --nodes 2:4,
     on as many as are free between its min and max).
 
+    On a Kubernetes cluster (--kubeconfig/--context) it is `k8s start`: the job file as an annotated PyTorchJob
+    (or --kind TrainJob) running --image, which the operator keeps alive.
+
     Example:  unbroken job start -f examples/job.yaml --auto-resume --max-retry 2
+    Example:  unbroken --context prod job start -f examples/k8s-job.yaml --image ghcr.io/me/train:1 --node-count 4 --gpus-per-node 8
     """
+    if on_kubernetes():
+        if directory is not None:
+            raise UsageError("--dir names a local cluster; it cannot be used with --kubeconfig/--context/UNBROKEN_BACKEND=kubernetes")
+        if image is None:
+            raise UsageError("--image is required on Kubernetes: the container image with PyTorch, unbroken and the training code")
+        if nodes is not None and not nodes.isdigit():
+            raise UsageError(f"--node-count {nodes!r}: on Kubernetes a job has a fixed size, a whole number of nodes (e.g. 4)")
+        created = k8s.Submission(file, image, namespace, name, int(nodes) if nodes else None, tasks_per_node, entry_script,
+                                 gpus_per_node, label_selector or [], auto_resume, max_retry, deep_only, checkpoint_claim, kind,
+                                 runtime_name).create()
+        if wait:
+            _wait(open_runtime(None), created, total_steps)
+        return
+    cluster_only = {"--image": image is not None, "--namespace": namespace != "default", "--gpus-per-node": gpus_per_node != 0,
+                    "--label-selector": bool(label_selector), "--checkpoint-claim": checkpoint_claim is not None,
+                    "--kind": kind != "PyTorchJob", "--runtime": runtime_name != "torch-distributed"}
+    if given := [flag for flag, set_ in cluster_only.items() if set_]:
+        raise UsageError(f"{', '.join(given)}: for a Kubernetes cluster (add --kubeconfig or --context before `job`); "
+                         "a local cluster runs the job file's command on its own nodes")
     overrides: dict[str, Any] = {}
-    if auto_resume is not None:
-        overrides["resilience.auto_resume"] = auto_resume
-    if max_retry is not None:
-        overrides["resilience.max_retry"] = max_retry
-    if name is not None:
-        overrides["name"] = name
+    for key, value in (("resilience.auto_resume", auto_resume), ("resilience.max_retry", max_retry), ("name", name),
+                       ("procs_per_node", tasks_per_node), ("resilience.require_deep_health_passed", deep_only)):
+        if value is not None:
+            overrides[key] = value
     if nodes is not None:
         overrides["nodes"] = nodes
         overrides["min_nodes"] = None  # the flag replaces the file's range, whichever form it had
-    spec = load_job(file, overrides=overrides)
+    spec = load_job(file, overrides=overrides, entry_script=entry_script)
     runtime = open_runtime(directory)
     jobs.submit(runtime.cluster, spec)
     console.print(f"job [bold]{spec.name}[/] submitted ({spec.size}); "
                   f"follow it with: unbroken job describe {spec.name}")
     if wait:
-        job = follow(runtime, spec.name, total_steps)
-        if job.phase is not JobPhase.SUCCEEDED:
-            raise typer.Exit(1)
+        _wait(runtime, spec.name, total_steps)
+
+
+def _wait(runtime: Runtime, name: str, total_steps: int | None) -> None:
+    """``--wait``: follow the job until it ends; exit 1 unless it Succeeded."""
+    job = follow(runtime, name, total_steps)
+    if job.phase is not JobPhase.SUCCEEDED:
+        raise typer.Exit(1)
 
 
 def follow(runtime: Runtime, name: str, total_steps: int | None = None, on_tick=None) -> Job:

@@ -196,12 +196,25 @@ class JobSpec(_Strict):
         return self.nodes * self.procs_per_node
 
 
-def load_job(path: Path, *, overrides: dict[str, Any] | None = None, in_image: bool = False) -> JobSpec:
-    """Load a job file; ``overrides`` are dotted paths from CLI flags (``resilience.max_retry``).
+def with_entry_script(command: list[str], script: str) -> list[str]:
+    """``command`` running ``script`` instead of its own script (or ``-m module``), with the same arguments
+    (HyperPod's ``--entry-script``)."""
+    arguments = command[2:] if command[:1] == ["-m"] else command[1:]
+    return [script, *arguments]
+
+
+def load_job(path: Path, *, overrides: dict[str, Any] | None = None, entry_script: str | None = None,
+             in_image: bool = False) -> JobSpec:
+    """Load a job file; ``overrides`` are dotted paths from CLI flags (``resilience.max_retry``);
+    ``entry_script`` replaces the command's script (``with_entry_script``).
     ``in_image``: the job runs in a container, so its script and paths are not looked up here."""
     from unbroken.config.loading import read_mapping, validate_mapping
 
     data = read_mapping(path)
+    command = data.get("command", [])
+    if entry_script is not None and isinstance(command, (str, list)):  # anything else: validation names it below
+        data["command"] = with_entry_script(shlex.split(command) if isinstance(command, str) else [str(c) for c in command],
+                                            entry_script)
     for dotted, value in (overrides or {}).items():
         target = data
         *parents, leaf = dotted.split(".")

@@ -12,7 +12,8 @@ attempt: the job is ``<namespace>/<workload name label>``, the attempt is the
 pod template's ``unbroken.dev/attempt`` annotation (written by the operator at
 each restart; empty, read as 0, before the first). ``with_rank_env`` adds all
 of it to a pod template (``unbroken k8s render`` does; a hand-written job can
-copy the same lines).
+copy the same lines); a TrainJob carries the same pieces in ``trainer.env`` and
+a runtime patch (``render.render_trainjob``).
 """
 
 from __future__ import annotations
@@ -60,19 +61,37 @@ def memory_tier_env(tiers_json: str) -> list[dict[str, Any]]:
     ]
 
 
+def all_env(job_name_label: str, *, tiers_json: str | None = None) -> list[dict[str, Any]]:
+    """Every env entry a rank needs: its identity and the agent's socket; with ``tiers_json`` the tiered checkpoint's."""
+    return rank_env(job_name_label) + (memory_tier_env(tiers_json) if tiers_json is not None else [])
+
+
+def host_paths(*, memory_tier: bool) -> dict[str, str]:
+    """Volume name -> the node's directory a rank's container mounts at the same path."""
+    return {VOLUME: AGENT_DIR, **({SHM_VOLUME: SHM_DIR} if memory_tier else {})}
+
+
+def volume_mounts(paths: dict[str, str]) -> list[dict[str, Any]]:
+    return [{"name": name, "mountPath": path} for name, path in paths.items()]
+
+
+def volumes(paths: dict[str, str]) -> list[dict[str, Any]]:
+    return [{"name": name, "hostPath": {"path": path, "type": "DirectoryOrCreate"}} for name, path in paths.items()]
+
+
 def with_rank_env(template: dict[str, Any], job_name_label: str, *, tiers_json: str | None = None) -> dict[str, Any]:
     """A copy of the pod ``template`` whose containers report to the node agent: the env (replacing
     entries of the same names), the agent's socket directory (hostPath) mounted in each; with
     ``tiers_json`` (a TierPolicy) also the tiered checkpoint's env and the node's memory tier."""
     out = copy.deepcopy(template)
     spec = out.setdefault("spec", {})
-    ours = rank_env(job_name_label) + (memory_tier_env(tiers_json) if tiers_json is not None else [])
+    ours = all_env(job_name_label, tiers_json=tiers_json)
     our_names = {e["name"] for e in ours}
-    hostpaths = {VOLUME: AGENT_DIR, **({SHM_VOLUME: SHM_DIR} if tiers_json is not None else {})}
+    paths = host_paths(memory_tier=tiers_json is not None)
     for container in spec.get("containers") or []:
         container["env"] = [e for e in container.get("env") or [] if e.get("name") not in our_names] + ours
-        mounts = [m for m in container.get("volumeMounts") or [] if m.get("name") not in hostpaths]
-        container["volumeMounts"] = [*mounts, *({"name": n, "mountPath": p} for n, p in hostpaths.items())]
-    volumes = [v for v in spec.get("volumes") or [] if v.get("name") not in hostpaths]
-    spec["volumes"] = [*volumes, *({"name": n, "hostPath": {"path": p, "type": "DirectoryOrCreate"}} for n, p in hostpaths.items())]
+        mounts = [m for m in container.get("volumeMounts") or [] if m.get("name") not in paths]
+        container["volumeMounts"] = [*mounts, *volume_mounts(paths)]
+    kept = [v for v in spec.get("volumes") or [] if v.get("name") not in paths]
+    spec["volumes"] = [*kept, *volumes(paths)]
     return out

@@ -1,8 +1,9 @@
-"""A job file (the same format as on a local cluster) rendered as an annotated Kubeflow PyTorchJob.
+"""A job file (the same format as on a local cluster) rendered as an annotated Kubeflow PyTorchJob
+or TrainJob.
 
-``unbroken k8s render`` prints it, ``unbroken k8s start`` creates it. The object
-is built with the Kubeflow SDK's models and the Kubernetes client's, so what is
-printed is what the SDK would send:
+``unbroken k8s render`` prints it, ``unbroken k8s start`` (and ``job start`` on a
+cluster) creates it. The object is built with the Kubeflow SDKs' models and the
+Kubernetes client's, so what is printed is what the SDK would send. A PyTorchJob:
 
 * one Master and ``nodes - 1`` Workers, ``nprocPerNode`` = ``procs_per_node``,
   ``restartPolicy: OnFailure`` (with ``Never`` training-operator fails the whole
@@ -22,6 +23,16 @@ printed is what the SDK would send:
   ``file://`` path every agent mounts) and the ranks' env and the node's memory
   tier mount (``rank_env.with_rank_env``).
 
+A TrainJob (Kubeflow Trainer v2) names a runtime (``torch-distributed`` by
+default, the Trainer's shipped ClusterTrainingRuntime) and carries the same
+things where the Trainer takes them: image, command, node count, ranks per
+node, GPUs and every env entry in ``spec.trainer`` (the Trainer refuses env in
+a runtime patch of the ``node`` container: only ``trainer.env`` sets it), and
+the hostPath and claim volumes, their mounts, the nodeSelector and the grace
+period in a runtime patch of its own (``manager: unbroken.dev/cli``) on the
+``node`` replicated job. The operator adds its own entry at each restart and
+keeps this one.
+
 Deep checks: on Kubernetes a job waits for nodes whose deep check ``Passed``
 only when asked (HyperPod's ``--deep-health-check-passed-nodes-only``, or
 ``require_deep_health_passed`` written in the job file): nodes that were in the
@@ -37,17 +48,23 @@ from typing import Any
 
 import kubernetes
 from kubeflow.training.models import KubeflowOrgV1PyTorchJob, KubeflowOrgV1PyTorchJobSpec, KubeflowOrgV1ReplicaSpec, KubeflowOrgV1RunPolicy
+from kubeflow_trainer_api import models as trainer
 
 from unbroken import launch_env
 from unbroken.config.job import JobSpec
 from unbroken.errors import UsageError
 from unbroken.kube import names
-from unbroken.kube.rank_env import with_rank_env
-from unbroken.kube.workloads import PYTORCHJOB
+from unbroken.kube import rank_env
+from unbroken.kube.workloads import PYTORCHJOB, TRAINER_CONTAINER, TRAINER_JOB, TRAINJOB, WorkloadKind
 
 DEFAULT_CHECKPOINT_DIR = Path("/checkpoints")
 CONTAINER = "pytorch"
 """training-operator puts its env into the container of this name."""
+DEFAULT_RUNTIME = "torch-distributed"
+"""The ClusterTrainingRuntime Kubeflow Trainer ships for torchrun jobs."""
+CLI_MANAGER = f"{names.PREFIX}/cli"
+"""The TrainJob runtime patch written at render time (the operator's own entry is ``.../operator``)."""
+KINDS: dict[str, WorkloadKind] = {PYTORCHJOB.kind: PYTORCHJOB, TRAINJOB.kind: TRAINJOB}
 
 
 @dataclass(frozen=True)
@@ -62,6 +79,8 @@ class Placement:
     """None: the job file's ``require_deep_health_passed`` if written there, else False."""
     checkpoint_claim: str | None = None
     termination_grace_seconds: int = 30
+    runtime: str = DEFAULT_RUNTIME
+    """A TrainJob's ClusterTrainingRuntime (a PyTorchJob has none)."""
 
 
 def parse_label_selector(items: list[str]) -> dict[str, str]:
@@ -105,7 +124,13 @@ def tiers_json(spec: JobSpec) -> str | None:
     return None if tiers is None else tiers.model_dump_json(exclude_none=True)
 
 
-def render_pytorchjob(spec: JobSpec, placement: Placement) -> dict[str, Any]:
+def render(spec: JobSpec, placement: Placement, kind: WorkloadKind = PYTORCHJOB) -> dict[str, Any]:
+    """``spec`` as an annotated workload of ``kind`` (a PyTorchJob or a TrainJob)."""
+    return render_trainjob(spec, placement) if kind is TRAINJOB else render_pytorchjob(spec, placement)
+
+
+def _checkpoint_dir(spec: JobSpec) -> Path:
+    """Refuse what only the local backend runs; the checkpoint directory in the container."""
     if spec.elastic:
         raise UsageError(f"job {spec.name}: nodes {spec.fewest_nodes}-{spec.nodes} (elastic) runs on the local backend only in "
                          f"this version; on Kubernetes give a fixed size (nodes: {spec.nodes})")
@@ -116,39 +141,98 @@ def render_pytorchjob(spec: JobSpec, placement: Placement) -> dict[str, Any]:
     if spec.resilience.in_process_restart:
         raise UsageError(f"job {spec.name}: resilience.in_process_restart needs a node agent that holds the ranks between "
                          "attempts (the local backend); on Kubernetes a restart recreates the pods: remove in_process_restart")
-    client = kubernetes.client
     checkpoint_dir = spec.checkpoint.dir or DEFAULT_CHECKPOINT_DIR
     if not checkpoint_dir.is_absolute():
         raise UsageError(f"job {spec.name}: checkpoint.dir {str(checkpoint_dir)!r} must be an absolute path in the container "
                          f"(e.g. {DEFAULT_CHECKPOINT_DIR / spec.name})")
-    env = [client.V1EnvVar(name=k, value=v) for k, v in sorted(spec.env.items())]
-    env += [client.V1EnvVar(name=launch_env.CHECKPOINT_DIR, value=str(checkpoint_dir)),
-            client.V1EnvVar(name=launch_env.CHECKPOINT_KEEP, value=str(spec.checkpoint.keep))]
-    mounts, volumes = [], []
-    if placement.checkpoint_claim:
-        mounts.append(client.V1VolumeMount(name="checkpoints", mount_path=str(checkpoint_dir)))
-        volumes.append(client.V1Volume(name="checkpoints", persistent_volume_claim=client.V1PersistentVolumeClaimVolumeSource(
-            claim_name=placement.checkpoint_claim)))
-    resources = (client.V1ResourceRequirements(limits={"nvidia.com/gpu": str(placement.gpus_per_node)})
-                 if placement.gpus_per_node else None)
-    container = client.V1Container(
-        name=CONTAINER, image=placement.image, command=torchrun_command(spec), env=env,
-        volume_mounts=mounts or None, resources=resources,  # the working directory is the image's
-    )
-    pod = client.V1PodSpec(containers=[container], volumes=volumes or None, node_selector=placement.node_selector or None,
-                           termination_grace_period_seconds=placement.termination_grace_seconds)
-    serializer = client.ApiClient()  # only its model-to-JSON conversion: it never connects
-    template = with_rank_env(serializer.sanitize_for_serialization(client.V1PodTemplateSpec(spec=pod)),
-                             PYTORCHJOB.pod_label, tiers_json=tiers_json(spec))
+    return checkpoint_dir
+
+
+def _job_env(spec: JobSpec, checkpoint_dir: Path) -> list[dict[str, str]]:
+    """The job file's env, then where the file checkpointer writes."""
+    return [*({"name": k, "value": v} for k, v in sorted(spec.env.items())),
+            {"name": launch_env.CHECKPOINT_DIR, "value": str(checkpoint_dir)},
+            {"name": launch_env.CHECKPOINT_KEEP, "value": str(spec.checkpoint.keep)}]
+
+
+def _claim(placement: Placement, checkpoint_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The mount and the volume of ``--checkpoint-claim`` (none without one)."""
+    if not placement.checkpoint_claim:
+        return [], []
+    return ([{"name": "checkpoints", "mountPath": str(checkpoint_dir)}],
+            [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": placement.checkpoint_claim}}])
+
+
+def _gpu_limits(placement: Placement) -> dict[str, Any] | None:
+    return {"limits": {"nvidia.com/gpu": str(placement.gpus_per_node)}} if placement.gpus_per_node else None
+
+
+def _metadata(spec: JobSpec, placement: Placement) -> dict[str, Any]:
+    return {"name": spec.name, "namespace": placement.namespace, "annotations": job_annotations(spec, placement),
+            "labels": {"app.kubernetes.io/managed-by": "unbroken-cli"}}
+
+
+def render_pytorchjob(spec: JobSpec, placement: Placement) -> dict[str, Any]:
+    checkpoint_dir = _checkpoint_dir(spec)
+    mounts, claim = _claim(placement, checkpoint_dir)
+    container = {"name": CONTAINER, "image": placement.image, "command": torchrun_command(spec),  # the working directory is the image's
+                 "env": _job_env(spec, checkpoint_dir), "volumeMounts": mounts or None, "resources": _gpu_limits(placement)}
+    pod = {"containers": [container], "volumes": claim or None, "nodeSelector": placement.node_selector or None,
+           "terminationGracePeriodSeconds": placement.termination_grace_seconds}
+    template = rank_env.with_rank_env(_plain({"spec": pod}), PYTORCHJOB.pod_label, tiers_json=tiers_json(spec))
     replicas = {"Master": KubeflowOrgV1ReplicaSpec(replicas=1, restart_policy="OnFailure", template=template)}
     if spec.nodes > 1:
         replicas["Worker"] = KubeflowOrgV1ReplicaSpec(replicas=spec.nodes - 1, restart_policy="OnFailure", template=template)
     job = KubeflowOrgV1PyTorchJob(
-        api_version=PYTORCHJOB.api_version, kind=PYTORCHJOB.kind,
-        metadata=client.V1ObjectMeta(name=spec.name, namespace=placement.namespace, annotations=job_annotations(spec, placement),
-                                     labels={"app.kubernetes.io/managed-by": "unbroken-cli"}),
+        api_version=PYTORCHJOB.api_version, kind=PYTORCHJOB.kind, metadata=_metadata(spec, placement),
         spec=KubeflowOrgV1PyTorchJobSpec(nproc_per_node=str(spec.procs_per_node), pytorch_replica_specs=replicas,
                                          run_policy=KubeflowOrgV1RunPolicy(clean_pod_policy="None")),
     )
-    rendered: dict[str, Any] = serializer.sanitize_for_serialization(job)
-    return rendered
+    return _plain(job)
+
+
+def render_trainjob(spec: JobSpec, placement: Placement) -> dict[str, Any]:
+    checkpoint_dir = _checkpoint_dir(spec)
+    tiers = tiers_json(spec)
+    env = [*_job_env(spec, checkpoint_dir), *rank_env.all_env(TRAINJOB.pod_label, tiers_json=tiers)]
+    paths = rank_env.host_paths(memory_tier=tiers is not None)
+    mounts, claim = _claim(placement, checkpoint_dir)
+    pod = trainer.TrainerV1alpha1PodSpecPatch.from_dict({
+        "containers": [{"name": TRAINER_CONTAINER, "volumeMounts": [*mounts, *rank_env.volume_mounts(paths)]}],
+        "volumes": [*claim, *rank_env.volumes(paths)],
+        "nodeSelector": placement.node_selector or None,
+        "terminationGracePeriodSeconds": placement.termination_grace_seconds,
+    })
+    ours = trainer.TrainerV1alpha1RuntimePatch(
+        manager=CLI_MANAGER,
+        training_runtime_spec=trainer.TrainerV1alpha1TrainingRuntimeSpecPatch(
+            template=trainer.TrainerV1alpha1JobSetTemplatePatch(spec=trainer.TrainerV1alpha1JobSetSpecPatch(replicated_jobs=[
+                trainer.TrainerV1alpha1ReplicatedJobPatch(name=TRAINER_JOB, template=trainer.TrainerV1alpha1JobTemplatePatch(
+                    spec=trainer.TrainerV1alpha1JobSpecPatch(template=trainer.TrainerV1alpha1PodTemplatePatch(spec=pod))))]))))
+    job = trainer.TrainerV1alpha1TrainJob.from_dict({
+        "apiVersion": TRAINJOB.api_version, "kind": TRAINJOB.kind, "metadata": _metadata(spec, placement),
+        "spec": {"runtimeRef": {"name": placement.runtime},
+                 "trainer": {"numNodes": spec.nodes, "numProcPerNode": spec.procs_per_node, "image": placement.image,
+                             "command": torchrun_command(spec), "env": env, "resourcesPerNode": _gpu_limits(placement)},
+                 "runtimePatches": [ours.to_dict()]},
+    })
+    assert job is not None  # from_dict returns None only for None
+    return _plain(job.to_dict())
+
+
+def _plain(obj: Any) -> Any:
+    """A model (or a dict holding some) as the JSON the API takes, without the unset (None) fields."""
+    serialized = _SERIALIZER.sanitize_for_serialization(obj)
+    return _without_none(serialized)
+
+
+def _without_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_none(v) for v in value]
+    return value
+
+
+_SERIALIZER = kubernetes.client.ApiClient()
+"""Only its model-to-JSON conversion: it never connects."""

@@ -180,6 +180,8 @@ class PyTorchJobKind:
 
 TRAINER_JOB = "node"
 """The replicated job of a Trainer runtime that runs the training (Trainer's ``constants.Node``)."""
+TRAINER_CONTAINER = "node"
+"""Its container, the one ``spec.trainer`` (image, command, env) is written into."""
 
 
 @dataclass(frozen=True)
