@@ -76,7 +76,9 @@ Everything runs on this one machine, as the test's user, with the test's environ
   running (a real kubelet: 10 s doubling to 5 min, reset after 10 min).
   Graceful deletion: on ``deletionTimestamp``, SIGTERM to the process group, SIGKILL after
   ``deletionGracePeriodSeconds`` (at most 30 s), the terminal status written, then the deletion confirmed
-  with a grace-0 DELETE. A pod gone from the API whose process still runs gets SIGKILL.
+  with a grace-0 DELETE. A pod gone from the API whose process still runs gets SIGKILL. A SIGKILL, and a
+  container's exit, reach every process of the pod, as a cgroup kill does: each carries the pod's uid in
+  ``UNBROKEN_TEST_KUBELET_POD`` (``POD_MARKER``), so ranks torchrun started in sessions of their own die too.
 * PyTorchJob controller (kubeflow.org/v1, the training operator's behaviour where it matters): pods
   ``<job>-master-0`` and ``<job>-worker-<i>`` with the operator's labels, the template's annotations, an
   owner reference to the job, ``restartPolicy`` from the replica spec (ExitCode -> Never), and env in the
@@ -142,6 +144,7 @@ from types import TracebackType
 from typing import Any
 
 import kubernetes
+import psutil
 from kubernetes.client.rest import ApiException
 
 log = logging.getLogger("k8s-kubelet")
@@ -547,6 +550,29 @@ class _Node:
     lease_renewed: float = 0.0  # time.monotonic()
 
 
+POD_MARKER = "UNBROKEN_TEST_KUBELET_POD"
+"""In every container's environment: its pod's uid. The test kubelet's stand-in for the pod's cgroup."""
+
+
+def pod_processes(uid: str | None = None) -> list[psutil.Process]:
+    """The live processes of the pod ``uid`` (None: of any pod a test kubelet started)."""
+    found = []
+    for process in psutil.process_iter(["environ", "status"]):
+        marker = (process.info.get("environ") or {}).get(POD_MARKER)
+        if marker is not None and (uid is None or marker == uid) and process.info.get("status") != psutil.STATUS_ZOMBIE:
+            found.append(process)
+    return found
+
+
+def _kill_pod_processes(uid: str) -> None:
+    """SIGKILL every process of the pod, wherever it went: torchrun starts its ranks in sessions of their
+    own, outside the container's process group, and a rank stopped with SIGSTOP outlives a torchrun killed
+    before it could kill it. A real kubelet kills the container's cgroup, which holds them all."""
+    for process in pod_processes(uid):
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+
+
 @dataclass
 class _Container:
     """The one container the kubelet runs for a pod, across its restarts, and the state it reports for it."""
@@ -897,12 +923,12 @@ class TestKubelet:
     @staticmethod
     def _kill(container: _Container) -> None:
         process = container.process
-        if process is None or process.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=10)
+        if process is not None and process.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=10)
+        _kill_pod_processes(container.uid)
 
     def _sync_pod(self, pod: Obj) -> None:
         meta = _meta(pod)
@@ -974,7 +1000,8 @@ class TestKubelet:
                                                        "none (an image's entrypoint cannot run here)")
         # the image's python is this one (it has torch and unbroken), first on PATH as in a training image
         image_path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-        env = {**os.environ, "PATH": image_path, **{k: _rewrite(v, mounts) for k, v in own.items()}}
+        env = {**os.environ, "PATH": image_path, **{k: _rewrite(v, mounts) for k, v in own.items()},
+               POD_MARKER: _meta(pod)["uid"]}
         working = spec.get("workingDir")
         cwd = Path(_rewrite(working, mounts)) if working else None
         if cwd is None or not cwd.is_dir():
@@ -1030,6 +1057,7 @@ class TestKubelet:
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signal.SIGKILL)  # what the container left behind dies with it, as with a cgroup
+        _kill_pod_processes(container.uid)
         container.process = None
         code = _exit_code(process.returncode)
         terminated: Obj = {"exitCode": code, "reason": "Completed" if code == 0 else "Error", "startedAt": container.run_started_at,
@@ -1084,6 +1112,7 @@ class TestKubelet:
                 container.kill_at = None
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(container.process.pid, signal.SIGKILL)
+                _kill_pod_processes(container.uid)
             return
         if container.confirmed:
             return

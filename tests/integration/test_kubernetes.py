@@ -40,7 +40,7 @@ import yaml
 
 from k8s_emulator import Emulator, kubernetes_emulator
 from helpers import run_cli
-from k8s_kubelet import TestKubelet
+from k8s_kubelet import TestKubelet, pod_processes
 from k8s_trainer import torch_distributed_runtime
 from processes import stop_process
 from unbroken.kube import names
@@ -165,6 +165,8 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
                 result.stop_operator()
             log = result.operator_log()
             assert "reconcile pass failed" not in log and "Logging error" not in log, log[-3000:]
+        # every process of every pod died with the kubelet (a SIGSTOPped rank torchrun left behind once outlived it)
+        wait_until(lambda: not pod_processes(), 10, "every pod process to be gone")
 
 
 def pytorchjob(name: str, checkpoints: Path, *, steps: int, step_time: float = 0.05, annotations: dict[str, str] | None = None,

@@ -25,7 +25,7 @@ import pytest
 from kubernetes.client.rest import ApiException
 
 from k8s_emulator import kubernetes_emulator
-from k8s_kubelet import TestKubelet
+from k8s_kubelet import TestKubelet, pod_processes
 from unbroken.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -424,6 +424,26 @@ def test_graceful_deletion_sigkills_a_process_that_ignores_sigterm(cluster: Clus
 
     cluster.core.delete_namespaced_pod("forced", NS, grace_period_seconds=0)  # gone from the API at once
     wait_until(lambda: not alive(forced), 10, "the force-deleted pod's process to be killed")
+
+
+def test_a_deleted_pod_takes_the_processes_it_started_in_other_sessions_along_as_a_cgroup_kill_does(cluster: Cluster) -> None:
+    """torchrun starts its ranks in sessions of their own: a rank stopped with SIGSTOP ignores torchrun's SIGTERM
+    and outlived a pod whose process group alone was killed. Every process of the pod carries its marker."""
+    kubelet = cluster.kubelet
+    kubelet.add_node("node-a")
+    child_pid = cluster.tmp / "child.pid"
+    parent = (f"import pathlib, signal, subprocess, sys, time; "
+              f"c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True); "
+              f"c.send_signal(signal.SIGSTOP); pathlib.Path({str(child_pid)!r}).write_text(str(c.pid)); time.sleep(60)")
+    cluster.core.create_namespaced_pod(NS, {"metadata": {"name": "launcher"},
+                                            "spec": {"terminationGracePeriodSeconds": 1, "containers": [container(parent, "main")]}})
+    pid = int(wait_until(lambda: child_pid.exists() and child_pid.read_text(), 15, "the stopped child"))
+    assert os.getpgid(pid) != os.getpgid(kubelet.pid_of(NS, "launcher") or 0), "the child left the pod's process group"
+    assert [p.pid for p in pod_processes(cluster.core.read_namespaced_pod("launcher", NS).metadata.uid)] != []
+
+    cluster.core.delete_namespaced_pod("launcher", NS)
+    wait_until(lambda: pod_or_none(cluster, "launcher") is None, 10, "the pod to be gone")
+    wait_until(lambda: not alive(pid), 10, "the stopped child in its own session to be killed with the pod")
 
 
 def test_a_failed_node_keeps_its_pods_terminating_until_force_deleted(cluster: Cluster) -> None:
