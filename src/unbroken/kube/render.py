@@ -2,8 +2,10 @@
 or TrainJob.
 
 ``unbroken k8s render`` prints it, ``unbroken k8s start`` (and ``job start`` on a
-cluster) creates it. The object is built with the Kubeflow SDKs' models and the
-Kubernetes client's, so what is printed is what the SDK would send. A PyTorchJob:
+cluster) creates it. The workload is built with the Kubeflow SDKs' models and
+serialized by the Kubernetes client, so what is printed is what the SDK would
+send; the pod template inside a PyTorchJob is the JSON that ``rank_env`` edits
+(the tests validate it against the Kubernetes Pod schema). A PyTorchJob:
 
 * one Master and ``nodes - 1`` Workers, ``nprocPerNode`` = ``procs_per_node``,
   ``restartPolicy: OnFailure`` (with ``Never`` training-operator fails the whole
