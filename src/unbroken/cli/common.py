@@ -83,11 +83,15 @@ def kube_api() -> "kubernetes.client.ApiClient":
     return api_client(target.kubeconfig, target.context)
 
 
+def refuse_dir_on_kubernetes(directory: Path | None) -> None:
+    if directory is not None:
+        raise UsageError("--dir names a local cluster; it cannot be used with --kubeconfig/--context/UNBROKEN_BACKEND=kubernetes")
+
+
 def open_runtime(directory: Path | None) -> Runtime:
     """The cluster the root options name on Kubernetes; else the local one of ``--dir`` (or $UNBROKEN_DIR, or ./.unbroken)."""
     if _kubernetes is not None:
-        if directory is not None:
-            raise UsageError("--dir names a local cluster; it cannot be used with --kubeconfig/--context/UNBROKEN_BACKEND=kubernetes")
+        refuse_dir_on_kubernetes(directory)
         return open_kubernetes(kube_api(), _kubernetes.namespace)
     return open_local(layout_for(directory))
 

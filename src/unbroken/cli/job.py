@@ -12,7 +12,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from unbroken import jobs, report
 from unbroken.cli import k8s, logs_view
 from unbroken.cli.common import (DirOption, Output, OutputOption, ago, clock, console, field_line, on_kubernetes, open_runtime,
-                                 print_json, table)
+                                 print_json, refuse_dir_on_kubernetes, table)
 from unbroken.config.job import load_job
 from unbroken.errors import UsageError
 from unbroken.state.phases import JobPhase
@@ -46,8 +46,8 @@ def start(
     gpus_per_node: k8s.GpusOption = 0,
     label_selector: k8s.SelectorOption = None,
     checkpoint_claim: k8s.ClaimOption = None,
-    kind: k8s.KindOption = "PyTorchJob",
-    runtime_name: Annotated[str, typer.Option("--runtime", help="A TrainJob's ClusterTrainingRuntime", rich_help_panel=k8s.PANEL)] = "torch-distributed",
+    kind: k8s.KindOption = k8s.DEFAULT_KIND,
+    runtime_name: k8s.RuntimeOption = k8s.DEFAULT_RUNTIME,
 ) -> None:
     """Submit a job; the controller places it on schedulable nodes (all or nothing; an elastic job, --nodes 2:4,
     on as many as are free between its min and max).
@@ -59,21 +59,21 @@ def start(
     Example:  unbroken --context prod job start -f examples/k8s-job.yaml --image ghcr.io/me/train:1 --node-count 4 --gpus-per-node 8
     """
     if on_kubernetes():
-        if directory is not None:
-            raise UsageError("--dir names a local cluster; it cannot be used with --kubeconfig/--context/UNBROKEN_BACKEND=kubernetes")
+        refuse_dir_on_kubernetes(directory)
         if image is None:
             raise UsageError("--image is required on Kubernetes: the container image with PyTorch, unbroken and the training code")
         if nodes is not None and not nodes.isdigit():
             raise UsageError(f"--node-count {nodes!r}: on Kubernetes a job has a fixed size, a whole number of nodes (e.g. 4)")
-        created = k8s.Submission(file, image, namespace, name, int(nodes) if nodes else None, tasks_per_node, entry_script,
-                                 gpus_per_node, label_selector or [], auto_resume, max_retry, deep_only, checkpoint_claim, kind,
-                                 runtime_name).create()
+        created = k8s.Submission(file=file, image=image, namespace=namespace, name=name, nodes=int(nodes) if nodes else None,
+                                 tasks_per_node=tasks_per_node, entry_script=entry_script, gpus_per_node=gpus_per_node,
+                                 label_selector=label_selector or [], auto_resume=auto_resume, max_retry=max_retry,
+                                 deep_only=deep_only, checkpoint_claim=checkpoint_claim, kind=kind, runtime=runtime_name).create()
         if wait:
             _wait(open_runtime(None), created, total_steps)
         return
     cluster_only = {"--image": image is not None, "--namespace": namespace != "default", "--gpus-per-node": gpus_per_node != 0,
                     "--label-selector": bool(label_selector), "--checkpoint-claim": checkpoint_claim is not None,
-                    "--kind": kind != "PyTorchJob", "--runtime": runtime_name != "torch-distributed"}
+                    "--kind": kind != k8s.DEFAULT_KIND, "--runtime": runtime_name != k8s.DEFAULT_RUNTIME}
     if given := [flag for flag, set_ in cluster_only.items() if set_]:
         raise UsageError(f"{', '.join(given)}: for a Kubernetes cluster (add --kubeconfig or --context before `job`); "
                          "a local cluster runs the job file's command on its own nodes")

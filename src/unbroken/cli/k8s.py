@@ -18,12 +18,14 @@ import yaml
 from unbroken.cli.common import Output, OutputOption, console, kube_api, print_json
 from unbroken.config.job import JobSpec, load_job
 from unbroken.errors import ConflictError, UsageError
+from unbroken.kube import names
 
 app = typer.Typer(help="Run jobs on a Kubernetes cluster as Kubeflow PyTorchJobs or TrainJobs that unbroken keeps alive.",
                   no_args_is_help=True)
 
 PANEL = "On Kubernetes (--kubeconfig/--context)"
-WORKLOAD_KINDS = ("PyTorchJob", "TrainJob")
+DEFAULT_KIND = "PyTorchJob"
+DEFAULT_RUNTIME = names.TRAINJOB_DEFAULT_RUNTIME
 
 FileOption = Annotated[Path, typer.Option("--file", "-f", help="Job file: the same format as `unbroken job start -f` "
                                           "(name, nodes, procs_per_node, command, env, resilience, checkpoint)")]
@@ -72,8 +74,8 @@ class Submission:
     max_retry: int | None = None
     deep_only: bool | None = None
     checkpoint_claim: str | None = None
-    kind: str = "PyTorchJob"
-    runtime: str = "torch-distributed"
+    kind: str = DEFAULT_KIND
+    runtime: str = DEFAULT_RUNTIME
 
     def spec(self) -> JobSpec:
         overrides: dict[str, Any] = {}
@@ -120,14 +122,16 @@ def render(file: FileOption, image: ImageOption, namespace: NamespaceOption = "d
            node_count: NodesOption = None, tasks_per_node: TasksOption = None, entry_script: EntryScriptOption = None,
            gpus_per_node: GpusOption = 0, label_selector: SelectorOption = None, auto_resume: ResumeOption = None,
            max_retry: RetryOption = None, deep_only: DeepOption = None, checkpoint_claim: ClaimOption = None,
-           kind: KindOption = "PyTorchJob", runtime: RuntimeOption = "torch-distributed",
+           kind: KindOption = DEFAULT_KIND, runtime: RuntimeOption = DEFAULT_RUNTIME,
            output: OutputOption = Output.table) -> None:
     """Print the PyTorchJob (or TrainJob) `k8s start` would create, as YAML (or JSON with -o json). Nothing is sent.
 
     Example:  unbroken k8s render -f examples/k8s-job.yaml --image ghcr.io/me/train:1 --gpus-per-node 8 | kubectl apply -f -
     """
-    body = Submission(file, image, namespace, name, node_count, tasks_per_node, entry_script, gpus_per_node,
-                      label_selector or [], auto_resume, max_retry, deep_only, checkpoint_claim, kind, runtime).render()
+    body = Submission(file=file, image=image, namespace=namespace, name=name, nodes=node_count, tasks_per_node=tasks_per_node,
+                      entry_script=entry_script, gpus_per_node=gpus_per_node, label_selector=label_selector or [],
+                      auto_resume=auto_resume, max_retry=max_retry, deep_only=deep_only, checkpoint_claim=checkpoint_claim,
+                      kind=kind, runtime=runtime).render()
     if output is Output.json:
         print_json(body)
     else:
@@ -139,7 +143,7 @@ def start(file: FileOption, image: ImageOption, namespace: NamespaceOption = "de
           node_count: NodesOption = None, tasks_per_node: TasksOption = None, entry_script: EntryScriptOption = None,
           gpus_per_node: GpusOption = 0, label_selector: SelectorOption = None, auto_resume: ResumeOption = None,
           max_retry: RetryOption = None, deep_only: DeepOption = None, checkpoint_claim: ClaimOption = None,
-          kind: KindOption = "PyTorchJob", runtime: RuntimeOption = "torch-distributed") -> None:
+          kind: KindOption = DEFAULT_KIND, runtime: RuntimeOption = DEFAULT_RUNTIME) -> None:
     """Create the job on the cluster of --kubeconfig/--context (default: the kubeconfig's current context).
 
     The operator adopts it (auto-resume annotations) and restarts it through faults; follow it with
@@ -148,5 +152,7 @@ def start(file: FileOption, image: ImageOption, namespace: NamespaceOption = "de
     Example:  unbroken --context prod k8s start -f job.yaml --image ghcr.io/me/train:1 --node-count 4 --tasks-per-node 8 \\
               --gpus-per-node 8 --auto-resume --max-retry 5 --checkpoint-claim ckpt
     """
-    Submission(file, image, namespace, name, node_count, tasks_per_node, entry_script, gpus_per_node, label_selector or [],
-               auto_resume, max_retry, deep_only, checkpoint_claim, kind, runtime).create()
+    Submission(file=file, image=image, namespace=namespace, name=name, nodes=node_count, tasks_per_node=tasks_per_node,
+               entry_script=entry_script, gpus_per_node=gpus_per_node, label_selector=label_selector or [],
+               auto_resume=auto_resume, max_retry=max_retry, deep_only=deep_only, checkpoint_claim=checkpoint_claim,
+               kind=kind, runtime=runtime).create()

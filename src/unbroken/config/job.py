@@ -211,10 +211,11 @@ def load_job(path: Path, *, overrides: dict[str, Any] | None = None, entry_scrip
     from unbroken.config.loading import read_mapping, validate_mapping
 
     data = read_mapping(path)
-    command = data.get("command", [])
-    if entry_script is not None and isinstance(command, (str, list)):  # anything else: validation names it below
-        data["command"] = with_entry_script(shlex.split(command) if isinstance(command, str) else [str(c) for c in command],
-                                            entry_script)
+    if entry_script is not None:
+        command = data.get("command", [])
+        if isinstance(command, (str, list)):  # anything else: validation names it below
+            data["command"] = with_entry_script(shlex.split(command) if isinstance(command, str) else [str(c) for c in command],
+                                                entry_script)
     for dotted, value in (overrides or {}).items():
         target = data
         *parents, leaf = dotted.split(".")

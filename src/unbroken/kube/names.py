@@ -60,6 +60,9 @@ ATTEMPT = f"{PREFIX}/attempt"
 INVALID_ANNOTATIONS = f"{PREFIX}/invalid-annotations"
 """Annotation the operator writes on a job whose annotations it refused (so it warns once per value)."""
 
+TRAINJOB_DEFAULT_RUNTIME = "torch-distributed"
+"""The ClusterTrainingRuntime Kubeflow Trainer ships for torchrun jobs: what a rendered TrainJob names by default."""
+
 # -- the operator's own objects (in its namespace) -------------------------------------------------
 CLUSTER_CONFIGMAP = "unbroken-cluster"
 LEASE_PREFIX = "unbroken-node-"

@@ -62,8 +62,6 @@ from unbroken.kube.workloads import PYTORCHJOB, TRAINER_CONTAINER, TRAINER_JOB, 
 DEFAULT_CHECKPOINT_DIR = Path("/checkpoints")
 CONTAINER = "pytorch"
 """training-operator puts its env into the container of this name."""
-DEFAULT_RUNTIME = "torch-distributed"
-"""The ClusterTrainingRuntime Kubeflow Trainer ships for torchrun jobs."""
 CLI_MANAGER = f"{names.PREFIX}/cli"
 """The TrainJob runtime patch written at render time (the operator's own entry is ``.../operator``)."""
 KINDS: dict[str, WorkloadKind] = {PYTORCHJOB.kind: PYTORCHJOB, TRAINJOB.kind: TRAINJOB}
@@ -81,7 +79,7 @@ class Placement:
     """None: the job file's ``require_deep_health_passed`` if written there, else False."""
     checkpoint_claim: str | None = None
     termination_grace_seconds: int = 30
-    runtime: str = DEFAULT_RUNTIME
+    runtime: str = names.TRAINJOB_DEFAULT_RUNTIME
     """A TrainJob's ClusterTrainingRuntime (a PyTorchJob has none)."""
 
 
