@@ -5,6 +5,8 @@
 # (`torch==2.13.0+cpu`: the local wheel where pip's find-links has it, else
 # PyTorch's CPU index), so that pyproject's library-style range is already
 # satisfied and pip never pulls the ~4 GB CUDA build and its nvidia-* packages.
+# Where neither has it (PyTorch's index unreachable, no local wheel), the
+# registry's build of the same version goes in: large, but it runs on a CPU.
 # With a driver, the registry's default (CUDA) build is installed. A torch the
 # user installed into .venv themselves is never replaced.
 PYTHON ?= python3
@@ -54,7 +56,8 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_SPEC)" \
-		|| $(BIN)/pip install -q "$(TORCH_SPEC)" --extra-index-url $(TORCH_CPU_INDEX)
+		|| $(BIN)/pip install -q --retries 1 --timeout 15 "$(TORCH_SPEC)" --extra-index-url $(TORCH_CPU_INDEX) \
+		|| $(BIN)/pip install -q "torch==$(TORCH_VERSION)"
 	$(BIN)/pip install -q -e '.[test]'
 	rm -f $(VENV)/.installed-*
 	touch $@

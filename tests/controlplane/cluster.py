@@ -1,0 +1,376 @@
+"""A real Kubernetes control plane on loopback, for the tests: ``with ControlPlane(workdir) as cp: ...``.
+
+Started in order and waited for, each on its own loopback port, each with its log in ``workdir/logs``:
+
+1. etcd (``/health``), ``--unsafe-no-fsync``: a test cluster needs no durability across power loss;
+2. kube-apiserver (``/readyz``) with RBAC (``--authorization-mode=Node,RBAC``), service-account signing
+   keys and client certificates the fixture made (pki.py), short default tolerations of the
+   not-ready/unreachable taints so that a dead node's pods are evicted within seconds;
+3. kube-controller-manager (``/healthz``) with every default controller, per-controller service-account
+   credentials and a short node-monitor grace period (``NODE_GRACE_S``): the node lifecycle
+   controller marks a silent node NotReady/Unknown and taints it within seconds;
+4. kube-scheduler (``/healthz``);
+5. with ``kubeflow=True``: training-operator v1 (PyTorchJob only) with its CRD ``Established`` and its
+   validating webhook registered; with ``trainer=True`` also JobSet and the Trainer v2 controller.
+
+The Kubeflow controllers each run in a private mount namespace (root only) whose
+``/tmp/k8s-webhook-server`` is their own folder: both write their serving certificates to that fixed
+path, as each would in its own pod.
+
+What is not here: a kubelet and a container runtime (tests/controlplane/kubelet.py plays them with
+processes), kube-proxy, DNS and a pod network (everything is 127.0.0.1; see the kubelet).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import signal
+import ssl
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import yaml
+
+from controlplane import components, pki
+from unbroken.ports import free_port
+
+LOOPBACK = "127.0.0.1"
+NODE_GRACE_S = 6
+"""``--node-monitor-grace-period``: a node whose Lease is this old is NotReady (Kubernetes: 50 s)."""
+TOLERATION_S = 2
+"""Default ``tolerationSeconds`` of the not-ready/unreachable NoExecute taints (Kubernetes: 300 s)."""
+START_TIMEOUT_S = 60.0
+SERVICE_CIDR = "10.96.0.0/16"
+KUBEFLOW_NAMESPACE = "kubeflow"
+
+
+class ControlPlaneError(RuntimeError):
+    pass
+
+
+@dataclass
+class Process:
+    name: str
+    command: list[str]
+    log: Path
+    env: dict[str, str]
+    popen: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log.open("ab") as out:
+            out.write(f"\n=== {time.strftime('%H:%M:%S')} start: {' '.join(self.command)}\n".encode())
+            out.flush()
+            self.popen = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                                          start_new_session=True)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
+        if self.popen is None:
+            return
+        if self.popen.poll() is None:
+            os.killpg(self.popen.pid, signal.SIGCONT)
+            os.killpg(self.popen.pid, sig)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait()
+        self.popen = None
+
+    def running(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def tail(self, lines: int = 30) -> str:
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def write_kubeconfig(path: Path, server: str, ca: Path, *, cert: pki.KeyPair | None = None, token: str | None = None,
+                     user: str = "user") -> Path:
+    auth: dict[str, Any] = {"token": token} if token else {"client-certificate": str(cert.cert), "client-key": str(cert.key)} \
+        if cert else {}
+    config = {"apiVersion": "v1", "kind": "Config", "current-context": "test",
+              "clusters": [{"name": "test", "cluster": {"server": server, "certificate-authority": str(ca)}}],
+              "users": [{"name": user, "user": auth}],
+              "contexts": [{"name": "test", "context": {"cluster": "test", "user": user}}]}
+    path.write_text(yaml.safe_dump(config))
+    path.chmod(0o600)
+    return path
+
+
+class ControlPlane:
+    """etcd, kube-apiserver, kube-controller-manager, kube-scheduler (and Kubeflow's controllers) on loopback."""
+
+    def __init__(self, workdir: Path, *, kubeflow: bool = True, trainer: bool = False) -> None:
+        needed = [components.ETCD, components.KUBERNETES] + [components.TRAINING_OPERATOR] * (kubeflow or trainer) \
+            + [components.TRAINER] * trainer
+        missing = [c for c in needed if not c.is_built()]
+        if missing:
+            raise ControlPlaneError("the control plane is not built: "
+                                    + ", ".join(f"{c.name} {c.version}" for c in missing)
+                                    + " (run `make control-plane`, or `python tests/controlplane/build.py`)")
+        self.workdir = workdir
+        self.kubeflow = kubeflow or trainer
+        self.trainer = trainer
+        (workdir / "logs").mkdir(parents=True, exist_ok=True)
+        self.pki_dir = workdir / "pki"
+        self.ca = pki.Authority(self.pki_dir)
+        self.sa_keys = pki.service_account_keys(self.pki_dir)
+        self.apiserver_port = free_port()
+        self.server = f"https://{LOOPBACK}:{self.apiserver_port}"
+        self.etcd_port, self.etcd_peer_port = free_port(), free_port()
+        self._issue_certificates()
+        self.processes: dict[str, Process] = {}
+        self._define_processes()
+
+    # ---------------------------------------------------------------- credentials and kubeconfigs
+
+    def _issue_certificates(self) -> None:
+        ca = self.ca
+        self.serving = ca.issue("apiserver", common_name="kube-apiserver", server=True, ips=(LOOPBACK, "10.96.0.1"),
+                                dns=("localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
+                                     "kubernetes.default.svc.cluster.local"))
+        self.kubelet_client = ca.issue("apiserver-kubelet-client", common_name="kube-apiserver-kubelet-client",
+                                       organizations=("kubeadm:cluster-admins",), client=True)
+        self.kubelet_serving = ca.issue("kubelet-serving", common_name="process-kubelet", server=True, ips=(LOOPBACK,),
+                                        dns=("localhost",))
+        self.admin_kubeconfig = self._client_kubeconfig("admin", "kubernetes-admin", ("system:masters",))
+        self.controller_manager_kubeconfig = self._client_kubeconfig("controller-manager", "system:kube-controller-manager")
+        self.scheduler_kubeconfig = self._client_kubeconfig("scheduler", "system:kube-scheduler")
+
+    def _client_kubeconfig(self, name: str, user: str, groups: tuple[str, ...] = ()) -> Path:
+        pair = self.ca.issue(name, common_name=user, organizations=groups, client=True)
+        return write_kubeconfig(self.workdir / f"{name}.kubeconfig", self.server, self.ca.cert, cert=pair, user=user)
+
+    @property
+    def kubeconfig(self) -> Path:
+        """The admin's (``system:masters``): what a test uses to set things up and look."""
+        return self.admin_kubeconfig
+
+    def token_kubeconfig(self, path: Path, token: str, user: str) -> Path:
+        """A kubeconfig that authenticates with a bearer token (a ServiceAccount's)."""
+        return write_kubeconfig(path, self.server, self.ca.cert, token=token, user=user)
+
+    # ---------------------------------------------------------------- processes
+
+    def _process(self, name: str, command: list[str], env: dict[str, str] | None = None) -> None:
+        self.processes[name] = Process(name, command, self.workdir / "logs" / f"{name}.log",
+                                       {**os.environ, **(env or {})})
+
+    def _define_processes(self) -> None:
+        etcd = components.ETCD.binary("etcd")
+        kube = components.KUBERNETES
+        peer = f"http://{LOOPBACK}:{self.etcd_peer_port}"
+        client = f"http://{LOOPBACK}:{self.etcd_port}"
+        self._process("etcd", [
+            str(etcd), "--name", "default", "--data-dir", str(self.workdir / "etcd"), "--listen-client-urls", client,
+            "--advertise-client-urls", client, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"default={peer}", "--unsafe-no-fsync", "--log-level", "warn"])
+        pki_dir = self.pki_dir
+        self._process("kube-apiserver", [
+            str(kube.binary("kube-apiserver")), f"--etcd-servers={client}", f"--bind-address={LOOPBACK}",
+            f"--advertise-address={LOOPBACK}", f"--secure-port={self.apiserver_port}", f"--cert-dir={pki_dir}",
+            f"--tls-cert-file={self.serving.cert}", f"--tls-private-key-file={self.serving.key}",
+            f"--client-ca-file={self.ca.cert}", "--authorization-mode=Node,RBAC",
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            f"--service-account-key-file={self.sa_keys.cert}",
+            f"--service-account-signing-key-file={self.sa_keys.key}", f"--service-cluster-ip-range={SERVICE_CIDR}",
+            "--allow-privileged=true", "--endpoint-reconciler-type=none",
+            f"--kubelet-client-certificate={self.kubelet_client.cert}", f"--kubelet-client-key={self.kubelet_client.key}",
+            f"--kubelet-certificate-authority={self.ca.cert}", "--kubelet-preferred-address-types=InternalIP",
+            f"--default-not-ready-toleration-seconds={TOLERATION_S}",
+            f"--default-unreachable-toleration-seconds={TOLERATION_S}", "--profiling=false"])
+        self._process("kube-controller-manager", [
+            str(kube.binary("kube-controller-manager")), f"--kubeconfig={self.controller_manager_kubeconfig}",
+            f"--authentication-kubeconfig={self.controller_manager_kubeconfig}",
+            f"--authorization-kubeconfig={self.controller_manager_kubeconfig}",
+            "--leader-elect=false", f"--bind-address={LOOPBACK}", f"--secure-port={free_port()}",
+            f"--service-account-private-key-file={self.sa_keys.key}", f"--root-ca-file={self.ca.cert}",
+            "--use-service-account-credentials=true", f"--service-cluster-ip-range={SERVICE_CIDR}",
+            "--node-monitor-period=1s", f"--node-monitor-grace-period={NODE_GRACE_S}s", "--node-startup-grace-period=20s",
+            "--kube-api-qps=200", "--kube-api-burst=400", "--profiling=false"])
+        self._process("kube-scheduler", [
+            str(kube.binary("kube-scheduler")), f"--kubeconfig={self.scheduler_kubeconfig}",
+            f"--authentication-kubeconfig={self.scheduler_kubeconfig}",
+            f"--authorization-kubeconfig={self.scheduler_kubeconfig}",
+            "--leader-elect=false", f"--bind-address={LOOPBACK}", f"--secure-port={free_port()}", "--profiling=false"])
+        if self.kubeflow:
+            self._define_training_operator()
+
+    def _isolated(self, name: str, command: list[str]) -> list[str]:
+        """``command`` in a mount namespace of its own whose /tmp/k8s-webhook-server is ``workdir/<name>``."""
+        own = self.workdir / name / "k8s-webhook-server"
+        own.mkdir(parents=True, exist_ok=True)
+        script = 'mkdir -p /tmp/k8s-webhook-server && mount --bind "$0" /tmp/k8s-webhook-server && exec "$@"'
+        return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, str(own), *command]
+
+    def _define_training_operator(self) -> None:
+        self.training_operator_webhook_port = free_port()
+        self.training_operator_probe_port = free_port()
+        command = [str(components.TRAINING_OPERATOR.binary("training-operator")), "--enable-scheme=pytorchjob",
+                   f"--metrics-bind-address={LOOPBACK}:{free_port()}",
+                   f"--health-probe-bind-address={LOOPBACK}:{self.training_operator_probe_port}",
+                   f"--webhook-server-port={self.training_operator_webhook_port}"]
+        self._process("training-operator", self._isolated("training-operator", command),
+                      {"KUBECONFIG": str(self.admin_kubeconfig), "MY_POD_NAMESPACE": KUBEFLOW_NAMESPACE})
+
+    def start(self) -> ControlPlane:
+        started = time.monotonic()
+        self._start("etcd", lambda: self._get(f"http://{LOOPBACK}:{self.etcd_port}/health", tls=False))
+        self._start("kube-apiserver", lambda: self._get(f"{self.server}/readyz"))
+        self._start("kube-controller-manager", None)
+        self._start("kube-scheduler", None)
+        self._wait("the controller-manager and the scheduler", lambda: self._healthy("kube-controller-manager")
+                   and self._healthy("kube-scheduler"))
+        if self.kubeflow:
+            self._start_training_operator()
+        self.ready_seconds = time.monotonic() - started
+        return self
+
+    def _start(self, name: str, ready: Callable[[], bool] | None) -> None:
+        self.processes[name].start()
+        if ready is not None:
+            self._wait(name, ready)
+
+    def _wait(self, what: str, ready: Callable[[], bool], timeout: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for process in self.processes.values():
+                if process.popen is not None and process.popen.poll() is not None:
+                    raise ControlPlaneError(f"{process.name} exited with {process.popen.returncode} while waiting for "
+                                            f"{what}; its log ends:\n{process.tail()}")
+            try:
+                if ready():
+                    return
+            except (OSError, urllib.error.URLError, ssl.SSLError):
+                pass
+            time.sleep(0.1)
+        raise ControlPlaneError(f"{what} not ready within {timeout:.0f} s; logs:\n{self.logs_tail()}")
+
+    def _healthy(self, name: str) -> bool:
+        command = self.processes[name].command
+        port = next(arg.split("=", 1)[1] for arg in command if arg.startswith("--secure-port="))
+        return self._get(f"https://{LOOPBACK}:{port}/healthz", verify=False)
+
+    def _get(self, url: str, *, tls: bool = True, verify: bool = True) -> bool:
+        context = None
+        if tls:
+            context = ssl.create_default_context(cafile=str(self.ca.cert)) if verify else ssl._create_unverified_context()
+            if verify:
+                admin = self.pki_dir
+                context.load_cert_chain(admin / "admin.crt", admin / "admin.key")
+        with urllib.request.urlopen(url, timeout=2, context=context) as response:
+            return bool(response.status == 200)
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """The real kubectl as the admin."""
+        result = subprocess.run(["kubectl", f"--kubeconfig={self.admin_kubeconfig}", *args], input=input,
+                                capture_output=True, text=True, timeout=60)
+        if check and result.returncode != 0:
+            raise ControlPlaneError(f"kubectl {' '.join(args)} failed ({result.returncode}): {result.stderr.strip()}")
+        return result
+
+    def apply(self, manifests: str | list[dict[str, Any]]) -> None:
+        text = manifests if isinstance(manifests, str) else yaml.safe_dump_all(manifests)
+        self.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=text)
+
+    def wait_established(self, *crds: str) -> None:
+        """Until every CRD named is ``Established`` (served)."""
+        def established(name: str) -> bool:
+            crd = json.loads(self.kubectl("get", "crd", name, "-o", "json").stdout)
+            return any(c["type"] == "Established" and c["status"] == "True"
+                       for c in (crd.get("status") or {}).get("conditions") or [])
+        self._wait(f"CRDs {', '.join(crds)} established", lambda: all(established(name) for name in crds))
+
+    def _start_training_operator(self) -> None:
+        directory = components.TRAINING_OPERATOR.directory / "crds"
+        self.kubectl("apply", "--server-side", "-f", str(directory / "kubeflow.org_pytorchjobs.yaml"))
+        self.wait_established("pytorchjobs.kubeflow.org")
+        # What the operator's cert-controller would make itself: a CA named training-operator-ca and a serving
+        # certificate for its Service -- which also names 127.0.0.1, the address the API server is given.
+        authority = pki.Authority(self.workdir / "training-operator" / "pki", "training-operator-ca", named=True)
+        webhook = authority.issue("webhook", common_name="training-operator", server=True, ips=(LOOPBACK,),
+                                  dns=(f"training-operator.{KUBEFLOW_NAMESPACE}.svc",))
+        files = {"ca.crt": authority.cert.read_text(), "ca.key": authority.key.read_text(),
+                 "tls.crt": webhook.cert.read_text(), "tls.key": webhook.key.read_text()}
+        # The Secret, which cert-controller keeps (the certificates are valid), and the files the Secret's volume
+        # would hold in the operator's pod (cert-controller waits for them, and the webhook server reads them).
+        certs = self.workdir / "training-operator" / "k8s-webhook-server" / "serving-certs"
+        certs.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            (certs / name).write_text(text)
+        self.apply([
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": KUBEFLOW_NAMESPACE}},
+            {"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+             "metadata": {"name": "training-operator-webhook-cert", "namespace": KUBEFLOW_NAMESPACE}, "stringData": files},
+            self._training_operator_webhook(authority.cert_pem)])
+        self._start("training-operator", lambda: self._get(
+            f"http://{LOOPBACK}:{self.training_operator_probe_port}/readyz", tls=False))
+
+    def _training_operator_webhook(self, ca_pem: bytes) -> dict[str, Any]:
+        """The operator's own ValidatingWebhookConfiguration (its module's manifests), pointed at 127.0.0.1."""
+        source = components.TRAINING_OPERATOR.directory / "webhook" / "manifests.yaml"
+        configuration = next(d for d in yaml.safe_load_all(source.read_text()) if d)
+        configuration["metadata"]["name"] = "validator.training-operator.kubeflow.org"
+        kept = []
+        for hook in configuration["webhooks"]:
+            if "pytorchjob" not in hook["name"]:
+                continue  # only the PyTorchJob scheme runs
+            path = hook["clientConfig"]["service"]["path"]
+            hook["clientConfig"] = {"url": f"https://{LOOPBACK}:{self.training_operator_webhook_port}{path}",
+                                    "caBundle": base64.b64encode(ca_pem).decode()}
+            kept.append(hook)
+        configuration["webhooks"] = kept
+        return dict(configuration)
+
+    def stop(self) -> None:
+        for process in reversed(list(self.processes.values())):
+            process.stop()
+
+    def logs_tail(self, lines: int = 20) -> str:
+        return "\n".join(f"--- {p.name} ({p.log}):\n{p.tail(lines)}" for p in self.processes.values() if p.log.exists())
+
+    # ---------------------------------------------------------------- outages, for the tests that need them
+
+    def stop_apiserver(self) -> None:
+        self.processes["kube-apiserver"].stop()
+
+    def start_apiserver(self) -> None:
+        self._start("kube-apiserver", lambda: self._get(f"{self.server}/readyz"))
+
+    def __enter__(self) -> ControlPlane:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+
+def main() -> None:
+    """``python -m controlplane.cluster DIR``: run a control plane until Ctrl-C (to poke at it with kubectl)."""
+    import sys
+
+    workdir = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("/tmp/unbroken-control-plane")
+    shutil.rmtree(workdir, ignore_errors=True)
+    with ControlPlane(workdir) as plane:
+        print(json.dumps({"kubeconfig": str(plane.kubeconfig), "ready_seconds": round(plane.ready_seconds, 1)}), flush=True)
+        try:
+            signal.pause()
+        except KeyboardInterrupt:
+            pass
+
+
+if __name__ == "__main__":
+    main()
