@@ -110,9 +110,12 @@ def write_kubeconfig(path: Path, server: str, ca: Path, *, cert: pki.KeyPair | N
 class ControlPlane:
     """etcd, kube-apiserver, kube-controller-manager, kube-scheduler (and Kubeflow's controllers) on loopback."""
 
-    def __init__(self, workdir: Path, *, kubeflow: bool = True, trainer: bool = False) -> None:
-        needed = [components.ETCD, components.KUBERNETES] + [components.TRAINING_OPERATOR] * (kubeflow or trainer) \
-            + [components.TRAINER] * trainer
+    def __init__(self, workdir: Path, *, kubeflow: bool = True, trainer: bool = False, crds: bool = False) -> None:
+        """``kubeflow``: training-operator runs; ``trainer``: JobSet and the Trainer too; ``crds``: only the
+        Kubeflow CRDs are installed (PyTorchJob, TrainJob and its runtimes, JobSet), no controller: for tests of
+        what unbroken writes to those objects."""
+        needed = [components.ETCD, components.KUBERNETES] + [components.TRAINING_OPERATOR] * (kubeflow or trainer or crds) \
+            + [components.TRAINER] * (trainer or crds)
         missing = [c for c in needed if not c.is_built()]
         if missing:
             raise ControlPlaneError("the control plane is not built: "
@@ -121,6 +124,7 @@ class ControlPlane:
         self.workdir = workdir
         self.kubeflow = kubeflow or trainer
         self.trainer = trainer
+        self.crds = crds
         (workdir / "logs").mkdir(parents=True, exist_ok=True)
         self.pki_dir = workdir / "pki"
         self.ca = pki.Authority(self.pki_dir)
@@ -231,6 +235,8 @@ class ControlPlane:
         self._start("kube-scheduler", None)
         self._wait("the controller-manager and the scheduler", lambda: self._healthy("kube-controller-manager")
                    and self._healthy("kube-scheduler"))
+        if self.crds:
+            self.install_crds()
         if self.kubeflow:
             self._start_training_operator()
         self.ready_seconds = time.monotonic() - started
@@ -291,10 +297,29 @@ class ControlPlane:
                        for c in (crd.get("status") or {}).get("conditions") or [])
         self._wait(f"CRDs {', '.join(crds)} established", lambda: all(established(name) for name in crds))
 
+    def install_crds(self) -> None:
+        """PyTorchJob, TrainJob, (Cluster)TrainingRuntime and JobSet, from the pinned modules."""
+        files = [components.TRAINING_OPERATOR.directory / "crds" / "kubeflow.org_pytorchjobs.yaml",
+                 *sorted((components.TRAINER.directory / "trainer-crds").glob("*.yaml")),
+                 *sorted((components.TRAINER.directory / "jobset-crds").glob("*.yaml"))]
+        self.kubectl("apply", "--server-side", *[arg for f in files for arg in ("-f", str(f))])
+        self.wait_established("pytorchjobs.kubeflow.org", "trainjobs.trainer.kubeflow.org",
+                              "trainingruntimes.trainer.kubeflow.org", "clustertrainingruntimes.trainer.kubeflow.org",
+                              "jobsets.jobset.x-k8s.io")
+
+    def create_namespace(self, name: str) -> str:
+        """A namespace, once its ``default`` ServiceAccount exists (the ServiceAccount admission plugin refuses a
+        pod whose account is missing, and the controller-manager makes it a moment after the namespace)."""
+        self.kubectl("create", "namespace", name)
+        self._wait(f"namespace {name}'s default ServiceAccount",
+                   lambda: self.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode == 0)
+        return name
+
     def _start_training_operator(self) -> None:
-        directory = components.TRAINING_OPERATOR.directory / "crds"
-        self.kubectl("apply", "--server-side", "-f", str(directory / "kubeflow.org_pytorchjobs.yaml"))
-        self.wait_established("pytorchjobs.kubeflow.org")
+        if not self.crds:
+            directory = components.TRAINING_OPERATOR.directory / "crds"
+            self.kubectl("apply", "--server-side", "-f", str(directory / "kubeflow.org_pytorchjobs.yaml"))
+            self.wait_established("pytorchjobs.kubeflow.org")
         # What the operator's cert-controller would make itself: a CA named training-operator-ca and a serving
         # certificate for its Service -- which also names 127.0.0.1, the address the API server is given.
         authority = pki.Authority(self.workdir / "training-operator" / "pki", "training-operator-ca", named=True)

@@ -1,4 +1,5 @@
-"""Fixtures: shared-memory folders, a loopback S3, small mounts (checkpoint tiers); a Kubernetes API emulator per module."""
+"""Fixtures: shared-memory folders, a loopback S3, small mounts (checkpoint tiers); a real Kubernetes control plane
+(etcd and kube-apiserver with the Kubeflow CRDs, tests/controlplane) per module."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 
 from unbroken.checkpoint import credentials
 from unbroken.checkpoint.credentials import Credentials
-from k8s_emulator import Emulator, kubernetes_emulator
+from controlplane.cluster import ControlPlane
 from s3 import CREDENTIALS, MotoServer, moto_server
 
 
@@ -94,25 +95,20 @@ def s3_bucket(moto: MotoServer, monkeypatch: pytest.MonkeyPatch) -> Bucket:
 
 
 @pytest.fixture(scope="module")
-def k8s(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
-    """A Kubernetes API emulator (tests/k8s_emulator.py) shared by one test module."""
-    with kubernetes_emulator(tmp_path_factory.mktemp("k8s")) as emulator:
-        yield emulator
+def k8s(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    """A real control plane for one test module: etcd, kube-apiserver (RBAC), the controller-manager and the
+    scheduler, with the Kubeflow CRDs installed and no Kubeflow controller and no kubelet (~5 s to start)."""
+    with ControlPlane(tmp_path_factory.mktemp("k8s"), kubeflow=False, crds=True) as plane:
+        yield plane
 
 
 @pytest.fixture(scope="module")
-def kubeconfig(k8s: Emulator) -> Path:
-    return k8s.write_kubeconfig(k8s.workdir / "kubeconfig")
+def kubeconfig(k8s: ControlPlane) -> Path:
+    """The admin's kubeconfig (group ``system:masters``)."""
+    return k8s.kubeconfig
 
 
 @pytest.fixture
-def namespace(kubeconfig: Path) -> str:
-    """A fresh namespace in the module's emulator, so that tests sharing it do not see each other's objects."""
-    import kubernetes
-
-    from unbroken.kube.client import api_client
-
-    name = f"t-{uuid.uuid4().hex[:8]}"
-    with api_client(kubeconfig) as client:
-        kubernetes.client.CoreV1Api(client).create_namespace({"metadata": {"name": name}})
-    return name
+def namespace(k8s: ControlPlane) -> str:
+    """A fresh namespace in the module's control plane, so that tests sharing it do not see each other's objects."""
+    return k8s.create_namespace(f"t-{uuid.uuid4().hex[:8]}")

@@ -1,7 +1,7 @@
 """The memory tier's TLS credentials on Kubernetes (agent/cluster_tls.py): one Secret, made by the first agent.
 
-Emulated: the API server only (tests/k8s_emulator.py over real HTTP); real threads race to create the Secret,
-real certificates are made and loaded into real TLS contexts.
+Real: kube-apiserver and etcd (tests/controlplane); real threads race to create the Secret, real certificates
+are made and loaded into real TLS contexts.
 """
 
 from __future__ import annotations

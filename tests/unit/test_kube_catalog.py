@@ -1,8 +1,8 @@
 """The checkpoint catalog on Kubernetes (kube/catalog.py): the same contract as the SQLite catalog, on ConfigMaps.
 
-Emulated: the API server only (tests/k8s_emulator.py: kmock behind the Kubernetes REST conventions, with
-resourceVersion preconditions on patch and delete, over real HTTP); the catalog talks to it with the real
-``kubernetes`` client. Racing writers are real threads with their own clients.
+Real: kube-apiserver and etcd (tests/controlplane), with their resourceVersion preconditions on patch and
+delete; the catalog talks to it with the real ``kubernetes`` client. Racing writers are real threads with
+their own clients.
 """
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ def a_copy(rank: int, tier: CheckpointTier, node: str, step: int = 10) -> ShardC
 
 
 def configmaps(catalog: KubernetesCatalog) -> list[str]:
-    return sorted(c.metadata.name for c in catalog.core.list_namespaced_config_map(catalog.namespace).items)
+    """The catalog's ConfigMaps (every namespace also holds the controller-manager's ``kube-root-ca.crt``)."""
+    return sorted(c.metadata.name for c in catalog.core.list_namespaced_config_map(catalog.namespace,
+                                                                                  label_selector=names.CHECKPOINT_JOB).items)
 
 
 def test_insert_if_absent_lets_exactly_one_writer_open_a_step(catalog: KubernetesCatalog) -> None:

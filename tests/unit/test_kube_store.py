@@ -1,7 +1,8 @@
-"""The Kubernetes store, leader lease and annotations against the API emulator (tests/k8s_emulator.py).
+"""The Kubernetes store, leader lease and annotations against a real kube-apiserver (tests/controlplane).
 
-Emulated: the API server only (kmock behind the Kubernetes REST conventions, real HTTP); the store
-talks to it with the real ``kubernetes`` client, and ``kubectl`` (the real binary) reads what it wrote.
+Real: etcd, kube-apiserver, the controller-manager (its node lifecycle controller taints these kubelet-less
+Nodes ``node.kubernetes.io/not-ready``: the tests leave that taint alone, as unbroken must); the store talks to
+it with the real ``kubernetes`` client, and ``kubectl`` (the real binary) reads what it wrote.
 """
 
 from __future__ import annotations
@@ -81,6 +82,11 @@ def test_a_fresh_node_reads_schedulable_never_checked_and_alive(api: kubernetes.
     assert lost.heartbeat_at == 0.0  # NotReady: its lease reads as lapsed long ago
 
 
+def not_lifecycle(keys: list[str]) -> list[str]:
+    """Taint keys but the node lifecycle controller's (``node.kubernetes.io/not-ready``: these Nodes have no kubelet)."""
+    return [k for k in keys if not k.startswith("node.kubernetes.io/")]
+
+
 def test_a_node_registered_with_the_startup_taint_is_joining_until_unbroken_admits_it(
         api: kubernetes.client.ApiClient, store: KubernetesStore) -> None:
     name = make_node(api, startup_taint=True)
@@ -89,7 +95,7 @@ def test_a_node_registered_with_the_startup_taint_is_joining_until_unbroken_admi
     admitted = store.update_node(name, NodeUpdate(state=NodeState.SCHEDULABLE))
     assert admitted.state is NodeState.SCHEDULABLE
     taints = kubernetes.client.CoreV1Api(api).read_node(name).spec.taints
-    assert [t.key for t in taints] == ["other.io/keep"]  # the startup taint is ours to remove; others stay
+    assert not_lifecycle([t.key for t in taints]) == ["other.io/keep"]  # the startup taint is ours to remove; others stay
 
 
 def test_a_fault_writes_labels_taint_condition_and_details_and_kubectl_shows_them(
@@ -104,7 +110,7 @@ def test_a_fault_writes_labels_taint_condition_and_details_and_kubectl_shows_the
     assert labels[names.FAULT_TYPES] == "Xid79"
     assert labels[names.FAULT_REASONS] == "GPU_has_fallen_off_the_bus_NVRM_Xid_79"
     assert names.DEEP_HEALTH_CHECK_STATUS not in labels
-    taints = {(t.key, t.value, t.effect) for t in obj.spec.taints}
+    taints = {(t.key, t.value, t.effect) for t in obj.spec.taints if not_lifecycle([t.key])}
     assert taints == {("other.io/keep", "x", "NoSchedule"), (names.TAINT_KEY, "Unschedulable", "NoSchedule")}
     condition = next(c for c in obj.status.conditions if c.type == names.CONDITION_TYPE)
     assert (condition.status, condition.reason) == ("False", "NvidiaXID79Error")
@@ -127,7 +133,7 @@ def test_back_to_schedulable_removes_only_our_taint_and_fault_labels(api: kubern
     store.update_node(name, NodeUpdate(state=NodeState.UNSCHEDULABLE, deep_health=DeepHealthStatus.IN_PROGRESS))
     store.update_node(name, NodeUpdate(state=NodeState.SCHEDULABLE, deep_health=DeepHealthStatus.PASSED))
     obj = kubernetes.client.CoreV1Api(api).read_node(name)
-    assert [(t.key) for t in obj.spec.taints] == ["other.io/keep"]
+    assert not_lifecycle([t.key for t in obj.spec.taints]) == ["other.io/keep"]
     assert obj.metadata.labels[names.DEEP_HEALTH_CHECK_STATUS] == "Passed"
     assert names.FAULT_TYPES not in obj.metadata.labels
     assert next(c for c in obj.status.conditions if c.type == names.CONDITION_TYPE).status == "True"

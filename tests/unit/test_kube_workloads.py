@@ -1,7 +1,7 @@
 """The workload kinds unbroken restarts (kube/workloads.py), and the store over both of them.
 
-Patches are checked by reading them back through the Kubeflow SDK's models; the store runs against the
-API emulator (tests/k8s_emulator.py: the API server is the only emulated part).
+Patches are checked by reading them back through the Kubeflow SDK's models; the store runs against a real
+kube-apiserver with the Kubeflow CRDs (tests/controlplane), no Kubeflow controller.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import kubernetes
 import pytest
 from kubeflow_trainer_api.models import TrainerV1alpha1TrainJob
 
-from k8s_emulator import merge_patch
 
 from unbroken.kube import names
 from unbroken.kube.store import KubernetesStore
@@ -45,6 +44,19 @@ def train_job(name: str = "tj", *, suspend: bool | None = None, nodes: int | Non
 
 def our_patch(obj: dict[str, Any]) -> dict[str, Any]:
     return next(p for p in obj["spec"]["runtimePatches"] if p["manager"] == f"{names.PREFIX}/operator")
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch: what the API server does with unbroken's patches."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    merged = copy.deepcopy(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = merge_patch(merged.get(key), value)
+    return merged
 
 
 def test_a_restart_writes_unbrokens_own_runtime_patch_and_keeps_the_other_managers() -> None:
