@@ -311,6 +311,11 @@ class ProcessKubelet:
             raise KeyError(f"no log for pod {namespace}/{pod}")
         return found[-1] if len(found) == 1 else next((p for p in found if "_init-" not in p.name), found[-1])
 
+    def pods_on(self, node: str) -> list[str]:
+        """Names of the pods bound to ``node`` (from the API), sorted."""
+        pods = self.core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={node}").items
+        return sorted(p.metadata.name for p in pods)
+
     def close(self) -> None:
         if self._closed:
             return

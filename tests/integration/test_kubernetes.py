@@ -1,18 +1,17 @@
-"""unbroken on Kubernetes, end to end: the real operator process restarts real PyTorchJobs.
+"""unbroken on Kubernetes, end to end, on a real control plane: the operator restarts real PyTorchJobs.
 
-What is real: ``unbroken operator`` (kopf watches + the shared reconcilers) as its own process
-talking HTTP to an API server; the training pods are real processes (torchrun, gloo, the MLP
-workload checkpointing to a shared directory); ``kill -9`` really kills a rank; ``kubectl`` is the
-real binary.
+What is real: etcd, kube-apiserver (RBAC), kube-controller-manager (the Job, garbage-collector and node
+lifecycle controllers: a dead node is tainted and its pods evicted by Kubernetes itself), kube-scheduler and
+Kubeflow's training-operator v1, built from their Go modules (tests/controlplane/components.py has the
+versions); ``deploy/``'s ServiceAccounts and RBAC, applied with ``kubectl kustomize deploy/``: the operator and
+the node agents run with those accounts' tokens, so a missing permission fails a test. ``unbroken operator``
+(kopf watches + the shared reconcilers) and the node agents run as their own processes; the training pods are
+real processes (torchrun, gloo, the MLP workload); ``kill -9`` really kills a rank; ``kubectl`` is the real binary.
 
-What is emulated, and how (no kube-apiserver can run here):
-- the API server: kmock behind the Kubernetes REST conventions (tests/k8s_emulator.py);
-- the scheduler, the kubelet, Kubeflow's training-operator and the node lifecycle controller: the
-  test kubelet (tests/k8s_kubelet.py). It creates a PyTorchJob's pods with the env the real
-  operator sets (but MASTER_ADDR is 127.0.0.1 and MASTER_PORT a free port: every "node" is a set of
-  processes on this machine), binds them to nodes honouring taints, affinity and GPU counts, runs
-  each pod's command as a local process and writes its status from the real exit code; a "failed"
-  node is marked Ready=Unknown at once (the real controller waits ~40 s).
+What is simulated, and how (no container runtime here): the kubelet. tests/controlplane/kubelet.py registers
+the Nodes, renews their Leases, runs each pod bound to them as local processes and reports their status; all
+pods share 127.0.0.1, and a Service's name resolves there through the kubelet's /etc/hosts. Each test gets a
+control plane of its own (~6 s): Nodes are cluster-wide and the tests fail, reboot and remediate them.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,15 +36,15 @@ import psutil
 import pytest
 import yaml
 
-from k8s_emulator import Emulator, kubernetes_emulator
+from controlplane.cluster import ControlPlane
+from controlplane.kubelet import ProcessKubelet, pod_processes
 from helpers import run_cli
-from k8s_kubelet import TestKubelet, pod_processes
-from k8s_trainer import torch_distributed_runtime
 from processes import stop_process
 from unbroken.kube import names
 from unbroken.kube.client import api_client
 from unbroken.kube.catalog import KubernetesCatalog
 from unbroken.kube.rank_env import AGENT_DIR, SHM_DIR, with_rank_env
+from unbroken.ports import free_port
 from unbroken.waiting import WaitTimeout, wait_until
 
 pytestmark = pytest.mark.timeout(300)
@@ -55,14 +53,22 @@ T = TypeVar("T")
 SYSTEM = "unbroken-system"
 JOBS = "training"
 NODES = ("gpu-a", "gpu-b", "gpu-c")
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+UNBROKENS = f"app.kubernetes.io/managed-by={names.COMPONENT}"
+"""unbroken's Events (Kubernetes' controllers write theirs on the same objects)."""
 
 
 @dataclass
 class Cluster:
-    k8s: Emulator
+    plane: ControlPlane
     kubeconfig: Path
+    """The admin's: what the test itself and the CLI (a user) use."""
+    operator_kubeconfig: Path
+    """ServiceAccount unbroken-system/unbroken-operator's token, under deploy/'s RBAC."""
+    agent_kubeconfig: Path
+    """ServiceAccount unbroken-system/unbroken-agent's token, under deploy/'s RBAC."""
     api: kubernetes.client.ApiClient
-    kubelet: TestKubelet
+    kubelet: ProcessKubelet
     workdir: Path
     remediations: Path
     operator: subprocess.Popen[bytes] | None = None
@@ -78,9 +84,9 @@ class Cluster:
     def start_operator(self) -> subprocess.Popen[bytes]:
         log = open(self.workdir / "operator.log", "ab")
         self.operator = subprocess.Popen(
-            [sys.executable, "-m", "unbroken.operator", "--kubeconfig", str(self.kubeconfig), "--namespace", SYSTEM,
+            [sys.executable, "-m", "unbroken.operator", "--kubeconfig", str(self.operator_kubeconfig), "--namespace", SYSTEM,
              "--metrics-port", "0", "--metrics-host", "127.0.0.1", "--identity", f"operator-{uuid.uuid4().hex[:4]}"],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "KUBECONFIG": str(self.kubeconfig)})
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "KUBECONFIG": str(self.operator_kubeconfig)})
         return self.operator
 
     def stop_operator(self, sig: int = signal.SIGTERM) -> None:
@@ -95,8 +101,8 @@ class Cluster:
         return self.job(name)["metadata"].get("annotations") or {}
 
     def events(self, name: str) -> list[tuple[str, str, str]]:
-        """(type, reason, message) of the job's Events, oldest first (by unbroken's own time stamp)."""
-        items = self.core.list_namespaced_event(JOBS).items
+        """(type, reason, message) of unbroken's Events on the job, oldest first (by unbroken's own time stamp)."""
+        items = self.core.list_namespaced_event(JOBS, label_selector=UNBROKENS).items  # not training-operator's
         mine = [e for e in items if e.involved_object.name == name]
         mine.sort(key=lambda e: float((e.metadata.annotations or {}).get(f"{names.PREFIX}/time", 0)))
         return [(e.type, e.reason, e.message) for e in mine]
@@ -109,12 +115,6 @@ class Cluster:
 
     def operator_log(self) -> str:
         return (self.workdir / "operator.log").read_text(errors="replace")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def cluster_file(remediations: Path) -> str:
@@ -133,38 +133,60 @@ def cluster_file(remediations: Path) -> str:
         "Health": {"Profiles": {"cpu-slow": {"MatmulFloor": 1e9, "MemoryBandwidthFloorGBps": 0.5, "BusBwFloorGBps": 0.1}}},
         "Kubernetes": {"Remediator": "Command", "RemediationCommand": [sys.executable, "-c", script, str(remediations)],
                        "ForceDeleteGraceSeconds": 2,
-                       # the deep-check Jobs' pods run this machine's Python (the test kubelet ignores images)
+                       # the deep-check Jobs' pods run this machine's Python (the process kubelet ignores images)
                        "DeepCheckCommand": [sys.executable, "-m", "unbroken.health.pod"], "DeepCheckStartSeconds": 30,
                        # the cross-node sweep's rank 0 listens here (every test node's address is 127.0.0.1)
                        "ConnectivityPort": free_port()},
     })
 
 
+def install_unbroken(plane: ControlPlane, remediations: Path) -> None:
+    """deploy/ as ``kubectl apply -k deploy/`` installs it, less the operator's Deployment and the agent's
+    DaemonSet (no image can run here: the test starts both as processes, with the same accounts), and with
+    the test's cluster file in the ConfigMap."""
+    rendered = plane.kubectl("kustomize", str(DEPLOY)).stdout
+    objects = [o for o in yaml.safe_load_all(rendered) if o and o["kind"] not in ("Deployment", "DaemonSet")]
+    for obj in objects:
+        if obj["kind"] == "ConfigMap" and obj["metadata"]["name"] == names.CLUSTER_CONFIGMAP:
+            obj["data"] = {"cluster.yaml": cluster_file(remediations)}
+    plane.apply(objects)
+
+
+def service_account_kubeconfig(plane: ControlPlane, core: kubernetes.client.CoreV1Api, account: str, path: Path) -> Path:
+    """A kubeconfig with a token the API server issued for ``unbroken-system/<account>`` (a TokenRequest)."""
+    wait_until(lambda: core.read_namespaced_service_account(account, SYSTEM), 30, f"ServiceAccount {account}")
+    token = core.create_namespaced_service_account_token(account, SYSTEM, {"spec": {"expirationSeconds": 24 * 3600}})
+    return plane.token_kubeconfig(path, token.status.token, f"system:serviceaccount:{SYSTEM}:{account}")
+
+
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
     # A short directory: a node's hostPath /var/run/unbroken/agent.sock must fit in a socket address (107 bytes).
-    # The emulator serves pods/<name>/log from the test kubelet's log files there.
-    with tempfile.TemporaryDirectory(prefix="k8s-", dir="/tmp") as nodes_root, \
-            kubernetes_emulator(tmp_path / "api", pod_logs=Path(nodes_root) / "logs") as k8s:
-        kubeconfig = k8s.write_kubeconfig(tmp_path / "kubeconfig")
-        api = api_client(kubeconfig)
+    with tempfile.TemporaryDirectory(prefix="k8s-", dir="/tmp") as nodes_root, ControlPlane(tmp_path / "plane") as plane:
+        api = api_client(plane.kubeconfig)
         core = kubernetes.client.CoreV1Api(api)
-        for namespace in (SYSTEM, JOBS):
-            core.create_namespace({"metadata": {"name": namespace}})
         remediations = tmp_path / "remediations.log"
         remediations.touch()
-        core.create_namespaced_config_map(SYSTEM, {"metadata": {"name": names.CLUSTER_CONFIGMAP},
-                                                   "data": {"cluster.yaml": cluster_file(remediations)}})
-        with TestKubelet(kubeconfig, Path(nodes_root)) as kubelet:
-            for node in NODES:
-                kubelet.add_node(node, allocatable={"nvidia.com/gpu": "1"})
-            result = Cluster(k8s, kubeconfig, api, kubelet, tmp_path, remediations)
-            try:
-                yield result
-            finally:
-                result.stop_operator()
-            log = result.operator_log()
-            assert "reconcile pass failed" not in log and "Logging error" not in log, log[-3000:]
+        install_unbroken(plane, remediations)
+        plane.create_namespace(JOBS)
+        operator = service_account_kubeconfig(plane, core, "unbroken-operator", tmp_path / "operator.kubeconfig")
+        agent = service_account_kubeconfig(plane, core, "unbroken-agent", tmp_path / "agent.kubeconfig")
+        try:
+            with ProcessKubelet(plane.kubeconfig, Path(nodes_root), plane.kubelet_serving) as kubelet:
+                for node in NODES:
+                    kubelet.add_node(node, allocatable={"nvidia.com/gpu": "1"})
+                result = Cluster(plane, plane.kubeconfig, operator, agent, api, kubelet, tmp_path, remediations)
+                try:
+                    yield result
+                finally:
+                    result.stop_operator()
+                assert not kubelet.errors, kubelet.errors
+                log = result.operator_log() if (tmp_path / "operator.log").exists() else ""
+                assert "reconcile pass failed" not in log and "Logging error" not in log, log[-3000:]
+                assert " 403" not in log and "Forbidden" not in log, f"the operator was refused something: {log[-3000:]}"
+        except BaseException:
+            print(plane.logs_tail(15))  # shown with the failure
+            raise
         # every process of every pod died with the kubelet (a SIGSTOPped rank torchrun left behind once outlived it)
         wait_until(lambda: not pod_processes(), 10, "every pod process to be gone")
 
@@ -180,6 +202,8 @@ def pytorchjob(name: str, checkpoints: Path, *, steps: int, step_time: float = 0
                     "--steps", str(steps), "--checkpoint-every", "10", "--step-time", str(step_time)],
         "env": [{"name": "UNBROKEN_CHECKPOINT_DIR", "value": str(checkpoints)}],
         "resources": {"limits": {"nvidia.com/gpu": 1}},
+        # training-operator's MASTER_PORT; every pod shares 127.0.0.1, so each job gets a port of its own
+        "ports": [{"name": "pytorchjob-port", "containerPort": free_port()}],
     }
     template: dict[str, Any] = {"spec": {"containers": [container]}}
     if report_progress or tiers_json is not None:
@@ -595,7 +619,7 @@ def test_a_continuous_check_failing_on_a_working_node_takes_it_out_for_a_reboot(
 
 def node_events(cluster: Cluster, node: str) -> list[tuple[str, str]]:
     """(reason, message) of a node's Events, oldest first."""
-    items = [e for e in cluster.core.list_event_for_all_namespaces().items if e.involved_object.kind == "Node"
+    items = [e for e in cluster.core.list_event_for_all_namespaces(label_selector=UNBROKENS).items if e.involved_object.kind == "Node"
              and e.involved_object.name == node]
     items.sort(key=lambda e: float((e.metadata.annotations or {}).get(f"{names.PREFIX}/time", 0)))
     return [(e.reason, e.message) for e in items]
