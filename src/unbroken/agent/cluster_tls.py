@@ -26,7 +26,7 @@ from unbroken.checkpoint import credentials
 from unbroken.checkpoint.credentials import Credentials
 from unbroken.errors import NotFoundError, StoreUnavailable
 from unbroken.kube import names
-from unbroken.kube.api import ApiConflict, call
+from unbroken.kube.api import STRICT, ApiConflict, call
 
 _FILES = (credentials.CA_FILE, credentials.CERT_FILE, credentials.KEY_FILE)
 
@@ -78,7 +78,7 @@ def _create(core: kubernetes.client.CoreV1Api, namespace: str, cluster_name: str
     body = {"metadata": {"name": names.CLUSTER_TLS_SECRET, "labels": {"app.kubernetes.io/part-of": names.COMPONENT}},
             "type": "Opaque", "data": data}
     try:
-        call(lambda: core.create_namespaced_secret(namespace, body))
+        call(lambda: core.create_namespaced_secret(namespace, body, field_validation=STRICT))
         return data
     except ApiConflict:
         pass

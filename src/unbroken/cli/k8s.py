@@ -101,7 +101,7 @@ class Submission:
         its name there (``<namespace>/<name>``)."""
         import kubernetes
 
-        from unbroken.kube.api import ApiConflict, call
+        from unbroken.kube.api import STRICT, ApiConflict, call
         from unbroken.kube.workloads import kind_of
 
         body = self.render()
@@ -109,7 +109,7 @@ class Submission:
         custom = kubernetes.client.CustomObjectsApi(kube_api())
         job = f"{self.namespace}/{body['metadata']['name']}"
         try:
-            call(lambda: custom.create_namespaced_custom_object(kind.group, kind.version, self.namespace, kind.plural, body))
+            call(lambda: custom.create_namespaced_custom_object(kind.group, kind.version, self.namespace, kind.plural, body, field_validation=STRICT))
         except ApiConflict:
             raise ConflictError(f"{kind.kind} {job} already exists (pick another --name, or delete it first)") from None
         console.print(f"{kind.kind} [bold]{job}[/] created ({kind.node_count(body)} x {kind.procs_per_node(body)}); "

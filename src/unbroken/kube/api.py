@@ -19,6 +19,11 @@ from unbroken.errors import ConflictError, NotFoundError, StoreUnavailable
 
 T = TypeVar("T")
 
+STRICT = "Strict"
+"""``fieldValidation`` for every object unbroken creates or patches: the API server refuses a field the
+schema does not know (a misspelt field, one a CRD version dropped) instead of silently dropping it, so
+the mistake is an error in a test, not a setting that never took effect on a user's cluster."""
+
 
 class ApiConflict(ConflictError):
     """409: the object changed since it was read (a stale resourceVersion), or it exists already."""

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 from unbroken.errors import BackendError, NotFoundError
 from unbroken.kube import names, node_repair
-from unbroken.kube.api import call, parse_time
+from unbroken.kube.api import STRICT, call, parse_time
 from unbroken.kube.store import KubernetesStore
 from unbroken.kube.workloads import Child, WorkloadKind, job_of
 from unbroken.state.phases import WorkerPhase
@@ -132,7 +132,7 @@ class KubernetesBackend:
         obj = self.store.workload_object(job.name)
         kind = self.store.kind_of(job.name)
         patch = kind.launch_patch(obj, attempt, require_deep_health=job.spec().resilience.require_deep_health_passed)
-        call(lambda: self.store.custom.patch_namespaced_custom_object(kind.group, kind.version, namespace, kind.plural, short, patch))
+        call(lambda: self.store.custom.patch_namespaced_custom_object(kind.group, kind.version, namespace, kind.plural, short, patch, field_validation=STRICT))
         return f"{kind.rdzv_endpoint(short)} (the workload's controller sets the rendezvous address)"
 
     def stop_attempt(self, job: str, attempt: int, *, hold: Collection[str] = ()) -> None:
@@ -141,7 +141,7 @@ class KubernetesBackend:
         try:
             kind = self.store.kind_of(job)
             call(lambda: self.store.custom.patch_namespaced_custom_object(
-                kind.group, kind.version, namespace, kind.plural, short, kind.suspend_patch(True)))
+                kind.group, kind.version, namespace, kind.plural, short, kind.suspend_patch(True), field_validation=STRICT))
         except NotFoundError:
             return  # the job was deleted: its pods go with it
         for child in kind.children_to_recreate(short):

@@ -36,7 +36,7 @@ import kubernetes
 
 from unbroken.errors import NotFoundError, StoreUnavailable
 from unbroken.kube import names
-from unbroken.kube.api import ApiConflict, call
+from unbroken.kube.api import STRICT, ApiConflict, call
 from unbroken.state.records import CheckpointStep, CheckpointTier, ShardCopy, StepStatus
 
 LIST_REUSE_SECONDS = 0.2
@@ -124,7 +124,7 @@ class KubernetesCatalog:
         if resource_version is not None:
             patch["metadata"] = {"resourceVersion": resource_version}
         try:
-            call(lambda: self.core.patch_namespaced_config_map(configmap_name(job, step), self.namespace, patch))
+            call(lambda: self.core.patch_namespaced_config_map(configmap_name(job, step), self.namespace, patch, field_validation=STRICT))
             return True
         except ApiConflict:
             return False
@@ -174,7 +174,7 @@ class KubernetesCatalog:
                              "annotations": {names.CHECKPOINT_JOB: job}},
                 "data": {k: v for k, v in data.items() if v is not None}}
         try:
-            call(lambda: self.core.create_namespaced_config_map(self.namespace, body))
+            call(lambda: self.core.create_namespaced_config_map(self.namespace, body, field_validation=STRICT))
             return True
         except ApiConflict:
             return False
@@ -250,7 +250,7 @@ class KubernetesCatalog:
     # -- shard servers ------------------------------------------------------------------------
 
     def set_shard_server(self, node: str, address: str) -> None:
-        call(lambda: self.core.patch_node(node, {"metadata": {"annotations": {names.SHARD_SERVER: address}}}))
+        call(lambda: self.core.patch_node(node, {"metadata": {"annotations": {names.SHARD_SERVER: address}}}, field_validation=STRICT))
 
     def shard_servers(self) -> dict[str, str]:
         servers: dict[str, str] = {}

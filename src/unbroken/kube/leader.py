@@ -14,7 +14,7 @@ import time
 
 import kubernetes
 from unbroken.errors import NotFoundError, StoreUnavailable
-from unbroken.kube.api import ApiConflict, call, format_time, parse_time
+from unbroken.kube.api import STRICT, ApiConflict, call, format_time, parse_time
 
 log = logging.getLogger("unbroken.kube.leader")
 
@@ -49,7 +49,7 @@ class LeaderLease:
             body = {"metadata": {"name": self.name, "namespace": self.namespace},
                     "spec": {**spec, "acquireTime": format_time(now, micro=True), "leaseTransitions": 0}}
             try:
-                call(lambda: self.leases.create_namespaced_lease(self.namespace, body))
+                call(lambda: self.leases.create_namespaced_lease(self.namespace, body, field_validation=STRICT))
             except ApiConflict:
                 return False  # someone else created it first
             return True
@@ -66,7 +66,7 @@ class LeaderLease:
             log.warning("taking over the leader lease", extra={"previous": holder, "silent_s": round(now - renewed, 1)})
         body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": lease["metadata"], "spec": {**current, **spec}}
         try:
-            call(lambda: self.leases.replace_namespaced_lease(self.name, self.namespace, body))
+            call(lambda: self.leases.replace_namespaced_lease(self.name, self.namespace, body, field_validation=STRICT))
         except ApiConflict:
             return False  # another candidate wrote it first
         return True

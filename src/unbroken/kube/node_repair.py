@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from unbroken.kube import names
-from unbroken.kube.api import call
+from unbroken.kube.api import STRICT, call
 from unbroken.kube.store import KubernetesStore
 
 log = logging.getLogger("unbroken.kube.node_repair")
@@ -66,7 +66,7 @@ def mark_reboot(store: KubernetesStore, node: str) -> str | None:
         log.warning("node has no status.nodeInfo.bootID: its return from the reboot cannot be seen, so it will be "
                     "replaced after RebootTimeoutSeconds", extra={"node": node})
         return None
-    call(lambda: store.core.patch_node(node, {"metadata": {"annotations": {names.REBOOT_FROM_BOOT: boot}}}))
+    call(lambda: store.core.patch_node(node, {"metadata": {"annotations": {names.REBOOT_FROM_BOOT: boot}}}, field_validation=STRICT))
     return boot
 
 
@@ -76,7 +76,7 @@ def cordon(store: KubernetesStore, node: str) -> None:
     if (obj.get("spec") or {}).get("unschedulable") and not (obj["metadata"].get("annotations") or {}).get(names.CORDONED):
         return  # an administrator's cordon: theirs to lift
     call(lambda: store.core.patch_node(node, {"metadata": {"annotations": {names.CORDONED: "true"}},
-                                              "spec": {"unschedulable": True}}))
+                                              "spec": {"unschedulable": True}}, field_validation=STRICT))
 
 
 def clear_repair(store: KubernetesStore, boot: NodeBoot) -> None:
@@ -85,4 +85,4 @@ def clear_repair(store: KubernetesStore, boot: NodeBoot) -> None:
     patch: dict[str, Any] = {"metadata": {"annotations": {names.REBOOT_FROM_BOOT: None, names.CORDONED: None}}}
     if boot.cordoned_by_unbroken:
         patch["spec"] = {"unschedulable": False}
-    call(lambda: store.core.patch_node(boot.node, patch))
+    call(lambda: store.core.patch_node(boot.node, patch, field_validation=STRICT))

@@ -37,7 +37,7 @@ from unbroken.config.job import JobSpec, ResilienceSpec, RestartPolicy
 from unbroken.errors import ConfigError, NotFoundError, StoreUnavailable, UsageError
 from unbroken.kube import annotations as job_annotations
 from unbroken.kube import names
-from unbroken.kube.api import ApiConflict, call, format_time, parse_time
+from unbroken.kube.api import STRICT, ApiConflict, call, format_time, parse_time
 from unbroken.kube.annotations import AnnotationError
 from unbroken.kube.workloads import KINDS, WorkloadKind, kind_of
 from unbroken.state.phases import JOB_TRANSITIONS, NODE_TRANSITIONS, DeepHealthStatus, JobPhase, NodeState, check_transition
@@ -122,7 +122,7 @@ class KubernetesStore:
         )
 
     def _patch_cluster(self, data: dict[str, str | None]) -> None:
-        call(lambda: self.core.patch_namespaced_config_map(names.CLUSTER_CONFIGMAP, self.namespace, {"data": data}))
+        call(lambda: self.core.patch_namespaced_config_map(names.CLUSTER_CONFIGMAP, self.namespace, {"data": data}, field_validation=STRICT))
 
     def set_cluster_status(self, status: ClusterStatus) -> None:
         self._patch_cluster({"status": status.value})
@@ -223,7 +223,7 @@ class KubernetesStore:
             obj = self.node_object(name)
             current = self._node(obj, lease)
             new = _updated(f"node {name}", current, update, expect_version, "state", NODE_TRANSITIONS, "state_changed_at")
-            call(lambda: self.core.patch_node(name, self._node_patch(obj, current, new)))
+            call(lambda: self.core.patch_node(name, self._node_patch(obj, current, new), field_validation=STRICT))
             return new
 
         new = _retry_conflicts(f"node {name}", attempt)
@@ -265,7 +265,7 @@ class KubernetesStore:
             "lastHeartbeatTime": now, "lastTransitionTime": now,
         }
         try:
-            call(lambda: self.core.patch_node_status(name, {"status": {"conditions": [condition]}}))
+            call(lambda: self.core.patch_node_status(name, {"status": {"conditions": [condition]}}, field_validation=STRICT))
         except (ApiConflict, StoreUnavailable) as exc:
             log.warning("node %s: condition %s not written: %s", name, names.CONDITION_TYPE, exc)
 
@@ -279,9 +279,9 @@ class KubernetesStore:
             "spec": {"holderIdentity": node, "leaseDurationSeconds": 10, "renewTime": stamp},
         }
         try:
-            call(lambda: self.coordination.patch_namespaced_lease(names.LEASE_PREFIX + node, self.namespace, body))
+            call(lambda: self.coordination.patch_namespaced_lease(names.LEASE_PREFIX + node, self.namespace, body, field_validation=STRICT))
         except NotFoundError:
-            call(lambda: self.coordination.create_namespaced_lease(self.namespace, body))
+            call(lambda: self.coordination.create_namespaced_lease(self.namespace, body, field_validation=STRICT))
 
     # -- jobs ---------------------------------------------------------------------------
 
@@ -448,7 +448,7 @@ class KubernetesStore:
                 names.JOB_PHASE: new.phase.value,
                 names.RESTART_COUNT: str(new.attempt),
             }}}
-            call(lambda: self.custom.patch_namespaced_custom_object(kind.group, kind.version, namespace, kind.plural, short, patch))
+            call(lambda: self.custom.patch_namespaced_custom_object(kind.group, kind.version, namespace, kind.plural, short, patch, field_validation=STRICT))
             return new
 
         return _retry_conflicts(f"job {name}", attempt)
@@ -481,7 +481,7 @@ class KubernetesStore:
             "source": {"component": names.COMPONENT}, "reportingComponent": f"{names.PREFIX}/operator",
             "reportingInstance": names.COMPONENT, "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1,
         }
-        call(lambda: self.core.create_namespaced_event(namespace, body))
+        call(lambda: self.core.create_namespaced_event(namespace, body, field_validation=STRICT))
         return Event(ts=ts, object_kind=object_kind, object_name=object_name, type=type, reason=reason, message=message)
 
     def list_events(self, *, object_kind: str | None = None, object_name: str | None = None,

@@ -61,7 +61,7 @@ from unbroken.health.context import CheckContext, Peer
 from unbroken.health.pod import CONTEXT_ENV, DIR_ENV, SUITE_ENV, SWEEP_CHECK, parse_verdict
 from unbroken.health.result import FaultAction, Suite
 from unbroken.kube import names
-from unbroken.kube.api import call
+from unbroken.kube.api import STRICT, call
 from unbroken.state.phases import DeepHealthStatus, NodeState
 from unbroken.state.records import EventType, Node
 from unbroken.state.store import ClusterStore, StaleUpdate
@@ -221,7 +221,7 @@ class DeepCheckJobs:
     def _start(self, cluster: ClusterConfig, group: InstanceGroup, node: Node, suite: Suite, name: str) -> None:
         peers = self._sweep_peers(node) if suite is Suite.INSTANCE_CONNECTIVITY else ()
         body = job_manifest(self.namespace, cluster, group, node, suite, name, peers)
-        call(lambda: self.batch.create_namespaced_job(self.namespace, body))
+        call(lambda: self.batch.create_namespaced_job(self.namespace, body, field_validation=STRICT))
         deadline = body["spec"]["activeDeadlineSeconds"]
         where = (f"Indexed Job {self.namespace}/{name} across {node.name} (rank 0), {', '.join(p.name for p in peers)}"
                  if peers else f"Job {self.namespace}/{name} pinned to {node.name}")
