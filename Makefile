@@ -23,19 +23,19 @@ TORCH_SPEC      := torch==$(TORCH_VERSION)$(if $(HAS_NVIDIA),,+cpu)
 # Chromium (the dashboard, driven by Playwright), and the King James Bible (bible-kjv: a
 # public-domain text the LLM workload's tests tokenize and train on). Debian's packages;
 # sudo where not root.
-SYSTEM_PACKAGES := prometheus chromium bible-kjv bible-kjv-text
+SYSTEM_PACKAGES := prometheus chromium bible-kjv bible-kjv-text kubectl
 SUDO := $(shell test "$$(id -u)" = 0 || echo sudo)
 
 # The suite in two runs: the fast part (unit tests, no cluster) on both cores with pytest-xdist
 # (1 min 40 s instead of 2 min 50 s here), then the end-to-end tests one at a time: each runs a
 # cluster of processes whose timeouts assume the machine is not shared with a second one.
 
-.PHONY: demo test install system-packages screenshots clean
+.PHONY: demo test install system-packages control-plane screenshots clean
 
 demo: $(STAMP)
 	$(BIN)/unbroken demo
 
-test: $(STAMP) system-packages
+test: $(STAMP) system-packages control-plane
 	$(BIN)/ruff check src tests benchmarks docs
 	$(BIN)/mypy
 	$(BIN)/lint-imports
@@ -44,12 +44,19 @@ test: $(STAMP) system-packages
 
 install: $(STAMP)
 
+# The Kubernetes tests' control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
+# training-operator, JobSet, Trainer), built from Go modules into ~/.cache/unbroken/control-plane/ once
+# per version (tests/controlplane/build.py; ~10 min the first time here, nothing after that).
+# Needs Go >= 1.24 (`go`, or /usr/local/go/bin/go) and its module proxy; Debian's golang-go is too old.
+control-plane:
+	$(PYTHON) tests/controlplane/build.py
+
 # docs/img/dashboard-*.png: a real cluster through a fault, photographed in Chromium (a minute).
 screenshots: $(STAMP) system-packages
 	$(BIN)/python docs/screenshots.py
 
 system-packages:
-	@command -v prometheus >/dev/null && command -v chromium >/dev/null && command -v bible >/dev/null || \
+	@command -v prometheus >/dev/null && command -v chromium >/dev/null && command -v bible >/dev/null && command -v kubectl >/dev/null || \
 		( $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends $(SYSTEM_PACKAGES) )
 
 $(STAMP): pyproject.toml Makefile

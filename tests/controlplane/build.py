@@ -25,15 +25,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from controlplane.components import ALL, Component  # noqa: E402
 
 
+def _go() -> str | None:
+    """``go`` on PATH, else the official tarball's place (a PATH without it is common for CI shells)."""
+    return shutil.which("go") or next((p for p in ("/usr/local/go/bin/go",) if os.access(p, os.X_OK)), None)
+
+
 def _go_env() -> dict[str, str]:
     # -buildvcs=false: the module sits in a git work tree whose state is not the binary's version.
     return {**os.environ, "CGO_ENABLED": "0", "GOFLAGS": "-buildvcs=false -mod=readonly"}
 
 
 def _module_dir(module_at_version: str, cwd: Path) -> Path:
-    out = subprocess.run(["go", "mod", "download", "-json", module_at_version], cwd=cwd, env=_go_env(),
+    out = subprocess.run([GO, "mod", "download", "-json", module_at_version], cwd=cwd, env=_go_env(),
                          check=True, capture_output=True, text=True).stdout
     return Path(json.loads(out)["Dir"])
+
+
+GO = _go()
 
 
 def build(component: Component) -> None:
@@ -46,7 +54,7 @@ def build(component: Component) -> None:
           f"({', '.join(component.binaries)}; a first build takes minutes)", flush=True)
     for package, binary in zip(component.packages, component.binaries, strict=True):
         print(f"control plane:   go build {package} ...", flush=True)
-        command = ["go", "build", "-trimpath", "-ldflags", " ".join(("-s", "-w", *component.ldflags)),
+        command = [GO, "build", "-trimpath", "-ldflags", " ".join(("-s", "-w", *component.ldflags)),
                    "-o", str(staging / binary), package]
         subprocess.run(command, cwd=component.module_dir, env=_go_env(), check=True)
     for module, folder, name in component.data:
@@ -73,9 +81,9 @@ def main() -> int:
     if not missing:
         print(f"control plane: every component is built (cache {ALL[0].directory.parent})")
         return 0
-    if shutil.which("go") is None:
-        print("control plane: `go` is not on PATH; the Kubernetes tests need Go >= 1.24 to build "
-              + ", ".join(f"{c.name} {c.version}" for c in missing), file=sys.stderr)
+    if GO is None:
+        print("control plane: no `go` on PATH nor in /usr/local/go/bin; the Kubernetes tests need Go >= 1.24 and "
+              "its module proxy to build " + ", ".join(f"{c.name} {c.version}" for c in missing), file=sys.stderr)
         return 2
     for index, component in enumerate(missing, 1):
         print(f"control plane: [{index}/{len(missing)}]", end=" ", flush=True)

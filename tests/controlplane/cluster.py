@@ -11,7 +11,9 @@ Started in order and waited for, each on its own loopback port, each with its lo
    controller marks a silent node NotReady/Unknown and taints it within seconds;
 4. kube-scheduler (``/healthz``);
 5. with ``kubeflow=True``: training-operator v1 (PyTorchJob only) with its CRD ``Established`` and its
-   validating webhook registered; with ``trainer=True`` also JobSet and the Trainer v2 controller.
+   validating webhook registered; with ``trainer=True`` also JobSet (its defaulting webhook matters: its
+   controller relies on fields only the webhook sets) and the Trainer v2 controller with its
+   ``torch-distributed`` ClusterTrainingRuntime, each with its webhooks.
 
 The Kubeflow controllers each run in a private mount namespace (root only) whose
 ``/tmp/k8s-webhook-server`` is their own folder: both write their serving certificates to that fixed
@@ -52,6 +54,24 @@ TOLERATION_S = 2
 START_TIMEOUT_S = 60.0
 SERVICE_CIDR = "10.96.0.0/16"
 KUBEFLOW_NAMESPACE = "kubeflow"
+JOBSET_NAMESPACE = "jobset-system"
+TRAINER_NAMESPACE = "kubeflow-system"
+"""The namespaces JobSet and the Trainer assume when not in a pod (their Secrets live there)."""
+
+
+@dataclass(frozen=True)
+class WebhookController:
+    """A Kubeflow controller with webhooks: where cert-controller looks for its certificates, and its
+    webhook configurations (manifest file -> {name in the file: name the controller injects its CA into})."""
+
+    name: str
+    namespace: str
+    secret: str
+    ca_name: str
+    service: str
+    port: int
+    configurations: dict[Path, dict[str, str]]
+    keep: Callable[[dict[str, Any]], bool] = lambda hook: True
 
 
 class ControlPlaneError(RuntimeError):
@@ -209,6 +229,8 @@ class ControlPlane:
             "--leader-elect=false", f"--bind-address={LOOPBACK}", f"--secure-port={free_port()}", "--profiling=false"])
         if self.kubeflow:
             self._define_training_operator()
+        if self.trainer:
+            self._define_trainer()
 
     def _isolated(self, name: str, command: list[str]) -> list[str]:
         """``command`` in a mount namespace of its own whose /tmp/k8s-webhook-server is ``workdir/<name>``."""
@@ -239,6 +261,10 @@ class ControlPlane:
             self.install_crds()
         if self.kubeflow:
             self._start_training_operator()
+        if self.trainer:
+            if not self.crds:
+                self.install_crds()
+            self._start_trainer()
         self.ready_seconds = time.monotonic() - started
         return self
 
@@ -320,42 +346,83 @@ class ControlPlane:
             directory = components.TRAINING_OPERATOR.directory / "crds"
             self.kubectl("apply", "--server-side", "-f", str(directory / "kubeflow.org_pytorchjobs.yaml"))
             self.wait_established("pytorchjobs.kubeflow.org")
-        # What the operator's cert-controller would make itself: a CA named training-operator-ca and a serving
-        # certificate for its Service -- which also names 127.0.0.1, the address the API server is given.
-        authority = pki.Authority(self.workdir / "training-operator" / "pki", "training-operator-ca", named=True)
-        webhook = authority.issue("webhook", common_name="training-operator", server=True, ips=(LOOPBACK,),
-                                  dns=(f"training-operator.{KUBEFLOW_NAMESPACE}.svc",))
-        files = {"ca.crt": authority.cert.read_text(), "ca.key": authority.key.read_text(),
-                 "tls.crt": webhook.cert.read_text(), "tls.key": webhook.key.read_text()}
-        # The Secret, which cert-controller keeps (the certificates are valid), and the files the Secret's volume
-        # would hold in the operator's pod (cert-controller waits for them, and the webhook server reads them).
-        certs = self.workdir / "training-operator" / "k8s-webhook-server" / "serving-certs"
-        certs.mkdir(parents=True, exist_ok=True)
-        for name, text in files.items():
-            (certs / name).write_text(text)
-        self.apply([
-            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": KUBEFLOW_NAMESPACE}},
-            {"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
-             "metadata": {"name": "training-operator-webhook-cert", "namespace": KUBEFLOW_NAMESPACE}, "stringData": files},
-            self._training_operator_webhook(authority.cert_pem)])
+        self._webhook_controller(WebhookController(
+            "training-operator", KUBEFLOW_NAMESPACE, "training-operator-webhook-cert", "training-operator-ca",
+            "training-operator", self.training_operator_webhook_port,
+            {components.TRAINING_OPERATOR.directory / "webhook" / "manifests.yaml":
+             {"validating-webhook-configuration": "validator.training-operator.kubeflow.org"}},
+            keep=lambda hook: "pytorchjob" in hook["name"]))  # only the PyTorchJob scheme runs
         self._start("training-operator", lambda: self._get(
             f"http://{LOOPBACK}:{self.training_operator_probe_port}/readyz", tls=False))
 
-    def _training_operator_webhook(self, ca_pem: bytes) -> dict[str, Any]:
-        """The operator's own ValidatingWebhookConfiguration (its module's manifests), pointed at 127.0.0.1."""
-        source = components.TRAINING_OPERATOR.directory / "webhook" / "manifests.yaml"
-        configuration = next(d for d in yaml.safe_load_all(source.read_text()) if d)
-        configuration["metadata"]["name"] = "validator.training-operator.kubeflow.org"
-        kept = []
-        for hook in configuration["webhooks"]:
-            if "pytorchjob" not in hook["name"]:
-                continue  # only the PyTorchJob scheme runs
-            path = hook["clientConfig"]["service"]["path"]
-            hook["clientConfig"] = {"url": f"https://{LOOPBACK}:{self.training_operator_webhook_port}{path}",
-                                    "caBundle": base64.b64encode(ca_pem).decode()}
-            kept.append(hook)
-        configuration["webhooks"] = kept
-        return dict(configuration)
+    def _define_trainer(self) -> None:
+        """JobSet and the Trainer, each from a configuration file of its own (their only way to be configured)."""
+        trainer = components.TRAINER
+        self.jobset_webhook_port, self.jobset_probe_port = free_port(), free_port()
+        self.trainer_webhook_port, self.trainer_probe_port = free_port(), free_port()
+        for name, port, probe in (("jobset", self.jobset_webhook_port, self.jobset_probe_port),
+                                  ("trainer", self.trainer_webhook_port, self.trainer_probe_port)):
+            config = {"apiVersion": "config.jobset.x-k8s.io/v1alpha1" if name == "jobset"
+                      else "config.trainer.kubeflow.org/v1alpha1", "kind": "Configuration",
+                      "health": {"healthProbeBindAddress": f"{LOOPBACK}:{probe}"},
+                      "metrics": {"bindAddress": "0"}, "webhook": {"port": port, "host": LOOPBACK},
+                      "leaderElection": {"leaderElect": False}}
+            if name == "trainer":
+                config["certManagement"] = {"enable": True}
+            path = self.workdir / f"{name}-config.yaml"
+            path.write_text(yaml.safe_dump(config))
+            binary = trainer.binary("jobset" if name == "jobset" else "trainer-controller-manager")
+            self._process(name, self._isolated(name, [str(binary), f"--config={path}",
+                                                      f"--kubeconfig={self.admin_kubeconfig}"]))
+
+    def _start_trainer(self) -> None:
+        directory = components.TRAINER.directory
+        self._webhook_controller(WebhookController(
+            "jobset", JOBSET_NAMESPACE, "jobset-webhook-server-cert", "jobset-ca", "jobset-webhook-service",
+            self.jobset_webhook_port,
+            {directory / "jobset-webhook" / "manifests.yaml": {
+                "validating-webhook-configuration": "jobset-validating-webhook-configuration",
+                "mutating-webhook-configuration": "jobset-mutating-webhook-configuration"}}))
+        self._start("jobset", lambda: self._get(f"http://{LOOPBACK}:{self.jobset_probe_port}/readyz", tls=False))
+        self._webhook_controller(WebhookController(
+            "trainer", TRAINER_NAMESPACE, "kubeflow-trainer-webhook-cert", "kubeflow-trainer-ca",
+            "kubeflow-trainer-controller-manager", self.trainer_webhook_port,
+            {directory / "trainer-webhook" / "manifests.yaml": {
+                "validating-webhook-configuration": "validator.trainer.kubeflow.org"}}))
+        self._start("trainer", lambda: self._get(f"http://{LOOPBACK}:{self.trainer_probe_port}/readyz", tls=False))
+        # the runtime Kubeflow ships for torchrun jobs, as its installation applies it
+        self.kubectl("apply", "--server-side", "-f", str(directory / "trainer-runtimes" / "torch_distributed.yaml"))
+
+    def _webhook_controller(self, controller: WebhookController) -> None:
+        """What a Kubeflow controller's cert-controller would make itself, made beforehand: a CA of its name and a
+        serving certificate for its Service that also names 127.0.0.1 (the address the API server is given). The
+        Secret holds them (cert-controller keeps valid certificates it finds), the files its pod's Secret volume
+        would hold are written (cert-controller waits for them; the webhook server reads them), and its webhook
+        configurations (its module's manifests) point at 127.0.0.1."""
+        home = self.workdir / controller.name
+        authority = pki.Authority(home / "pki", controller.ca_name, named=True)
+        serving = authority.issue("webhook", common_name=controller.service, server=True, ips=(LOOPBACK,),
+                                  dns=(f"{controller.service}.{controller.namespace}.svc",))
+        files = {"ca.crt": authority.cert.read_text(), "ca.key": authority.key.read_text(),
+                 "tls.crt": serving.cert.read_text(), "tls.key": serving.key.read_text()}
+        certs = home / "k8s-webhook-server" / "serving-certs"
+        certs.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            (certs / name).write_text(text)
+        bundle = base64.b64encode(authority.cert_pem).decode()
+        configurations = []
+        for source, renames in controller.configurations.items():
+            for configuration in (d for d in yaml.safe_load_all(source.read_text()) if d):
+                configuration["metadata"] = {"name": renames[configuration["metadata"]["name"]]}
+                hooks = [h for h in configuration["webhooks"] if controller.keep(h)]
+                for hook in hooks:
+                    path = hook["clientConfig"]["service"]["path"]
+                    hook["clientConfig"] = {"url": f"https://{LOOPBACK}:{controller.port}{path}", "caBundle": bundle}
+                configurations.append({**configuration, "webhooks": hooks})
+        self.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": controller.namespace}},
+                    {"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+                     "metadata": {"name": controller.secret, "namespace": controller.namespace}, "stringData": files},
+                    *configurations])
 
     def stop(self) -> None:
         for process in reversed(list(self.processes.values())):

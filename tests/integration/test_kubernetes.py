@@ -160,9 +160,14 @@ def service_account_kubeconfig(plane: ControlPlane, core: kubernetes.client.Core
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
+def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """The control plane (with JobSet and the Trainer for a test marked ``trainer``), deploy/ installed, three
+    GPU nodes of the process kubelet; afterwards: no kubelet error, no refusal in the operator's log, no pod
+    process left."""
+    trainer = request.node.get_closest_marker("trainer") is not None
     # A short directory: a node's hostPath /var/run/unbroken/agent.sock must fit in a socket address (107 bytes).
-    with tempfile.TemporaryDirectory(prefix="k8s-", dir="/tmp") as nodes_root, ControlPlane(tmp_path / "plane") as plane:
+    with tempfile.TemporaryDirectory(prefix="k8s-", dir="/tmp") as nodes_root, \
+            ControlPlane(tmp_path / "plane", trainer=trainer) as plane:
         api = api_client(plane.kubeconfig)
         core = kubernetes.client.CoreV1Api(api)
         remediations = tmp_path / "remediations.log"
@@ -876,12 +881,12 @@ def trainjob(name: str, checkpoints: Path, tmp_path: Path, *, steps: int, max_re
     return body
 
 
+@pytest.mark.trainer
 def test_a_trainjob_rank_killed_restarts_the_job_which_resumes_from_its_checkpoint(cluster: Cluster, tmp_path: Path) -> None:
-    """Done-when 3 for a TrainJob, as ``unbroken k8s render --kind TrainJob`` writes one: Trainer -> JobSet -> Jobs
-    -> pods (the test kubelet plays the Trainer and JobSet controllers, tests/k8s_trainer.py); a rank killed ->
-    the TrainJob is suspended, its JobSet deleted and built again, the pods of attempt 1 come with unbroken's
-    runtime patch and resume from the checkpoint."""
-    cluster.custom.create_cluster_custom_object(*TRAINER, "clustertrainingruntimes", torch_distributed_runtime())
+    """Done-when 3 for a TrainJob, as ``unbroken k8s render --kind TrainJob`` writes one, through the real Trainer,
+    JobSet and Job controllers with Kubeflow's own ``torch-distributed`` runtime: Trainer -> JobSet -> Jobs -> pods;
+    a rank killed -> the TrainJob is suspended, its JobSet deleted and built again by the Trainer, the pods of
+    attempt 1 come with unbroken's runtime patch and resume from the checkpoint."""
     cluster.start_operator()
     checkpoints = tmp_path / "ckpt"
     cluster.custom.create_namespaced_custom_object(*TRAINER, JOBS, "trainjobs", trainjob("tj", checkpoints, tmp_path, steps=400, max_retry=2))
@@ -936,3 +941,67 @@ def test_a_trainjob_rank_killed_restarts_the_job_which_resumes_from_its_checkpoi
     # the Trainer's own verdict follows through JobSet and Jobs
     wait_until(lambda: any(c["type"] == "Complete" and c["status"] == "True" for c in train().get("status", {}).get("conditions", [])),
                30, "the TrainJob's Complete condition")
+
+
+PLAIN_DDP = Path(__file__).resolve().parents[1] / "fixtures" / "plain_ddp.py"
+
+
+def test_a_pytorchjob_written_as_kubeflow_documents_it_survives_a_killed_rank_and_completes(cluster: Cluster,
+                                                                                         tmp_path: Path) -> None:
+    """The shape of Kubeflow's PyTorchJob examples -- Master + Worker, ``restartPolicy: OnFailure``, a plain DDP
+    script run with ``python3`` (no torchrun, no ``import unbroken``), the operator's default MASTER_PORT -- with
+    unbroken's two annotations added and nothing else changed. The real training-operator builds the pods (its
+    ``init-pytorch`` container waits for the master's Service name), a rank is killed, unbroken restarts the job
+    through ``runPolicy.suspend``, the recreated pods resume from the script's own checkpoint and it completes."""
+    cluster.start_operator()
+    checkpoint = tmp_path / "shared" / "model.pt"
+    checkpoint.parent.mkdir()
+    container = {"name": "pytorch", "image": "docker.io/kubeflowkatib/pytorch-mnist-cpu:latest", "imagePullPolicy": "Always",
+                 "command": ["python3", str(PLAIN_DDP), "--steps", "300", "--checkpoint", str(checkpoint)]}
+    replica = {"replicas": 1, "restartPolicy": "OnFailure", "template": {"spec": {"containers": [container]}}}
+    name = submit(cluster, {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
+                            "metadata": {"name": "pytorch-simple", "namespace": JOBS, "annotations": auto_resume(2)},
+                            "spec": {"pytorchReplicaSpecs": {"Master": replica, "Worker": json.loads(json.dumps(replica))}}})
+    worker = wait_until(lambda: next((p for p in cluster.pods(name) if p.metadata.name.endswith("worker-0")), None), 60,
+                        "the worker pod")
+    assert [c.name for c in worker.spec.init_containers or []] == ["init-pytorch"], "training-operator's own init container"
+    wait_until(checkpoint.exists, 120, "the script's first checkpoint")
+
+    pid = wait_until(lambda: cluster.kubelet.pid_of(JOBS, f"{name}-worker-0"), 30, "the worker's rank")
+    psutil.Process(pid).kill()
+
+    wait_until(lambda: cluster.annotations(name).get(names.RESTART_COUNT) == "1", 60, "unbroken's restart")
+    wait_until(lambda: "resumed at step" in rank_log(cluster, f"{name}-master-0"), 120, "the script to resume")
+    wait_until(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Succeeded", 180, "the job to complete")
+    assert "final loss" in rank_log(cluster, f"{name}-master-0")
+    conditions = {c["type"]: c["status"] for c in cluster.job(name)["status"]["conditions"]}
+    assert conditions.get("Succeeded") == "True", conditions  # training-operator's own verdict
+
+
+def test_an_agents_token_is_refused_what_only_the_operator_may_do(cluster: Cluster, tmp_path: Path) -> None:
+    """deploy/'s RBAC on the real API server: the node agent's ServiceAccount may write its node and Lease, never
+    a workload, a pod's life or a deep-check Job -- the operator's may."""
+    name = submit(cluster, pytorchjob("rbac", tmp_path / "ckpt", steps=10, nodes=1))
+    agent = api_client(cluster.agent_kubeconfig)
+    operator = api_client(cluster.operator_kubeconfig)
+    patch = {"metadata": {"annotations": {names.JOB_PHASE: "Running"}}}
+
+    def refused(call: Any) -> int | None:
+        try:
+            call()
+        except kubernetes.client.ApiException as e:
+            return e.status
+        return None
+
+    custom = kubernetes.client.CustomObjectsApi
+    assert refused(lambda: custom(agent).patch_namespaced_custom_object("kubeflow.org", "v1", JOBS, "pytorchjobs", name, patch)) == 403
+    pod = wait_until(lambda: cluster.pods(name), 60, "the job's pod")[0].metadata.name
+    assert refused(lambda: kubernetes.client.CoreV1Api(agent).delete_namespaced_pod(pod, JOBS)) == 403
+    job = {"metadata": {"name": "not-a-check"}, "spec": {"template": {"spec": {
+        "restartPolicy": "Never", "containers": [{"name": "c", "image": "x", "command": ["true"]}]}}}}
+    assert refused(lambda: kubernetes.client.BatchV1Api(agent).create_namespaced_job(SYSTEM, job)) == 403
+    # ... and the operator's account may do each of these
+    assert refused(lambda: custom(operator).patch_namespaced_custom_object("kubeflow.org", "v1", JOBS, "pytorchjobs", name,
+                                                                           {"metadata": {"annotations": {"x.example/y": "z"}}})) is None
+    assert refused(lambda: kubernetes.client.BatchV1Api(operator).create_namespaced_job(SYSTEM, job, dry_run="All")) is None
+    assert refused(lambda: kubernetes.client.CoreV1Api(operator).delete_namespaced_pod(pod, JOBS, dry_run="All")) is None
