@@ -1,12 +1,14 @@
-"""Deep-check Jobs on join: the Job's shape (validated offline against the Kubernetes schema), its
-name, which group a node belongs to, and the verdict a pod leaves. The end-to-end run (real checks
-in pods on emulated nodes) is tests/integration/test_kubernetes.py."""
+"""Deep-check Jobs on join: the Job's shape (validated offline against the Kubernetes schema, and by a
+real kube-apiserver in a dry run), its name, which group a node belongs to, and the verdict a pod leaves.
+The end-to-end run (real checks in pods on the process kubelet's nodes) is tests/integration/test_kubernetes.py."""
 
 from __future__ import annotations
 
+import datetime
 import json
 from pathlib import Path
 
+import kubernetes
 import kubernetes_validate
 import pytest
 
@@ -15,6 +17,7 @@ from unbroken.config.cluster import ClusterConfig, InstanceGroup
 from unbroken.health.pod import VERDICT_MARK, parse_verdict, verdict_record
 from unbroken.health.result import CheckResult, FaultAction, Status, Suite
 from unbroken.kube import names
+from unbroken.kube.client import api_client
 from unbroken.operator.deep_checks import group_of, job_manifest, job_name
 from unbroken.state.phases import DeepHealthStatus, NodeState
 from unbroken.state.records import Node
@@ -68,7 +71,7 @@ def test_the_job_is_pinned_tolerant_single_shot_and_valid_for_kubernetes() -> No
         "ip-10-0-1-17.ec2.internal", "p5.48xlarge", "InstanceStress")
 
 
-def test_the_cross_node_sweep_is_an_indexed_job_one_pod_per_node_in_the_hosts_network() -> None:
+def test_the_cross_node_sweep_is_an_indexed_job_one_pod_per_node_in_the_hosts_network(kubeconfig: Path, namespace: str) -> None:
     from dataclasses import replace
 
     from unbroken.health.context import Peer
@@ -83,7 +86,12 @@ def test_the_cross_node_sweep_is_an_indexed_job_one_pod_per_node_in_the_hosts_ne
     pod = spec["template"]["spec"]
     assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
     terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
-    assert terms[0]["matchFields"][0]["values"] == ["ip-10-0-1-17.ec2.internal", "ip-10-0-1-20.ec2.internal"]
+    # one term per node (ORed): the API server refuses several values in a metadata.name field selector
+    assert [t["matchFields"][0]["values"] for t in terms] == [["ip-10-0-1-17.ec2.internal"], ["ip-10-0-1-20.ec2.internal"]]
+    # and the real API server accepts the Job as it is (a dry run: its validation is more than the schema's)
+    batch = kubernetes.client.BatchV1Api(api_client(kubeconfig))
+    batch.create_namespaced_job(namespace, {**body, "metadata": {**body["metadata"], "namespace": namespace}},
+                                dry_run="All", field_validation="Strict")
     (apart,) = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert apart["topologyKey"] == "kubernetes.io/hostname"
     assert spec["template"]["metadata"]["labels"].items() >= apart["labelSelector"]["matchLabels"].items()
@@ -121,9 +129,9 @@ def test_the_verdict_is_the_last_marked_line_of_the_log_tail() -> None:
 
 def test_a_peer_the_cross_node_sweep_blames_is_taken_out_and_the_joining_node_passes(kubeconfig: Path, namespace: str) -> None:
     """The operator's side of a sweep that named a peer as the slow node (a slow link cannot be made between
-    the test kubelet's nodes, which share one loopback): emulated API only. The Job's completion and the
-    joining node's pod, with its verdict in the termination message, are written here as the Job controller
-    and the kubelet would."""
+    the process kubelet's nodes, which share one loopback): the real API server and controllers, no kubelet.
+    The Job's completion and the joining node's pod, with its verdict in the termination message, are
+    written here as the Job controller and the kubelet would."""
     import kubernetes
 
     from unbroken.kube.client import api_client
@@ -153,7 +161,13 @@ def test_a_peer_the_cross_node_sweep_blames_is_taken_out_and_the_joining_node_pa
     core.patch_namespaced_pod_status(pod.metadata.name, namespace, {"status": {"phase": "Succeeded", "containerStatuses": [
         {"name": "check", "image": "x", "imageID": "", "ready": False, "restartCount": 0,
          "state": {"terminated": {"exitCode": 0, "message": VERDICT_MARK + json.dumps(verdict)}}}]}})
-    batch.patch_namespaced_job_status(job.metadata.name, namespace, {"status": {"conditions": [{"type": "Complete", "status": "True"}]}})
+    # what the Job controller writes when every index succeeded (the API server checks that it is consistent)
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    batch.patch_namespaced_job_status(job.metadata.name, namespace, {"status": {
+        "startTime": now, "completionTime": now, "succeeded": job.spec.completions, "active": 0,
+        "completedIndexes": f"0-{job.spec.completions - 1}",
+        "conditions": [{"type": "SuccessCriteriaMet", "status": "True", "lastTransitionTime": now},
+                       {"type": "Complete", "status": "True", "lastTransitionTime": now}]}})
 
     checks.reconcile(cluster)
     assert store.get_node(joining).deep_health is DeepHealthStatus.PASSED

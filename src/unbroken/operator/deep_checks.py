@@ -131,8 +131,10 @@ def job_manifest(namespace: str, cluster: ClusterConfig, group: InstanceGroup, n
     pod: dict[str, Any] = {
         "restartPolicy": "Never",
         "automountServiceAccountToken": False,  # the pod reports through its termination message only
+        # One term per node, ORed: the API server refuses a metadata.name field selector with several values.
         "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-            {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [p.name for p in across] or [node.name]}]}]}}},
+            {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [name]}]}
+            for name in [p.name for p in across] or [node.name]]}}},
         "tolerations": [{"key": names.TAINT_KEY, "operator": "Exists", "effect": names.TAINT_EFFECT}],
         "containers": [container],
         "volumes": [{"name": "scratch", "hostPath": {"path": SCRATCH, "type": "DirectoryOrCreate"}}],
