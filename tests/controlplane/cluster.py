@@ -388,7 +388,8 @@ class ControlPlane:
             "trainer", TRAINER_NAMESPACE, "kubeflow-trainer-webhook-cert", "kubeflow-trainer-ca",
             "kubeflow-trainer-controller-manager", self.trainer_webhook_port,
             {directory / "trainer-webhook" / "manifests.yaml": {
-                "validating-webhook-configuration": "validator.trainer.kubeflow.org"}}))
+                "validating-webhook-configuration": "validator.trainer.kubeflow.org",
+                "mutating-webhook-configuration": "defaulter.trainer.kubeflow.org"}}))
         self._start("trainer", lambda: self._get(f"http://{LOOPBACK}:{self.trainer_probe_port}/readyz", tls=False))
         # the runtime Kubeflow ships for torchrun jobs, as its installation applies it
         self.kubectl("apply", "--server-side", "-f", str(directory / "trainer-runtimes" / "torch_distributed.yaml"))

@@ -79,13 +79,13 @@ TRAINING_OPERATOR = Component(
     data=(("github.com/kubeflow/training-operator@v1.9.3", "manifests/base/crds", "crds"),
           ("github.com/kubeflow/training-operator@v1.9.3", "manifests/base/webhook", "webhook")))
 TRAINER = Component(
-    "trainer", "v2.1.0", ("github.com/kubeflow/trainer/v2/cmd/trainer-controller-manager", "sigs.k8s.io/jobset"),
+    "trainer", "v2.3.0", ("github.com/kubeflow/trainer/v2/cmd/trainer-controller-manager", "sigs.k8s.io/jobset"),
     ("trainer-controller-manager", "jobset"),
-    data=(("github.com/kubeflow/trainer/v2@v2.1.0", "manifests/base/crds", "trainer-crds"),
-          ("github.com/kubeflow/trainer/v2@v2.1.0", "manifests/base/webhook", "trainer-webhook"),
-          ("github.com/kubeflow/trainer/v2@v2.1.0", "manifests/base/runtimes", "trainer-runtimes"),
-          ("github.com/kubeflow/trainer/v2@v2.1.0", "manifests/base/manager", "trainer-manager"),
-          ("sigs.k8s.io/jobset@v0.10.1", "config/components/crd/bases", "jobset-crds"),
-          ("sigs.k8s.io/jobset@v0.10.1", "config/components/webhook", "jobset-webhook")))
+    data=(("github.com/kubeflow/trainer/v2@v2.3.0", "manifests/base/crds", "trainer-crds"),
+          ("github.com/kubeflow/trainer/v2@v2.3.0", "manifests/base/webhook", "trainer-webhook"),
+          ("github.com/kubeflow/trainer/v2@v2.3.0", "manifests/base/runtimes", "trainer-runtimes"),
+          ("github.com/kubeflow/trainer/v2@v2.3.0", "manifests/base/manager", "trainer-manager"),
+          ("sigs.k8s.io/jobset@v0.12.0", "config/components/crd/bases", "jobset-crds"),
+          ("sigs.k8s.io/jobset@v0.12.0", "config/components/webhook", "jobset-webhook")))
 
 ALL = (ETCD, KUBERNETES, TRAINING_OPERATOR, TRAINER)
