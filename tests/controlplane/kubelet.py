@@ -34,9 +34,10 @@ How a container differs from a real one (no runtime here):
   args, env or workingDir is rewritten to it, so each node's ``/var/run/unbroken/agent.sock`` is its own.
   Other volumes are not mounted (pods get no service-account token files).
 * Names: every pod shares 127.0.0.1. Each container runs in a mount namespace of its own (root only)
-  whose ``/etc/hosts`` is this kubelet's hosts file, which maps every Service of the cluster
-  (``name``, ``name.ns``, ``name.ns.svc``, ``name.ns.svc.cluster.local``) to 127.0.0.1 -- the real
-  kubelet also manages each pod's /etc/hosts. ``nslookup`` (training-operator's init container's busybox
+  whose ``/etc/hosts`` is this kubelet's hosts file, which maps every name cluster DNS would answer --
+  Services (``name``, ``name.ns``, ``name.ns.svc``, ``name.ns.svc.cluster.local``), pods with a hostname in
+  a headless Service's subdomain (JobSet's ``<pod>.<jobset>``), pods' own hostnames -- to 127.0.0.1 (the
+  real kubelet also manages each pod's /etc/hosts). ``nslookup`` (training-operator's init container's busybox
   check) is a shim on PATH that asks the same hosts file (``getent hosts``).
 """
 
@@ -208,7 +209,7 @@ class ProcessKubelet:
         self._pods: dict[str, _Pod] = {}
         self.hosts_file = self.workdir / "hosts"
         self._hosts_text = ""
-        self._write_hosts([])
+        self._write_hosts([], [])
         shim = self.workdir / "bin" / "nslookup"
         shim.write_text('#!/bin/sh\n# busybox nslookup, played by the pod\'s /etc/hosts\ngetent hosts "$1"\n')
         shim.chmod(0o755)
@@ -349,9 +350,9 @@ class ProcessKubelet:
             if time.monotonic() - node.lease_renewed >= LEASE_RENEW_S:
                 self._renew(node)
         services = json.loads(self.core.list_service_for_all_namespaces(_preload_content=False).data)["items"]
-        self._write_hosts(services)
         pods = json.loads(self.core.list_pod_for_all_namespaces(_preload_content=False,
                                                                 field_selector="spec.nodeName!=").data)["items"]
+        self._write_hosts(services, pods)
         present = {_meta(p)["uid"] for p in pods}
         for uid in [u for u in self._pods if u not in present]:
             self._kill(self._pods.pop(uid))  # gone from the API (force-deleted): nothing may keep running
@@ -369,11 +370,19 @@ class ProcessKubelet:
                     {"spec": {"renewTime": _micro_now()}})
         node.lease_renewed = time.monotonic()
 
-    def _write_hosts(self, services: list[Obj]) -> None:
+    def _write_hosts(self, services: list[Obj], pods: list[Obj]) -> None:
+        """Every name cluster DNS would answer for a Service (``name[.ns[.svc[.cluster.local]]]``) or for a pod
+        with a hostname in a headless Service's subdomain (``host.subdomain[.ns...]``, JobSet's pods), and each
+        pod's own hostname: all 127.0.0.1."""
         lines = ["127.0.0.1 localhost", "::1 localhost ip6-localhost ip6-loopback"]
-        for service in services:
-            name, namespace = _meta(service)["name"], _meta(service)["namespace"]
+        names = [(_meta(s)["name"], _meta(s)["namespace"]) for s in services]
+        names += [(f"{_spec(p)['hostname']}.{_spec(p)['subdomain']}", _meta(p)["namespace"]) for p in pods
+                  if _spec(p).get("hostname") and _spec(p).get("subdomain")]
+        for name, namespace in names:
             lines.append(f"{LOOPBACK} {name} {name}.{namespace} {name}.{namespace}.svc {name}.{namespace}.svc.cluster.local")
+        hostnames = sorted({_spec(p).get("hostname") or _meta(p)["name"] for p in pods})
+        if hostnames:
+            lines.append(f"{LOOPBACK} {' '.join(hostnames)}")
         text = "\n".join(lines) + "\n"
         if text != self._hosts_text:
             # In place, never replaced: each container's /etc/hosts is a bind mount of this very inode.
