@@ -490,6 +490,15 @@ def test_an_xid_79_in_a_nodes_kernel_log_takes_it_out_and_the_job_resumes_on_oth
     condition = next(c for c in node.status.conditions if c.type == names.CONDITION_TYPE)
     assert (condition.status, condition.reason) == ("False", "NvidiaXID79Error")
     assert any(t.key == names.TAINT_KEY for t in node.spec.taints or [])
+    # what a platform engineer sees with the real kubectl, from the real API server
+    listing = cluster.plane.kubectl("get", "nodes", "-L", f"{names.NODE_HEALTH_STATUS},{names.FAULT_TYPES}").stdout
+    row = next(line.split() for line in listing.splitlines() if line.startswith(faulty))
+    assert row[-2:] == ["UnschedulablePendingReplacement", "FaultyInstance"], listing
+    described = cluster.plane.kubectl("describe", "node", faulty).stdout
+    assert f"{names.TAINT_KEY}=Unschedulable:NoSchedule" in described, described
+    assert re.search(rf"{names.CONDITION_TYPE}\s+False.*NvidiaXID79Error", described), described
+    fault_events = wait_until(lambda: [r for r, _ in node_events(cluster, faulty)], 10, "unbroken's Events on the node")
+    assert all(reason in described for reason in fault_events), (fault_events, described)
 
     wait_resumed_off(cluster, name, faulty)
     assert cluster.annotations(name)[names.RESTART_COUNT] == "1"
