@@ -1027,3 +1027,38 @@ def test_an_agents_token_is_refused_what_only_the_operator_may_do(cluster: Clust
                                                                            {"metadata": {"annotations": {"x.example/y": "z"}}})) is None
     assert refused(lambda: kubernetes.client.BatchV1Api(operator).create_namespaced_job(SYSTEM, job, dry_run="All")) is None
     assert refused(lambda: kubernetes.client.CoreV1Api(operator).delete_namespaced_pod(pod, JOBS, dry_run="All")) is None
+
+
+def test_unusual_workloads_beside_a_healthy_job_never_stop_its_recovery(cluster: Cluster, tmp_path: Path) -> None:
+    """One object unbroken cannot read or act on must never blind the operator to the others. Valid but unusual
+    PyTorchJobs that opt in -- an elasticPolicy with HPA metrics (the SDK's models could not read it: the whole pass
+    once failed on it), a Worker-only job, ``nprocPerNode: auto``, replicas as a stray label -- sit beside a healthy
+    job; a rank of the healthy one is killed and it is restarted as usual, and the operator never fails a pass."""
+    cluster.start_operator()
+    unusual = []
+    elastic = pytorchjob("elastic-hpa", tmp_path / "e", steps=5000, nodes=2, annotations=auto_resume(1))
+    elastic["spec"]["elasticPolicy"] = {"minReplicas": 1, "maxReplicas": 2, "rdzvBackend": "c10d", "metrics": [
+        {"type": "Resource", "resource": {"name": "cpu", "target": {"type": "Utilization", "averageUtilization": 80}}}]}
+    unusual.append(elastic)
+    worker_only = pytorchjob("workers-only", tmp_path / "w", steps=5000, nodes=2, annotations=auto_resume(1))
+    worker_only["spec"]["pytorchReplicaSpecs"] = {"Worker": {**worker_only["spec"]["pytorchReplicaSpecs"]["Master"],
+                                                             "replicas": 1}}
+    unusual.append(worker_only)
+    auto = pytorchjob("nproc-auto", tmp_path / "a", steps=5000, nodes=1, annotations=auto_resume(1))
+    auto["spec"]["nprocPerNode"] = "auto"
+    unusual.append(auto)
+    for body in unusual:
+        for replica in body["spec"]["pytorchReplicaSpecs"].values():
+            replica["template"]["spec"]["nodeSelector"] = {"no-such-node": "true"}  # they stay Pending: the GPUs are the healthy job's
+        submit(cluster, body)
+    checkpoints = tmp_path / "ckpt"
+    name = running_with_a_checkpoint(cluster, pytorchjob("healthy", checkpoints, steps=400, annotations=auto_resume(2)), checkpoints)
+
+    rank_process(cluster, f"{name}-worker-0").send_signal(signal.SIGKILL)
+
+    wait_until(lambda: cluster.annotations(name).get(names.RESTART_COUNT) == "1", 60, "the healthy job's restart")
+    wait_until(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Running", 60, "attempt 1 running")
+    for body in unusual:  # each one adopted (or warned about by name), none stopping the pass
+        job = body["metadata"]["name"]
+        assert cluster.annotations(job).get(names.JOB_PHASE) or [e for e in cluster.events(job) if e[0] == "Warning"], job
+    assert "reconcile pass failed" not in cluster.operator_log()

@@ -26,7 +26,7 @@ from unbroken.checkpoint import credentials
 from unbroken.checkpoint.credentials import Credentials
 from unbroken.errors import NotFoundError, StoreUnavailable
 from unbroken.kube import names
-from unbroken.kube.api import STRICT, ApiConflict, call
+from unbroken.kube.api import STRICT, ApiConflict, RequestRefused, call
 
 _FILES = (credentials.CA_FILE, credentials.CERT_FILE, credentials.KEY_FILE)
 
@@ -61,8 +61,8 @@ def _read(core: kubernetes.client.CoreV1Api, namespace: str) -> dict[str, str] |
         secret = call(lambda: core.read_namespaced_secret(names.CLUSTER_TLS_SECRET, namespace))
     except NotFoundError:
         return None
-    except kubernetes.client.ApiException as exc:  # 403: the agent's Role lacks it (deploy/base/rbac-agent.yaml)
-        raise StoreUnavailable(f"reading Secret {namespace}/{names.CLUSTER_TLS_SECRET}: {exc.status} {exc.reason}") from None
+    except RequestRefused as exc:  # 403: the agent's Role lacks it (deploy/base/rbac-agent.yaml)
+        raise StoreUnavailable(f"reading Secret {namespace}/{names.CLUSTER_TLS_SECRET}: {exc}") from None
     data = secret.data or {}
     missing = [n for n in _FILES if n not in data]
     if missing:
@@ -82,8 +82,8 @@ def _create(core: kubernetes.client.CoreV1Api, namespace: str, cluster_name: str
         return data
     except ApiConflict:
         pass
-    except kubernetes.client.ApiException as exc:
-        raise StoreUnavailable(f"creating Secret {namespace}/{names.CLUSTER_TLS_SECRET}: {exc.status} {exc.reason}") from None
+    except RequestRefused as exc:
+        raise StoreUnavailable(f"creating Secret {namespace}/{names.CLUSTER_TLS_SECRET}: {exc}") from None
     theirs = _read(core, namespace)  # another agent's create won: use its CA
     if theirs is None:
         raise StoreUnavailable(f"Secret {namespace}/{names.CLUSTER_TLS_SECRET} was created and is gone again")

@@ -13,6 +13,7 @@ import logging
 
 from unbroken.backends.base import Backend
 from unbroken.config.job import JobSpec
+from unbroken.errors import StoreUnavailable, UnbrokenError
 from unbroken.controller import job_decisions
 from unbroken.controller.job_decisions import Action, Decision
 from unbroken.state.phases import JobPhase
@@ -31,6 +32,8 @@ class JobReconciler:
         self.store = store
         self.backend = backend
         self.silent_after = silent_after
+        self._warned: dict[str, str] = {}
+        """job -> the last reconcile failure warned about in an Event (memory only: a new controller warns once again)."""
         self._grow_noticed: dict[tuple[str, int], int] = {}
         """(job, attempt) of an elastic job that could grow → the step it had saved when first seen
         so; it grows after a newer one. Memory only: a new controller notices again, one checkpoint later."""
@@ -48,7 +51,23 @@ class JobReconciler:
                     decision = self.reconcile(now, job, nodes, busy)
                 except StaleUpdate:
                     continue  # changed under us (e.g. cancel); the next pass sees the new state
+                except StoreUnavailable:
+                    raise  # the store is away, not this job: the whole pass waits for it
+                except UnbrokenError as exc:
+                    self._warn(job, exc)  # this job's own trouble: it waits, every other job goes on
+                    continue
+                self._warned.pop(job.name, None)
                 busy.update(decision.nodes)  # so the next job in this pass cannot take them
+
+    def _warn(self, job: Job, exc: UnbrokenError) -> None:
+        """One Warning Event per distinct failure of one job's reconcile, naming the job and why."""
+        message = f"{type(exc).__name__}: {exc}"
+        log.warning("job %s: reconcile failed, skipped this pass: %s", job.name, message, extra={"job": job.name})
+        if self._warned.get(job.name) != message:
+            self._warned[job.name] = message
+            self.store.add_event("Job", job.name, "JobReconcileFailed",
+                                 f"{job.name} could not be reconciled and waits; every other job goes on: {message}",
+                                 type=EventType.WARNING)
 
     def reconcile(self, now: float, job: Job, nodes: dict[str, Node], busy: set[str]) -> Decision:
         spec = job.spec()

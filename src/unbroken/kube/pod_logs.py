@@ -9,13 +9,10 @@ whole; a pod not started yet says why instead.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
-from kubernetes.client import ApiException
-
 from unbroken.errors import NotFoundError
-from unbroken.kube.api import call
+from unbroken.kube.api import RequestRefused, call
 from unbroken.kube.store import KubernetesStore
 
 
@@ -43,16 +40,8 @@ def job_pod_logs(store: KubernetesStore, job: str, *, node: str | None = None) -
 def _read(store: KubernetesStore, namespace: str, pod: str, container: str) -> PodLog:
     try:
         text = call(lambda: store.core.read_namespaced_pod_log(pod, namespace, container=container))
-    except ApiException as exc:  # 400: the container is waiting to start, or was never created
-        return PodLog(pod, None, _message(exc))
+    except RequestRefused as exc:  # 400: the container is waiting to start, or was never created
+        return PodLog(pod, None, exc.server_message)
     except NotFoundError:
         return PodLog(pod, None, "the pod was deleted while its log was asked for (the job is restarting)")
     return PodLog(pod, str(text))
-
-
-def _message(exc: ApiException) -> str:
-    try:
-        message = json.loads(exc.body or "{}").get("message")
-    except ValueError:
-        message = None
-    return str(message or f"{exc.status} {exc.reason}")

@@ -79,6 +79,7 @@ class KubernetesStore:
         self.custom = kubernetes.client.CustomObjectsApi(api)
         self.coordination = kubernetes.client.CoordinationV1Api(api)
         self._uids: dict[tuple[str, str], str] = {}
+        self._node_uids: dict[str, str] = {}
         self._kinds: dict[str, WorkloadKind] = {}  # by job name, as last seen
 
     # -- raw JSON access (dicts, not the client's models: records read annotations by key) ----
@@ -178,7 +179,17 @@ class KubernetesStore:
                 found[(report.job, report.attempt, node)] = report
         return found
 
+    def _node_uid(self, name: str) -> str:
+        """The Node's uid, as last read (one GET for a Node not read yet; "" for one that is gone)."""
+        if name not in self._node_uids:
+            try:
+                self._node_uids[name] = self._json(self.core.read_node, name)["metadata"].get("uid", "")
+            except NotFoundError:
+                return ""
+        return self._node_uids[name]
+
     def _node(self, obj: dict[str, Any], lease: float | None) -> Node:
+        self._node_uids[obj["metadata"]["name"]] = obj["metadata"].get("uid", "")
         meta = obj["metadata"]
         labels = meta.get("labels") or {}
         saved = json.loads((meta.get("annotations") or {}).get(names.NODE_STATE, "{}") or "{}")
@@ -367,8 +378,8 @@ class KubernetesStore:
                 continue
             try:
                 job = self._job(obj)
-            except AnnotationError:
-                continue  # left alone; invalid_jobs() reports it
+            except (AnnotationError, ValueError, TypeError, KeyError):
+                continue  # one object unbroken cannot read never stops the others; invalid_jobs() reports it
             if job is not None:
                 jobs.append(job)
         return sorted(jobs, key=lambda j: (j.created_at, j.name))
@@ -386,6 +397,13 @@ class KubernetesStore:
                 continue
             kind = kind_of(obj)
             problems = kind.problems(obj)
+            if not problems:
+                try:
+                    self._job(obj)
+                except (ValueError, TypeError, KeyError) as exc:  # e.g. a job-state annotation edited by hand
+                    problems = [f"cannot be read: {type(exc).__name__}: {exc}"]
+                except AnnotationError:
+                    pass  # reported above
             duplicate = self._duplicate(obj)
             if duplicate:
                 problems = [f"the {self._kinds[_job_name(obj)].kind} {_job_name(obj)} is already the job of that name; "
@@ -465,7 +483,8 @@ class KubernetesStore:
             return namespace, {"apiVersion": kind.api_version, "kind": kind.kind,
                                "name": short, "namespace": namespace, "uid": uid}
         if object_kind == "Node":
-            return "default", {"apiVersion": "v1", "kind": "Node", "name": object_name}
+            # With the Node's uid: `kubectl describe node` shows the Events whose involvedObject names its uid.
+            return "default", {"apiVersion": "v1", "kind": "Node", "name": object_name, "uid": self._node_uid(object_name)}
         return self.namespace, {"kind": object_kind, "name": object_name, "namespace": self.namespace}
 
     def add_event(self, object_kind: str, object_name: str, reason: str, message: str, *,

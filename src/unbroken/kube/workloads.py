@@ -127,24 +127,35 @@ class PyTorchJobKind:
         return f"{self.group}/{self.version}"
 
     def model(self, obj: Obj) -> KubeflowOrgV1PyTorchJob:
+        """The SDK's model, for writing (render) and checks only: reading a live object through it fails on fields
+        the SDK lags behind (an elasticPolicy with HPA ``metrics`` once failed every reconcile), so the store reads
+        the JSON the API serves (the methods below)."""
         spec = obj.get("spec") or {}
         # training-operator's defaulting gives every job a runPolicy; the SDK's models refuse one without.
         defaulted = {**obj, "spec": {**spec, "runPolicy": spec.get("runPolicy") or {}}}
         return _KUBEFLOW.deserialize(_Body(defaulted), "KubeflowOrgV1PyTorchJob")
 
+    @staticmethod
+    def _replica_specs(obj: Obj) -> dict[str, Obj]:
+        specs = (obj.get("spec") or {}).get("pytorchReplicaSpecs") or {}
+        return {name: spec if isinstance(spec, dict) else {} for name, spec in specs.items()} if isinstance(specs, dict) else {}
+
     def node_count(self, obj: Obj) -> int:
-        specs = self.model(obj).spec.pytorch_replica_specs or {}
-        return sum(spec.replicas if spec.replicas is not None else 1 for spec in specs.values())
+        """Pods of every replica type (a replica spec without ``replicas`` has one, as training-operator defaults it)."""
+        counts = [spec.get("replicas") for spec in self._replica_specs(obj).values()]
+        return sum(count if isinstance(count, int) else 1 for count in counts)
 
     def procs_per_node(self, obj: Obj) -> int:
-        value = self.model(obj).spec.nproc_per_node
-        return int(value) if value and str(value).isdigit() else 1
+        value = (obj.get("spec") or {}).get("nprocPerNode")
+        return int(value) if value is not None and str(value).isdigit() else 1
 
     def problems(self, obj: Obj) -> list[str]:
+        if not self._replica_specs(obj):
+            return ["spec.pytorchReplicaSpecs names no replica type (Master, Worker): no pods to watch"]
         return []
 
     def replica_types(self, obj: Obj) -> list[str]:
-        return sorted((self.model(obj).spec.pytorch_replica_specs or {}).keys())
+        return sorted(self._replica_specs(obj))
 
     def suspend_patch(self, suspend: bool) -> Obj:
         return {"spec": {"runPolicy": {"suspend": suspend}}}
@@ -202,21 +213,22 @@ class TrainJobKind:
     def model(self, obj: Obj) -> trainer.TrainerV1alpha1TrainJob:
         return trainer.TrainerV1alpha1TrainJob.from_dict(obj)
 
-    def _trainer(self, obj: Obj) -> trainer.TrainerV1alpha1Trainer | None:
-        """Only ``spec.trainer`` through the model: the store reads it for every job on every pass."""
-        return trainer.TrainerV1alpha1Trainer.from_dict((obj.get("spec") or {}).get("trainer"))
+    @staticmethod
+    def _trainer(obj: Obj) -> Obj:
+        """``spec.trainer`` as the API serves it (read for every job on every pass: no SDK model, which lags the CRD)."""
+        spec = (obj.get("spec") or {}).get("trainer")
+        return spec if isinstance(spec, dict) else {}
 
     def node_count(self, obj: Obj) -> int:
-        spec = self._trainer(obj)
-        return spec.num_nodes if spec is not None and spec.num_nodes else 1
+        count = self._trainer(obj).get("numNodes")
+        return count if isinstance(count, int) and count > 0 else 1
 
     def procs_per_node(self, obj: Obj) -> int:
-        spec = self._trainer(obj)
-        return spec.num_proc_per_node if spec is not None and spec.num_proc_per_node else 1
+        count = self._trainer(obj).get("numProcPerNode")
+        return int(count) if count is not None and str(count).isdigit() and int(count) > 0 else 1
 
     def problems(self, obj: Obj) -> list[str]:
-        spec = self._trainer(obj)
-        if spec is None or not spec.num_nodes:
+        if not isinstance(self._trainer(obj).get("numNodes"), int):
             return ["spec.trainer.numNodes is not set: unbroken needs the node count on the TrainJob itself "
                     "(the runtime's mlPolicy.numNodes is not read)"]
         return []
@@ -228,8 +240,8 @@ class TrainJobKind:
         """Unsuspend with unbroken's runtime patch for ``attempt``. The Trainer accepts a change of
         ``runtimePatches`` only while the TrainJob is suspended, so a running job being adopted as
         attempt 0 is only unsuspended (its pods carry no attempt, which reads as 0)."""
-        model = self.model(obj)
-        if attempt == 0 and not model.spec.suspend:
+        spec = obj.get("spec") or {}
+        if attempt == 0 and not spec.get("suspend"):
             return {"spec": {"suspend": False}}
         pod_spec = trainer.TrainerV1alpha1PodSpecPatch(
             node_selector={names.DEEP_HEALTH_CHECK_STATUS: "Passed"}) if require_deep_health else None
@@ -244,8 +256,9 @@ class TrainJobKind:
                                 metadata=trainer.IoK8sApimachineryPkgApisMetaV1ObjectMeta(
                                     annotations={names.ATTEMPT: str(attempt)}),
                                 spec=pod_spec))))]))))
-        others = [patch.to_dict() for patch in model.spec.runtime_patches or [] if patch.manager != self.manager]
-        # runtimePatches is a list: a merge patch replaces it whole, so the other managers' entries go back in as read.
+        others = [patch for patch in spec.get("runtimePatches") or [] if isinstance(patch, dict) and patch.get("manager") != self.manager]
+        # runtimePatches is a list: a merge patch replaces it whole, so the other managers' entries go back in exactly
+        # as the API served them (JSON, never through the SDK's models, which would drop the fields they do not know).
         return {"spec": {"suspend": False, "runtimePatches": [*others, ours.to_dict()]}}
 
     def children_to_recreate(self, name: str) -> list[Child]:
