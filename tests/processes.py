@@ -1,4 +1,4 @@
-"""Stopping a server process a test started (stdlib only: the emulator's own process imports it too)."""
+"""Stopping a server process a test started (stdlib only)."""
 
 from __future__ import annotations
 

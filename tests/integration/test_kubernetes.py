@@ -760,7 +760,7 @@ def test_node_commands_on_a_cluster_cordon_a_node_and_reboot_one_through_the_rem
 def test_self_reboot_the_agent_reboots_its_node_which_joins_again_through_deep_checks(cluster: Cluster, tmp_path: Path) -> None:
     """The SelfReboot remediator: an Xid 48 (a GPU reset clears it) → PendingReboot → Rebooting; the node's
     own agent runs SelfRebootCommand (here a script that records the call: a real one reboots the host);
-    the test kubelet plays the reboot (pods die, a new bootID) and the agent starts again as its DaemonSet
+    the process kubelet plays the reboot (pods die, a new bootID) and the agent starts again as its DaemonSet
     pod would → the operator sees the new boot: Joining, the deep checks run again as a Job on the node,
     Schedulable, unbroken's cordon lifted, and the agent on the new boot does not reboot again."""
     from unbroken.health.chaos import xid_line
