@@ -6,7 +6,7 @@
 A component is built with ``CGO_ENABLED=0`` (Kubernetes builds these statically too) into a temporary
 folder beside its cache folder, then renamed into place with a ``.complete`` marker last: a build
 killed half-way leaves nothing that looks built. On this machine (2 cores) a first build of everything
-takes ~35 min, most of it kube-apiserver; once built, nothing is compiled again.
+takes ~8 min with empty Go caches, half of it Kubernetes; once built, nothing is compiled again.
 """
 
 from __future__ import annotations
