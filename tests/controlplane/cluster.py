@@ -45,6 +45,7 @@ import yaml
 
 from controlplane import components, pki
 from unbroken.ports import free_port
+from unbroken.waiting import WaitTimeout, wait_until
 
 LOOPBACK = "127.0.0.1"
 NODE_GRACE_S = 6
@@ -106,9 +107,6 @@ class Process:
                 self.popen.wait()
         self.popen = None
 
-    def running(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
-
     def tail(self, lines: int = 30) -> str:
         text = self.log.read_text(errors="replace") if self.log.exists() else ""
         return "\n".join(text.splitlines()[-lines:])
@@ -154,6 +152,8 @@ class ControlPlane:
         self.etcd_port, self.etcd_peer_port = free_port(), free_port()
         self._issue_certificates()
         self.processes: dict[str, Process] = {}
+        self.secure_ports = {"kube-controller-manager": free_port(), "kube-scheduler": free_port()}
+        """Where the controller-manager and the scheduler serve /healthz."""
         self._define_processes()
 
     # ---------------------------------------------------------------- credentials and kubeconfigs
@@ -217,7 +217,7 @@ class ControlPlane:
             str(kube.binary("kube-controller-manager")), f"--kubeconfig={self.controller_manager_kubeconfig}",
             f"--authentication-kubeconfig={self.controller_manager_kubeconfig}",
             f"--authorization-kubeconfig={self.controller_manager_kubeconfig}",
-            "--leader-elect=false", f"--bind-address={LOOPBACK}", f"--secure-port={free_port()}",
+            "--leader-elect=false", f"--bind-address={LOOPBACK}", f"--secure-port={self.secure_ports['kube-controller-manager']}",
             f"--service-account-private-key-file={self.sa_keys.key}", f"--root-ca-file={self.ca.cert}",
             "--use-service-account-credentials=true", f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--node-monitor-period=1s", f"--node-monitor-grace-period={NODE_GRACE_S}s", "--node-startup-grace-period=20s",
@@ -226,7 +226,8 @@ class ControlPlane:
             str(kube.binary("kube-scheduler")), f"--kubeconfig={self.scheduler_kubeconfig}",
             f"--authentication-kubeconfig={self.scheduler_kubeconfig}",
             f"--authorization-kubeconfig={self.scheduler_kubeconfig}",
-            "--leader-elect=false", f"--bind-address={LOOPBACK}", f"--secure-port={free_port()}", "--profiling=false"])
+            "--leader-elect=false", f"--bind-address={LOOPBACK}", f"--secure-port={self.secure_ports['kube-scheduler']}",
+            "--profiling=false"])
         if self.kubeflow:
             self._define_training_operator()
         if self.trainer:
@@ -274,24 +275,23 @@ class ControlPlane:
             self._wait(name, ready)
 
     def _wait(self, what: str, ready: Callable[[], bool], timeout: float = START_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        """Until ``ready()``; a component that exits meanwhile fails at once, with its log's tail."""
+        def probe() -> bool:
             for process in self.processes.values():
                 if process.popen is not None and process.popen.poll() is not None:
                     raise ControlPlaneError(f"{process.name} exited with {process.popen.returncode} while waiting for "
                                             f"{what}; its log ends:\n{process.tail()}")
             try:
-                if ready():
-                    return
+                return ready()
             except (OSError, urllib.error.URLError, ssl.SSLError):
-                pass
-            time.sleep(0.1)
-        raise ControlPlaneError(f"{what} not ready within {timeout:.0f} s; logs:\n{self.logs_tail()}")
+                return False  # not listening yet
+        try:
+            wait_until(probe, timeout, what)
+        except WaitTimeout:
+            raise ControlPlaneError(f"{what} not ready within {timeout:.0f} s; logs:\n{self.logs_tail()}") from None
 
     def _healthy(self, name: str) -> bool:
-        command = self.processes[name].command
-        port = next(arg.split("=", 1)[1] for arg in command if arg.startswith("--secure-port="))
-        return self._get(f"https://{LOOPBACK}:{port}/healthz", verify=False)
+        return self._get(f"https://{LOOPBACK}:{self.secure_ports[name]}/healthz", verify=False)
 
     def _get(self, url: str, *, tls: bool = True, verify: bool = True) -> bool:
         context = None
@@ -433,14 +433,6 @@ class ControlPlane:
 
     def logs_tail(self, lines: int = 20) -> str:
         return "\n".join(f"--- {p.name} ({p.log}):\n{p.tail(lines)}" for p in self.processes.values() if p.log.exists())
-
-    # ---------------------------------------------------------------- outages, for the tests that need them
-
-    def stop_apiserver(self) -> None:
-        self.processes["kube-apiserver"].stop()
-
-    def start_apiserver(self) -> None:
-        self._start("kube-apiserver", lambda: self._get(f"{self.server}/readyz"))
 
     def __enter__(self) -> ControlPlane:
         try:

@@ -13,9 +13,9 @@ import logging
 
 from unbroken.backends.base import Backend
 from unbroken.config.job import JobSpec
-from unbroken.errors import StoreUnavailable, UnbrokenError
 from unbroken.controller import job_decisions
 from unbroken.controller.job_decisions import Action, Decision
+from unbroken.errors import StoreUnavailable, UnbrokenError
 from unbroken.state.phases import JobPhase
 from unbroken.state.records import Desired, EventType, Job, Node, Worker
 from unbroken.state.store import ClusterStore, StaleUpdate
