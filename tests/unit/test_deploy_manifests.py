@@ -92,6 +92,7 @@ OPERATOR_NAMESPACE_RULES = rules(
     ("coordination.k8s.io", "leases", "get list watch create update patch"),
     ("batch", "jobs", "create get list watch delete"),
     ("", "configmaps", "get list watch"),
+    ("", "secrets", "get"),  # unbroken-heartbeat-key only, by name: the agents' heartbeat signing key
 )
 AGENT_CLUSTER_RULES = rules(
     ("", "nodes", "get list watch patch"),
@@ -242,7 +243,9 @@ def test_operator_deployment(rendered: list[Obj]) -> None:
     env = env_of(c)
     assert env["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
     assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
-    assert c["ports"] == [{"name": "metrics", "containerPort": 9400, "protocol": "TCP"}]
+    assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}  # published in the leader Lease for the agents
+    assert c["ports"] == [{"name": "metrics", "containerPort": 9400, "protocol": "TCP"},
+                          {"name": "heartbeats", "containerPort": 9403, "protocol": "UDP"}]  # Kubernetes.HeartbeatPort
     for probe in ("readinessProbe", "livenessProbe"):
         assert c[probe]["httpGet"] == {"path": "/healthz", "port": 9400}, probe
     assert c["resources"] == {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
@@ -395,8 +398,9 @@ def test_rbac_is_exactly_the_contract() -> None:
 
 
 def test_rbac_has_no_wildcards_no_secrets_and_no_cluster_wide_writes_of_leases_or_jobs() -> None:
-    """Secrets: only the agent's Role in unbroken's namespace, to create the memory tier's TLS Secret and read
-    that one Secret by name; nothing can list or watch secrets."""
+    """Secrets: only the agent's Role in unbroken's namespace, to create the memory tier's TLS Secret and the
+    heartbeat key and read those two by name; the operator's Role reads the heartbeat key by name; nothing can
+    list or watch secrets."""
     objects = render(DEPLOY)
     for role in (o for o in objects if o["kind"] in {"ClusterRole", "Role"}):
         name = f"{role['kind']}/{role['metadata']['name']}"
@@ -404,9 +408,10 @@ def test_rbac_has_no_wildcards_no_secrets_and_no_cluster_wide_writes_of_leases_o
             for field in ("apiGroups", "resources", "verbs"):
                 assert "*" not in rule.get(field, []), f"{name}: wildcard in {field}: {rule}"
             if "secrets" in rule["resources"]:
-                assert name == "Role/unbroken-agent" and rule["resources"] == ["secrets"], f"{name}: {rule}"
-                assert rule["verbs"] == ["create"] or (rule["verbs"] == ["get"] and rule.get("resourceNames") == ["unbroken-cluster-tls"]), \
-                    f"{name}: {rule}"
+                assert name in ("Role/unbroken-agent", "Role/unbroken-operator") and rule["resources"] == ["secrets"], f"{name}: {rule}"
+                readable = ["unbroken-cluster-tls", "unbroken-heartbeat-key"] if name == "Role/unbroken-agent" else ["unbroken-heartbeat-key"]
+                assert (rule["verbs"] == ["create"] and name == "Role/unbroken-agent") or (
+                    rule["verbs"] == ["get"] and rule.get("resourceNames") == readable), f"{name}: {rule}"
             assert "nonResourceURLs" not in rule, f"{name}: {rule}"
             assert "resourceNames" not in rule or rule["resourceNames"], f"{name}: {rule}"
         assert "aggregationRule" not in role, name

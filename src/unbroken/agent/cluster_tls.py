@@ -2,9 +2,8 @@
 
 The memory tier's peer API is mutual TLS under a CA of the cluster's own
 (checkpoint/credentials.py). On Kubernetes the three files live in the Secret
-``unbroken-cluster-tls`` in unbroken's namespace. Agents race to create it: the
-first one's CA wins (a create is atomic; the losers read the winner's), so there
-is no install step and no operator dependency. Each agent then writes the files
+``unbroken-cluster-tls`` in unbroken's namespace, made by the first agent that
+needs it (kube/shared_secret.py: the first one's CA wins). Each agent then writes the files
 into its node's socket folder (``/var/run/unbroken/cluster``), which the training
 pods mount already: their ranks present the same certificate to restore from
 peers. The CA's key is not kept, as locally: nobody can mint a second certificate.
@@ -24,19 +23,17 @@ import kubernetes
 from unbroken.atomic_file import write_bytes_atomically
 from unbroken.checkpoint import credentials
 from unbroken.checkpoint.credentials import Credentials
-from unbroken.errors import NotFoundError, StoreUnavailable
-from unbroken.kube import names
-from unbroken.kube.api import STRICT, ApiConflict, RequestRefused, call
+from unbroken.errors import NotFoundError
+from unbroken.kube import names, shared_secret
 
 _FILES = (credentials.CA_FILE, credentials.CERT_FILE, credentials.KEY_FILE)
+_REMEDY = "delete it and an agent makes a new one (every node's agent must then restart to read it)"
 
 
 def ensure(api: kubernetes.client.ApiClient, namespace: str, directory: Path, cluster_name: str) -> Credentials:
     """The cluster's credentials, written into ``directory`` (the Secret is created first if missing)."""
-    core = kubernetes.client.CoreV1Api(api)
-    data = _read(core, namespace)
-    if data is None:
-        data = _create(core, namespace, cluster_name)
+    data = shared_secret.ensure(kubernetes.client.CoreV1Api(api), namespace, names.CLUSTER_TLS_SECRET, _FILES,
+                                lambda: _make(cluster_name), remedy=_REMEDY)
     return _write(data, directory)
 
 
@@ -57,34 +54,10 @@ def _write(data: dict[str, str], directory: Path) -> Credentials:
 
 
 def _read(core: kubernetes.client.CoreV1Api, namespace: str) -> dict[str, str] | None:
-    try:
-        secret = call(lambda: core.read_namespaced_secret(names.CLUSTER_TLS_SECRET, namespace))
-    except NotFoundError:
-        return None
-    except RequestRefused as exc:  # 403: the agent's Role lacks it (deploy/base/rbac-agent.yaml)
-        raise StoreUnavailable(f"reading Secret {namespace}/{names.CLUSTER_TLS_SECRET}: {exc}") from None
-    data = secret.data or {}
-    missing = [n for n in _FILES if n not in data]
-    if missing:
-        raise StoreUnavailable(f"Secret {namespace}/{names.CLUSTER_TLS_SECRET} lacks {', '.join(missing)}: delete it and an "
-                               "agent makes a new one (every node's agent must then restart to read it)")
-    return dict(data)
+    return shared_secret.read(core, namespace, names.CLUSTER_TLS_SECRET, _FILES, remedy=_REMEDY)
 
 
-def _create(core: kubernetes.client.CoreV1Api, namespace: str, cluster_name: str) -> dict[str, str]:
+def _make(cluster_name: str) -> dict[str, str]:
     with tempfile.TemporaryDirectory(prefix="unbroken-tls-") as scratch:
         credentials.create(Path(scratch), cluster_name)
-        data = {n: base64.b64encode((Path(scratch) / n).read_bytes()).decode() for n in _FILES}
-    body = {"metadata": {"name": names.CLUSTER_TLS_SECRET, "labels": {"app.kubernetes.io/part-of": names.COMPONENT}},
-            "type": "Opaque", "data": data}
-    try:
-        call(lambda: core.create_namespaced_secret(namespace, body, field_validation=STRICT))
-        return data
-    except ApiConflict:
-        pass
-    except RequestRefused as exc:
-        raise StoreUnavailable(f"creating Secret {namespace}/{names.CLUSTER_TLS_SECRET}: {exc}") from None
-    theirs = _read(core, namespace)  # another agent's create won: use its CA
-    if theirs is None:
-        raise StoreUnavailable(f"Secret {namespace}/{names.CLUSTER_TLS_SECRET} was created and is gone again")
-    return theirs
+        return {n: base64.b64encode((Path(scratch) / n).read_bytes()).decode() for n in _FILES}

@@ -2,9 +2,11 @@
 
 The same parts as the local agent, minus what the kubelet does there: no
 worker runner (pods are the kubelet's), no registration (the Node exists). It
-renews its Lease ``unbroken-node-<node>`` once a second with the ranks' progress
-(the operator's heartbeat for the node: a lapsed Lease is a lost node; the
-progress, every job's latest attempt, is how the operator sees a hang), watches
+sends the leading operator a signed datagram every ``HeartbeatIntervalSeconds``
+with the ranks' progress (kube/heartbeats.py: the node's heartbeat; the progress,
+every job's latest attempt, is how the operator sees a hang) and renews its Lease
+``unbroken-node-<node>`` every ``Kubernetes.LeaseRenewSeconds`` with the same
+progress (the backstop a new leader reads first), watches
 the kernel log (``/dev/kmsg`` on a real node, ``--kernel-log``) and applies
 faults to its own Node through the store (an Xid 79 → labels, taint, condition
 in one write), serves ``/metrics``, and with the SelfReboot remediator reboots
@@ -45,10 +47,10 @@ from unbroken.checkpoint import shm
 from unbroken.checkpoint.service import CheckpointService
 from unbroken.config.cluster import Remediator
 from unbroken.config.health import KernelLogSource
-from unbroken.errors import StoreUnavailable, UnbrokenError
+from unbroken.errors import NotFoundError, StoreUnavailable, UnbrokenError
 from unbroken.health.kernel_log.sources import LineSource, open_source
 from unbroken.health.monitor import HealthMonitor
-from unbroken.kube import node_repair, rank_env
+from unbroken.kube import heartbeats, names, node_repair, rank_env
 from unbroken.launch_env import ENDPOINT_FILE
 from unbroken.kube.client import api_client
 from unbroken.kube.store import KubernetesStore
@@ -107,30 +109,64 @@ class KubernetesAgent:
                       self.metrics, source=kernel_log_source(self.kernel_log) if watch_kernel_log else None,
                       kernel_log=watch_kernel_log).start()
         self.store.renew_lease(self.node, at=time.time())
+        sender = self._heartbeat_sender()
         checkpoints = self._start_checkpoints()
         endpoint = metrics.serve(self.metrics.registry, metrics_host, metrics_port or 0) if metrics_port is not None else None
         log.info("agent started", extra={"node": self.node, "kernel_log": self.kernel_log, "socket": str(receiver.path),
                                          "metrics": endpoint.address if endpoint else None})
-        interval = self.runtime.config.Local.HeartbeatIntervalSeconds
-        next_renewal = time.monotonic() + interval
+        beat_every = self.runtime.config.Local.HeartbeatIntervalSeconds
+        renew_every = self.runtime.config.Kubernetes.LeaseRenewSeconds
+        next_beat = time.monotonic() + beat_every
+        next_renewal = time.monotonic() + renew_every
         self_reboot = self.runtime.config.Kubernetes.Remediator is Remediator.SELF_REBOOT
         try:
             while not self.stopping.wait(RECEIVE_SECONDS):
                 self.book.apply(receiver.drain())
-                if time.monotonic() >= next_renewal:
-                    next_renewal += interval
+                now = time.monotonic()
+                if sender is not None and now >= next_beat:
+                    next_beat = max(next_beat + beat_every, now)  # a stall (GC, a paused agent) sends one beat, not a burst
+                    sender.send(self.book.current())
+                if now >= next_renewal:
+                    next_renewal = max(next_renewal + renew_every, now)
                     try:
                         self.store.renew_lease(self.node, at=time.time(), progress=self.book.current())
+                        if sender is not None:
+                            sender.address = self._leader_address()
                         if self_reboot:
                             self._reboot_if_asked()
                     except StoreUnavailable:
                         log.exception("lease renewal failed; retrying", extra={"node": self.node})
         finally:
             receiver.close()
+            if sender is not None:
+                sender.send(self.book.current(), leaving=True)  # a rolling update, not a lost node
+                sender.close()
             if checkpoints is not None:
                 checkpoints.close()
             if endpoint is not None:
                 endpoint.close()
+
+    def _heartbeat_sender(self) -> heartbeats.HeartbeatSender | None:
+        """The datagram heartbeat to the leader (None, logged, without the key: the Lease alone then
+        vouches for this node, and a loss is seen ``LeaseRenewSeconds`` later)."""
+        assert isinstance(self.store, KubernetesStore)  # this agent runs on open_kubernetes's runtime
+        try:
+            sender = heartbeats.HeartbeatSender(heartbeats.ensure_key(self.store.api, self.store.namespace), self.node)
+        except StoreUnavailable as exc:
+            log.error("no heartbeat datagrams from this node: %s", exc, extra={"node": self.node})
+            return None
+        sender.address = self._leader_address()
+        return sender
+
+    def _leader_address(self) -> tuple[str, int] | None:
+        """Where the leading operator hears heartbeats (the leader Lease's annotation), None if none leads."""
+        assert isinstance(self.store, KubernetesStore)
+        try:
+            annotations = self.store.lease_annotations(names.LEADER_LEASE)
+        except NotFoundError:
+            return None
+        text = annotations.get(heartbeats.ADDRESS_ANNOTATION, "")
+        return heartbeats.parse_address(text)
 
     def _start_checkpoints(self) -> CheckpointService | None:
         """The memory tier on this node; None (logged) if it cannot start: the agent's health work goes on."""

@@ -116,6 +116,13 @@ class KubernetesSettings(_Strict):
     DeepCheckStartSeconds: float = Field(default=300.0, ge=10, le=3600)
     """Added to the suite's check timeouts for a deep-check Job's ``activeDeadlineSeconds``:
     time to pull the image and start the pod on a fresh node."""
+    LeaseRenewSeconds: float = Field(default=10.0, ge=1.0, le=60)
+    """How often each agent writes its Lease ``unbroken-node-<node>`` (duration: four times this).
+    The node's heartbeat is a UDP datagram to the operator every ``Local.HeartbeatIntervalSeconds``
+    (kube/heartbeats.py); the Lease is the backstop a new leader reads first, at the kubelet's own
+    rhythm (0.1 writes per node per second at the default)."""
+    HeartbeatPort: int = Field(default=9403, ge=1, le=65535)
+    """The UDP port the leading operator hears the agents' heartbeats on (its Pod IP)."""
     ConnectivityPort: int = Field(default=29411, ge=1024, le=65535)
     """The InstanceConnectivity sweep across nodes runs in the host's network (``hostNetwork``: the
     node's own links are what it measures); its rank 0, on the joining node, listens on this port."""

@@ -227,7 +227,10 @@ def detect_failure(now: float, spec: JobSpec, workers: list[Worker], nodes: dict
         if w.phase is not WorkerPhase.RUNNING:
             continue
         if w.last_progress_at is not None:
-            silent = now - w.last_progress_at
+            # Progress is as fresh as the node's last report: while its agent is silent (paused,
+            # restarting, cut off) the ranks' silence is not known to grow, so it is not a hang.
+            reported = nodes[w.node].heartbeat_at if w.node in nodes else None
+            silent = min(now, reported or now) - w.last_progress_at
             if silent > hang:
                 return Failure(
                     f"hang: no progress from a rank on {w.node} for {silent:.1f} s "

@@ -20,8 +20,11 @@ log = logging.getLogger("unbroken.kube.leader")
 
 
 class LeaderLease:
-    def __init__(self, api: kubernetes.client.ApiClient, namespace: str, name: str, identity: str, *, duration: float = 15.0) -> None:
+    def __init__(self, api: kubernetes.client.ApiClient, namespace: str, name: str, identity: str, *, duration: float = 15.0,
+                 annotations: dict[str, str] | None = None) -> None:
         self.leases = kubernetes.client.CoordinationV1Api(api)
+        self.annotations = dict(annotations or {})
+        """Written with every renewal while leading (the heartbeat address: kube/heartbeats.py)."""
         self.namespace = namespace
         self.name = name
         self.identity = identity
@@ -46,7 +49,7 @@ class LeaderLease:
         try:
             response = call(lambda: self.leases.read_namespaced_lease(self.name, self.namespace, _preload_content=False))
         except NotFoundError:
-            body = {"metadata": {"name": self.name, "namespace": self.namespace},
+            body = {"metadata": {"name": self.name, "namespace": self.namespace, "annotations": self.annotations},
                     "spec": {**spec, "acquireTime": format_time(now, micro=True), "leaseTransitions": 0}}
             try:
                 call(lambda: self.leases.create_namespaced_lease(self.namespace, body, field_validation=STRICT))
@@ -64,7 +67,10 @@ class LeaderLease:
             spec["acquireTime"] = format_time(now, micro=True)
             spec["leaseTransitions"] = int(current.get("leaseTransitions") or 0) + 1
             log.warning("taking over the leader lease", extra={"previous": holder, "silent_s": round(now - renewed, 1)})
-        body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": lease["metadata"], "spec": {**current, **spec}}
+        metadata = lease["metadata"]
+        if now > 0:  # a release leaves the address: agents' beats to it go nowhere until the next leader writes its own
+            metadata["annotations"] = {**(metadata.get("annotations") or {}), **self.annotations}
+        body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": metadata, "spec": {**current, **spec}}
         try:
             call(lambda: self.leases.replace_namespaced_lease(self.name, self.namespace, body, field_validation=STRICT))
         except ApiConflict:

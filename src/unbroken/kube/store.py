@@ -38,10 +38,12 @@ from unbroken.errors import ConfigError, NotFoundError, StoreUnavailable, UsageE
 from unbroken.kube import annotations as job_annotations
 from unbroken.kube import names
 from unbroken.kube.api import STRICT, ApiConflict, call, format_time, parse_time
+from unbroken.kube import heartbeats
+from unbroken.kube.heartbeats import HeartbeatBoard, progress_from_json
 from unbroken.kube.annotations import AnnotationError
 from unbroken.kube.workloads import KINDS, WorkloadKind, kind_of
 from unbroken.state.phases import JOB_TRANSITIONS, NODE_TRANSITIONS, DeepHealthStatus, JobPhase, NodeState, check_transition
-from unbroken.state.records import ClusterRecord, ClusterStatus, Event, EventType, Job, Node, RankInfo, WorkerProgress
+from unbroken.state.records import ClusterRecord, ClusterStatus, Event, EventType, Job, Node, WorkerProgress
 from unbroken.state.store import check_version
 from unbroken.state.updates import JobUpdate, NodeUpdate
 
@@ -80,7 +82,12 @@ class KubernetesStore:
         self.coordination = kubernetes.client.CoordinationV1Api(api)
         self._uids: dict[tuple[str, str], str] = {}
         self._node_uids: dict[str, str] = {}
+        self._cluster_configmap_uid = ""
         self._kinds: dict[str, WorkloadKind] = {}  # by job name, as last seen
+        self.heartbeats: HeartbeatBoard | None = None
+        """The operator's: what it heard from the agents by datagram (None elsewhere: the Leases alone)."""
+        self.lease_renew_seconds = 10.0
+        self.heartbeat_interval = 1.0
 
     # -- raw JSON access (dicts, not the client's models: records read annotations by key) ----
 
@@ -137,12 +144,28 @@ class KubernetesStore:
         raise UsageError("on Kubernetes, nodes join the cluster through the kubelet; unbroken does not create Node objects")
 
     def get_node(self, name: str) -> Node:
-        return self._node(self.node_object(name), self._lease(name))
+        return self._node(self.node_object(name), self._heartbeat(name, self._lease(name)))
 
     def list_nodes(self) -> list[Node]:
         leases = self._leases()
         items = self._json(self.core.list_node)["items"]
-        return sorted((self._node(obj, leases.get(obj["metadata"]["name"])) for obj in items), key=lambda n: n.name)
+        return sorted((self._node(obj, self._heartbeat(obj["metadata"]["name"], leases.get(obj["metadata"]["name"])))
+                       for obj in items), key=lambda n: n.name)
+
+    def _heartbeat(self, node: str, lease: float | None) -> float | None:
+        """When the node's agent was last known alive. The datagrams the operator heard are the
+        heartbeat while they arrive; a Lease renewed after the last datagram (a new leader not yet
+        heard from, datagrams that do not get through) vouches for the node until its next renewal
+        is due, so a node whose datagrams stop is suspect after ``NodeLostAfterSeconds`` and one seen
+        only through its Lease after ``LeaseRenewSeconds`` more."""
+        heard = self.heartbeats.heard(node) if self.heartbeats is not None else None
+        if heard is not None and heard.leaving:
+            return min(time.time(), heard.at + heartbeats.AGENT_RESTART_GRACE_SECONDS)
+        if heard is not None and (lease is None or lease <= heard.at + self.heartbeat_interval):
+            return heard.at  # the datagrams arrive: they are the heartbeat
+        if lease is None or self.heartbeats is None:
+            return lease  # no agent yet, or a reader that hears no datagrams (the CLI): the Lease as written
+        return min(time.time(), lease + self.lease_renew_seconds)
 
     def _lease(self, node: str) -> float | None:
         """When ``node``'s agent last renewed its Lease (None: no agent has run there)."""
@@ -151,6 +174,11 @@ class KubernetesStore:
         except NotFoundError:
             return None
         return parse_time((lease.get("spec") or {}).get("renewTime"))
+
+    def lease_annotations(self, name: str) -> dict[str, str]:
+        """The annotations of the Lease ``name`` in unbroken's namespace (NotFoundError if there is none)."""
+        lease = self._json(self.coordination.read_namespaced_lease, name, self.namespace)
+        return dict(lease["metadata"].get("annotations") or {})
 
     def _agent_leases(self) -> dict[str, dict[str, Any]]:
         """The node agents' Leases, by node (other Leases in the namespace, the leader's, are not theirs)."""
@@ -164,14 +192,25 @@ class KubernetesStore:
 
     def lease_progress(self) -> dict[tuple[str, int, str], WorkerProgress]:
         """What the node agents last reported of the ranks on their nodes, by (job, attempt, node):
-        each agent writes its jobs' latest attempts into its Lease every renewal."""
+        each agent writes its jobs' latest attempts into its Lease every renewal and sends them with
+        every heartbeat datagram; a node's datagram, where one was heard, is the newer."""
+        found = self._lease_progress()
+        heard = self.heartbeats.everything() if self.heartbeats is not None else {}
+        for node, beat in heard.items():
+            for key in [k for k in found if k[2] == node]:
+                del found[key]
+            for report in beat.progress:
+                found[(report.job, report.attempt, node)] = report
+        return found
+
+    def _lease_progress(self) -> dict[tuple[str, int, str], WorkerProgress]:
         found: dict[tuple[str, int, str], WorkerProgress] = {}
         for node, lease in self._agent_leases().items():
             text = (lease["metadata"].get("annotations") or {}).get(names.LEASE_PROGRESS)
             if not text:
                 continue
             try:
-                reports = [_progress(entry) for entry in json.loads(text)]
+                reports = [progress_from_json(entry) for entry in json.loads(text)]
             except (ValueError, TypeError, KeyError) as exc:
                 log.warning("Lease %s%s: unreadable %s annotation: %s", names.LEASE_PREFIX, node, names.LEASE_PROGRESS, exc)
                 continue
@@ -287,7 +326,7 @@ class KubernetesStore:
             "metadata": {"name": names.LEASE_PREFIX + node, "namespace": self.namespace,
                          "labels": {"app.kubernetes.io/managed-by": names.COMPONENT},
                          "annotations": {names.LEASE_PROGRESS: json.dumps([asdict(p) for p in progress])}},
-            "spec": {"holderIdentity": node, "leaseDurationSeconds": 10, "renewTime": stamp},
+            "spec": {"holderIdentity": node, "leaseDurationSeconds": int(4 * self.lease_renew_seconds), "renewTime": stamp},
         }
         try:
             call(lambda: self.coordination.patch_namespaced_lease(names.LEASE_PREFIX + node, self.namespace, body, field_validation=STRICT))
@@ -485,7 +524,19 @@ class KubernetesStore:
         if object_kind == "Node":
             # With the Node's uid: `kubectl describe node` shows the Events whose involvedObject names its uid.
             return "default", {"apiVersion": "v1", "kind": "Node", "name": object_name, "uid": self._node_uid(object_name)}
+        if object_kind == "Cluster":  # cluster-wide Events (the disruption guard's) go on the cluster's ConfigMap
+            return self.namespace, {"apiVersion": "v1", "kind": "ConfigMap", "name": names.CLUSTER_CONFIGMAP,
+                                    "namespace": self.namespace, "uid": self._cluster_uid()}
         return self.namespace, {"kind": object_kind, "name": object_name, "namespace": self.namespace}
+
+    def _cluster_uid(self) -> str:
+        if not self._cluster_configmap_uid:
+            try:
+                cm = self._json(self.core.read_namespaced_config_map, names.CLUSTER_CONFIGMAP, self.namespace)
+            except NotFoundError:
+                return ""
+            self._cluster_configmap_uid = cm["metadata"].get("uid", "")
+        return self._cluster_configmap_uid
 
     def add_event(self, object_kind: str, object_name: str, reason: str, message: str, *,
                   type: EventType = EventType.NORMAL) -> Event:
@@ -578,8 +629,3 @@ def condition_reason(fault_type: str | None, fault_reason: str | None = None) ->
 
 
 __all__ = ["InvalidJob", "KubernetesStore", "condition_reason"]
-
-
-def _progress(entry: dict[str, Any]) -> WorkerProgress:
-    ranks = tuple(RankInfo(**rank) for rank in entry.pop("ranks", None) or ())
-    return WorkerProgress(ranks=ranks, **entry)

@@ -21,18 +21,20 @@ import socket
 import sys
 import threading
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import kopf
 import kubernetes
 from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from unbroken import logs, metrics
 from unbroken.controller.job_reconciler import JobReconciler
 from unbroken.controller.metrics import ClusterCollector
 from unbroken.controller.node_reconciler import NodeReconciler
 from unbroken.errors import UnbrokenError
-from unbroken.kube import names
+from unbroken.kube import heartbeats, names
 from unbroken.operator import deep_checks
 from unbroken.operator.deep_checks import DeepCheckJobs
 from unbroken.operator.reboots import RebootReturns
@@ -48,7 +50,7 @@ log = logging.getLogger("unbroken.operator")
 RESYNC_SECONDS = 1.0
 """A full pass at least this often, events or not (a lease going stale makes no event)."""
 SILENT_AFTER_SECONDS = 3.0
-"""A node whose unbroken Lease is this much overdue is a suspect (agents renew every second)."""
+"""A node whose heartbeat is this much overdue is a suspect (agents beat every second: kube/heartbeats.py)."""
 
 
 class Operator:
@@ -78,9 +80,14 @@ class Operator:
 
     def reconcile_once(self) -> None:
         now = self.runtime.clock()
+        board = self.store.heartbeats
         try:
             if not self.leader.hold(now):
+                if board is not None:
+                    board.forget()  # a later term starts from the Leases, not from what this one heard
                 return
+            if board is not None and board.key is None:
+                board.key = heartbeats.read_key(self.store.api, self.store.namespace)  # made by the first agent
             self.warn_invalid()
             self.reboots.reconcile()
             self.deep_checks.reconcile(self.runtime.config)
@@ -97,6 +104,30 @@ class Operator:
             seen = self.store.list_events(object_kind=invalid.object_kind, object_name=invalid.name, reason="InvalidAnnotation")
             if not any(e.message == message for e in seen):
                 self.store.add_event(invalid.object_kind, invalid.name, "InvalidAnnotation", message, type=EventType.WARNING)
+
+
+class OperatorCollector:
+    """The operator's own state: the disruption guard and the heartbeats it hears."""
+
+    def __init__(self, operator: Operator) -> None:
+        self.operator = operator
+
+    def collect(self) -> Iterator[Metric]:
+        holding = self.operator.nodes.holding
+        hold = GaugeMetricFamily("unbroken_liveness_hold", "1 while the disruption guard holds node-loss decisions "
+                                 "(most nodes silent at once: controller/liveness.py)", labels=[])
+        hold.add_metric([], 1.0 if holding is not None else 0.0)
+        yield hold
+        silent = GaugeMetricFamily("unbroken_liveness_hold_silent_nodes", "silent nodes behind the hold in force")
+        silent.add_metric([], float(len(holding.silent)) if holding is not None else 0.0)
+        yield silent
+        board = self.operator.store.heartbeats
+        if board is not None:
+            beats = CounterMetricFamily("unbroken_heartbeats", "heartbeat datagrams heard from the agents",
+                                        labels=["outcome"])
+            beats.add_metric(["accepted"], float(board.received))
+            beats.add_metric(["rejected"], float(board.rejected))
+            yield beats
 
 
 class _KopfInternals(logging.Filter):
@@ -154,6 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metrics-host", default="0.0.0.0")
     parser.add_argument("--identity", default=os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}",
                         help="this replica's name in the leader Lease")
+    parser.add_argument("--heartbeat-host", default="0.0.0.0", help="where to hear the agents' heartbeat datagrams (UDP)")
+    parser.add_argument("--heartbeat-port", type=int, default=None,
+                        help="their port (default: the cluster file's Kubernetes.HeartbeatPort, 9403; 0: any free one)")
+    parser.add_argument("--heartbeat-address", default=os.environ.get("POD_IP", "127.0.0.1"),
+                        help="the address agents send them to, published in the leader Lease (default: $POD_IP, which "
+                             "the Deployment sets from status.podIP)")
     args = parser.parse_args(argv)
     logs.setup(component="operator")
     for handler in logging.getLogger().handlers:
@@ -164,13 +201,24 @@ def main(argv: list[str] | None = None) -> int:
     except UnbrokenError as exc:
         log.error("cannot start: %s", exc)
         return 2
-    operator = Operator(runtime, LeaderLease(api, args.namespace, names.LEADER_LEASE, args.identity),
+    port = args.heartbeat_port if args.heartbeat_port is not None else runtime.config.Kubernetes.HeartbeatPort
+    try:
+        board = heartbeats.HeartbeatBoard(args.heartbeat_host, port)
+    except OSError as exc:
+        log.error("cannot hear heartbeats on %s:%s: %s", args.heartbeat_host, port, exc)
+        return 2
+    runtime.cluster.heartbeats = board
+    address = f"{args.heartbeat_address}:{board.port}"
+    log.info("hearing heartbeats", extra={"address": address})
+    operator = Operator(runtime, LeaderLease(api, args.namespace, names.LEADER_LEASE, args.identity,
+                                             annotations={heartbeats.ADDRESS_ANNOTATION: address}),
                         deep_checks.DeepCheckJobs(api, args.namespace, runtime.cluster,
                                                   busy=lambda: {w.node for w in runtime.backend.active_workers()}))
     endpoint = None
     if runtime.config.Metrics.Enabled:
         registry = CollectorRegistry()
         registry.register(ClusterCollector(runtime.cluster, runtime.backend, runtime.catalog, runtime.clock))
+        registry.register(OperatorCollector(operator))
         endpoint = metrics.serve(registry, args.metrics_host,
                                  args.metrics_port if args.metrics_port is not None else runtime.config.Metrics.ControllerPort)
         log.info("serving metrics", extra={"address": endpoint.address})
@@ -186,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         loop.join(timeout=10)
         if endpoint is not None:
             endpoint.close()
+        board.close()
     return 0
 
 

@@ -100,6 +100,8 @@ def open_kubernetes(api: "kubernetes.client.ApiClient", namespace: str, *, job_n
     store = KubernetesStore(api, namespace, job_namespace=job_namespace)
     config = store.cluster().config()
     settings = config.Kubernetes
+    store.lease_renew_seconds = settings.LeaseRenewSeconds
+    store.heartbeat_interval = config.Local.HeartbeatIntervalSeconds
     remediator: NodeRemediator
     if settings.Remediator is Remediator.COMMAND:
         remediator = CommandRemediator(store, settings.RemediationCommand)
