@@ -269,6 +269,15 @@ class ControlPlane:
         self.ready_seconds = time.monotonic() - started
         return self
 
+    def stop_apiserver(self) -> None:
+        """An API-server outage: kube-apiserver SIGKILLed (a crash, or a server no client can reach); etcd,
+        the controllers and every client keep running and retrying."""
+        self.processes["kube-apiserver"].stop(signal.SIGKILL)
+
+    def start_apiserver(self) -> None:
+        """The API server back on its port, from the same etcd, waited for (``/readyz``)."""
+        self._start("kube-apiserver", lambda: self._get(f"{self.server}/readyz"))
+
     def _start(self, name: str, ready: Callable[[], bool] | None) -> None:
         self.processes[name].start()
         if ready is not None:

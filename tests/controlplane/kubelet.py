@@ -67,6 +67,7 @@ from typing import Any
 
 import kubernetes
 import psutil
+import urllib3
 from kubernetes.client.rest import ApiException
 
 from controlplane.pki import KeyPair
@@ -76,6 +77,10 @@ Obj = dict[str, Any]
 
 LOOPBACK = "127.0.0.1"
 LEASE_RENEW_S = 1.0
+NODE_STATUS_S = 10.0
+"""How often the kubelet checks its Node's status (the real one's ``nodeStatusUpdateFrequency``): one that
+another wrote NotReady (the node lifecycle controller, after an API-server outage longer than its grace
+period) is posted Ready again, as the real kubelet's status loop does."""
 """Well inside the control plane's node-monitor grace period (cluster.NODE_GRACE_S)."""
 POLL_S = 0.1
 GRACE_CAP_S = 30
@@ -154,6 +159,7 @@ class _Node:
     failed: bool = False
     boot_id: str = field(default_factory=lambda: str(uuid.uuid4()))
     lease_renewed: float = 0.0
+    status_synced: float = 0.0
 
 
 @dataclass
@@ -337,6 +343,9 @@ class ProcessKubelet:
             with self._lock:
                 try:
                     self._reconcile()
+                except urllib3.exceptions.MaxRetryError as exc:
+                    # The API server cannot be reached (a test stopped it): a kubelet retries, as the real one does.
+                    log.warning("process kubelet: the API server is unreachable: %s", exc.reason)
                 except Exception:  # noqa: BLE001 -- a kubelet keeps going; the test sees ``errors``
                     text = traceback.format_exc(limit=-2)
                     log.error("process kubelet: %s", text)
@@ -349,6 +358,8 @@ class ProcessKubelet:
         for node in live:
             if time.monotonic() - node.lease_renewed >= LEASE_RENEW_S:
                 self._renew(node)
+            if time.monotonic() - node.status_synced >= NODE_STATUS_S:
+                self._sync_status(node)
         services = json.loads(self.core.list_service_for_all_namespaces(_preload_content=False).data)["items"]
         pods = json.loads(self.core.list_pod_for_all_namespaces(_preload_content=False,
                                                                 field_selector="spec.nodeName!=").data)["items"]
@@ -364,6 +375,14 @@ class ProcessKubelet:
                 except ApiException as e:
                     if e.status not in (404, 409):  # races with deletions and other writers: next round
                         raise
+
+    def _sync_status(self, node: _Node) -> None:
+        current = json.loads(self.core.read_node_status(node.name, _preload_content=False).data)
+        ready = next((c for c in current.get("status", {}).get("conditions") or [] if c.get("type") == "Ready"), {})
+        if ready.get("status") != "True":
+            self._patch(f"/api/v1/nodes/{node.name}/status", {"status": {"conditions": self._conditions("True")}})
+            log.info("node %s: posted Ready again (it read %s)", node.name, ready.get("status"))
+        node.status_synced = time.monotonic()
 
     def _renew(self, node: _Node) -> None:
         self._patch(f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{node.name}",

@@ -86,7 +86,8 @@ class Cluster:
         log = open(self.workdir / "operator.log", "ab")
         self.operator = subprocess.Popen(
             [sys.executable, "-m", "unbroken.operator", "--kubeconfig", str(self.operator_kubeconfig), "--namespace", SYSTEM,
-             "--metrics-port", "0", "--metrics-host", "127.0.0.1", "--identity", f"operator-{uuid.uuid4().hex[:4]}"],
+             "--metrics-port", "0", "--metrics-host", "127.0.0.1", "--identity", f"operator-{uuid.uuid4().hex[:4]}",
+             "--heartbeat-host", "127.0.0.1", "--heartbeat-port", "0", "--heartbeat-address", "127.0.0.1"],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "KUBECONFIG": str(self.operator_kubeconfig)})
         return self.operator
 
@@ -1069,3 +1070,113 @@ def test_unusual_workloads_beside_a_healthy_job_never_stop_its_recovery(cluster:
         job = body["metadata"]["name"]
         assert cluster.annotations(job).get(names.JOB_PHASE) or [e for e in cluster.events(job) if e[0] == "Warning"], job
     assert "reconcile pass failed" not in cluster.operator_log()
+
+
+# --- liveness through disruptions (controller/liveness.py, kube/heartbeats.py) ----------------------
+
+
+def hearing_every_node(cluster: Cluster) -> None:
+    """Until the operator logs a datagram heard from every node (the agents read its address from the
+    leader Lease at their next Lease renewal: within LeaseRenewSeconds of its start)."""
+    log_path = cluster.workdir / "operator.log"
+    wait_until(lambda: all(f'"node": "{n}"' in line for n in NODES for line in [
+        "\n".join(l for l in log_path.read_text(errors="replace").splitlines() if "hearing a node" in l)]),
+        30, "the operator to hear every agent's heartbeat datagrams")
+
+
+def cluster_events(cluster: Cluster) -> list[str]:
+    """Reasons of unbroken's cluster-wide Events (on its ConfigMap), oldest first."""
+    items = cluster.core.list_namespaced_event(SYSTEM, field_selector=f"involvedObject.name={names.CLUSTER_CONFIGMAP}").items
+    items.sort(key=lambda e: float((e.metadata.annotations or {}).get(f"{names.PREFIX}/time", 0)))
+    return [e.reason for e in items]
+
+
+def faulty_nodes(cluster: Cluster) -> list[str]:
+    return [n.metadata.name for n in cluster.core.list_node().items if names.FAULT_TYPES in (n.metadata.labels or {})]
+
+
+def untouched_for(cluster: Cluster, name: str, seconds: float, what: str) -> None:
+    """For ``seconds`` (the disruption's length: what is tested is that nothing happens meanwhile), poll that
+    no node is taken out and the job is not restarted."""
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        assert faulty_nodes(cluster) == [], f"{what}: a node was taken out"
+        assert "JobRestarting" not in cluster.reasons(name), f"{what}: the job was restarted: {cluster.events(name)}"
+        time.sleep(0.5)  # the poll's period, not a synchronisation: the condition is checked every round
+
+
+def test_every_agent_paused_8_s_mid_job_loses_no_node_and_restarts_nothing(cluster: Cluster, agents: Agents,
+                                                                          tmp_path: Path) -> None:
+    """Every agent SIGSTOPped for 8 s (a stalled host, a slow rolling update): the operator hears no node for
+    twice NodeLostAfterSeconds. The disruption guard holds (an Event says so), the job trains on, nothing is
+    restarted or remediated; when the agents resume the hold lifts, and a node killed afterwards is lost as usual."""
+    cluster.start_operator()
+    checkpoints = tmp_path / "ckpt"
+    name = running_with_a_checkpoint(cluster, pytorchjob("paused", checkpoints, steps=3000, annotations=auto_resume(3)), checkpoints)
+    hearing_every_node(cluster)
+
+    for proc in agents.values():
+        os.kill(proc.pid, signal.SIGSTOP)
+    paused = time.monotonic()
+    try:
+        wait_until(lambda: "LivenessHold" in cluster_events(cluster), 15, "the operator to hold")
+        untouched_for(cluster, name, 8 - (time.monotonic() - paused), "agents paused")
+    finally:
+        for proc in agents.values():
+            os.kill(proc.pid, signal.SIGCONT)
+    wait_until(lambda: "LivenessHoldLifted" in cluster_events(cluster), 15, "the hold to lift")
+    stepping = max(checkpoint_steps(checkpoints))
+    wait_until(lambda: max(checkpoint_steps(checkpoints)) > stepping, 30, "the job to keep training")
+    assert faulty_nodes(cluster) == [] and "JobRestarting" not in cluster.reasons(name)
+
+    dead = cluster.core.read_namespaced_pod(f"{name}-worker-0", JOBS).spec.node_name
+    cluster.kubelet.fail_node(dead)
+    wait_until(lambda: faulty_nodes(cluster) == [dead], 30, "the killed node to be lost as usual")
+    wait_until(lambda: "JobRestarting" in cluster.reasons(name), 30, "the job to restart")
+
+
+def test_an_api_server_down_30_s_mid_job_loses_no_node_and_restarts_nothing(cluster: Cluster, agents: Agents,
+                                                                            tmp_path: Path) -> None:
+    """kube-apiserver killed for 30 s mid-job: the agents' datagrams keep reaching the operator (they do not go
+    through the API server), the ranks keep training, the operator decides nothing while it cannot confirm its
+    leadership, and when the server is back nothing is restarted or taken out; then a killed rank restarts the
+    job as usual."""
+    cluster.start_operator()
+    checkpoints = tmp_path / "ckpt"
+    name = running_with_a_checkpoint(cluster, pytorchjob("outage", checkpoints, steps=3000, annotations=auto_resume(3)), checkpoints)
+    hearing_every_node(cluster)
+    before = max(checkpoint_steps(checkpoints))
+
+    cluster.plane.stop_apiserver()
+    down = time.monotonic()
+    try:
+        while time.monotonic() - down < 30:  # the outage's length; the ranks must live through it
+            assert rank_process(cluster, f"{name}-master-0").is_running()
+            time.sleep(1)
+    finally:
+        cluster.plane.start_apiserver()
+    assert max(checkpoint_steps(checkpoints)) > before, "the job trained through the outage"
+    untouched_for(cluster, name, 15, "after the API server came back")
+    # The datagrams never stopped, but Kubernetes' node lifecycle controller, seeing no kubelet Lease renewed
+    # for longer than its grace period, may mark every node NotReady for a moment when the server is back (a
+    # real cluster does the same after an outage longer than --node-monitor-grace-period): that is most nodes
+    # silent at once, and the guard holds until the kubelets' next renewals. Either way no hold is left.
+    wait_until(lambda: (events := cluster_events(cluster)).count("LivenessHold") == events.count("LivenessHoldLifted"),
+               30, "no hold in force")
+
+    rank_process(cluster, f"{name}-worker-0").send_signal(signal.SIGKILL)
+    wait_until(lambda: cluster.annotations(name).get(names.RESTART_COUNT) == "1", 60, "a killed rank to restart the job")
+
+
+def test_a_rolling_restart_of_the_agents_loses_no_node(cluster: Cluster, agents: Agents, tmp_path: Path) -> None:
+    """The agent DaemonSet updated one node at a time: each agent gets SIGTERM (it says it is leaving) and its
+    successor starts 6 s later, longer than NodeLostAfterSeconds. No node is lost and the job is not restarted."""
+    cluster.start_operator()
+    checkpoints = tmp_path / "ckpt"
+    name = running_with_a_checkpoint(cluster, pytorchjob("rolling", checkpoints, steps=3000, annotations=auto_resume(3)), checkpoints)
+    hearing_every_node(cluster)
+    for node in NODES:
+        stop_process(agents[node], sig=signal.SIGTERM, timeout=15)
+        untouched_for(cluster, name, 6, f"the agent on {node} restarting")
+        agents[node] = start_agent(cluster, node)
+    untouched_for(cluster, name, 6, "after the rolling restart")

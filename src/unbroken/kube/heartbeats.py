@@ -212,6 +212,8 @@ class HeartbeatBoard:
                 return False
             assert beat is not None
             self.received += 1
+            if previous is None or previous[0] != beat.sender:
+                log.info("hearing a node", extra={"node": beat.node, "sender": beat.sender})  # once per agent process
             self._last[beat.node] = (beat.sender, beat.seq)
             self._heard[beat.node] = Heard(now, beat.progress, beat.leaving)
             return True

@@ -14,7 +14,7 @@ import time
 
 import kubernetes
 from unbroken.errors import NotFoundError, StoreUnavailable
-from unbroken.kube.api import STRICT, ApiConflict, call, format_time, parse_time
+from unbroken.kube.api import STRICT, ApiConflict, RequestRefused, call, format_time, parse_time
 
 log = logging.getLogger("unbroken.kube.leader")
 
@@ -30,13 +30,16 @@ class LeaderLease:
         self.identity = identity
         self.duration = duration
         self.leading = False
+        self.holder: str | None = None
+        """Who held the Lease when it was last read (None before the first read)."""
 
     def hold(self, now: float | None = None) -> bool:
         """Acquire or renew; True while this process leads. API trouble counts as not leading."""
         now = time.time() if now is None else now
         try:
             leading = self._try(now)
-        except (ApiConflict, StoreUnavailable) as exc:
+        except (ApiConflict, StoreUnavailable, RequestRefused) as exc:
+            # RequestRefused: an API server just restarted answers 403 until its RBAC caches fill
             log.warning("leader lease %s/%s: %s", self.namespace, self.name, exc)
             leading = False
         if leading != self.leading:
@@ -55,10 +58,11 @@ class LeaderLease:
                 call(lambda: self.leases.create_namespaced_lease(self.namespace, body, field_validation=STRICT))
             except ApiConflict:
                 return False  # someone else created it first
+            self.holder = self.identity
             return True
         lease = json.loads(response.data)
         current = lease.get("spec") or {}
-        holder = current.get("holderIdentity")
+        holder = self.holder = current.get("holderIdentity")
         renewed = parse_time(current.get("renewTime")) or 0.0
         expired = now - renewed > float(current.get("leaseDurationSeconds") or self.duration)
         if holder != self.identity and not expired:
@@ -75,6 +79,7 @@ class LeaderLease:
             call(lambda: self.leases.replace_namespaced_lease(self.name, self.namespace, body, field_validation=STRICT))
         except ApiConflict:
             return False  # another candidate wrote it first
+        self.holder = self.identity
         return True
 
     def release(self) -> None:

@@ -83,8 +83,11 @@ class Operator:
         board = self.store.heartbeats
         try:
             if not self.leader.hold(now):
-                if board is not None:
-                    board.forget()  # a later term starts from the Leases, not from what this one heard
+                if board is not None and self.leader.holder not in (None, self.leader.identity):
+                    # Another replica leads: a later term of this one starts from the Leases, not from
+                    # beats heard before. (An API server that cannot be reached only pauses this one:
+                    # the beats it hears meanwhile are as good as ever.)
+                    board.forget()
                 return
             if board is not None and board.key is None:
                 board.key = heartbeats.read_key(self.store.api, self.store.namespace)  # made by the first agent
@@ -113,6 +116,10 @@ class OperatorCollector:
         self.operator = operator
 
     def collect(self) -> Iterator[Metric]:
+        leading = GaugeMetricFamily("unbroken_operator_leading", "1 while this replica holds the leader Lease (0 also "
+                                    "while the API server cannot be reached: nothing is decided then)")
+        leading.add_metric([], 1.0 if self.operator.leader.leading else 0.0)
+        yield leading
         holding = self.operator.nodes.holding
         hold = GaugeMetricFamily("unbroken_liveness_hold", "1 while the disruption guard holds node-loss decisions "
                                  "(most nodes silent at once: controller/liveness.py)", labels=[])

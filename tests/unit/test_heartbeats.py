@@ -1,0 +1,143 @@
+"""Heartbeat datagrams (kube/heartbeats.py) over real UDP sockets on loopback, the signing key in a real
+Secret on the real API server, and how the Kubernetes store turns datagrams and Leases into a node's heartbeat."""
+
+from __future__ import annotations
+
+import socket
+import time
+import uuid
+from pathlib import Path
+
+import kubernetes
+import pytest
+
+from unbroken.kube import heartbeats, names
+from unbroken.kube.client import api_client
+from unbroken.kube.heartbeats import Beat, HeartbeatBoard, HeartbeatSender
+from unbroken.kube.store import KubernetesStore
+from unbroken.state.records import RankInfo, WorkerProgress
+from unbroken.waiting import wait_until
+
+pytestmark = pytest.mark.timeout(60)
+KEY = b"k" * 32
+REPORT = WorkerProgress(job="ns/llama", attempt=1, ranks=(RankInfo(rank=0, local_rank=0, pid=42),), last_step=17,
+                        last_progress_at=1_700_000_000.5)
+
+
+@pytest.fixture
+def board() -> HeartbeatBoard:
+    board = HeartbeatBoard("127.0.0.1", 0)
+    board.key = KEY
+    yield board
+    board.close()
+
+
+def sender_to(board: HeartbeatBoard, node: str = "gpu-1", key: bytes = KEY) -> HeartbeatSender:
+    sender = HeartbeatSender(key, node)
+    sender.address = ("127.0.0.1", board.port)
+    return sender
+
+
+def test_a_beat_carries_the_ranks_progress_to_the_board(board: HeartbeatBoard) -> None:
+    sender = sender_to(board)
+    before = time.time()
+    assert sender.send([REPORT])
+    heard = wait_until(lambda: board.heard("gpu-1"), 5, "the beat to arrive")
+    assert heard.progress == (REPORT,) and heard.at >= before and not heard.leaving
+    assert sender.send([], leaving=True)
+    assert wait_until(lambda: board.heard("gpu-1").leaving, 5, "the leaving beat")
+    assert board.received == 2 and board.rejected == 0
+
+
+def test_forged_replayed_and_skewed_datagrams_are_dropped_and_counted(board: HeartbeatBoard) -> None:
+    now = time.time()
+    good = heartbeats.encode(KEY, Beat("gpu-1", "agent-a", 5, now))
+    assert board.accept(good, now)
+    assert not board.accept(heartbeats.encode(b"x" * 32, Beat("gpu-2", "agent-b", 1, now)), now), "another key"
+    assert not board.accept(good, now + 1), "a replay of sequence 5"
+    assert not board.accept(heartbeats.encode(KEY, Beat("gpu-1", "agent-a", 4, now)), now + 1), "an older sequence"
+    assert not board.accept(heartbeats.encode(KEY, Beat("gpu-1", "agent-c", 1, now - 120)), now), "sent 2 minutes ago"
+    assert not board.accept(good[:-3], now), "truncated"
+    assert not board.accept(b"", now)
+    assert board.accept(heartbeats.encode(KEY, Beat("gpu-1", "agent-c", 1, now)), now + 2), "a restarted agent starts at 1"
+    assert board.rejected == 6 and board.received == 2
+    assert board.heard("gpu-2") is None and board.heard("gpu-1").at == now + 2
+
+
+def test_a_board_without_the_key_drops_everything(board: HeartbeatBoard) -> None:
+    board.key = None
+    assert not board.accept(heartbeats.encode(KEY, Beat("gpu-1", "agent-a", 1, time.time())), time.time())
+
+
+def test_a_beat_too_large_for_a_datagram_goes_without_its_progress(board: HeartbeatBoard) -> None:
+    many = [WorkerProgress(job=f"ns/job-{i:05d}-{'x' * 40}", attempt=i, last_step=i) for i in range(1000)]
+    datagram = heartbeats.encode(KEY, Beat("gpu-1", "agent-a", 1, time.time(), tuple(many)))
+    assert len(datagram) <= heartbeats.MAX_DATAGRAM
+    sender_to(board).send(many)
+    heard = wait_until(lambda: board.heard("gpu-1"), 5, "the beat to arrive")
+    assert heard.progress == ()
+
+
+def test_a_beat_to_nowhere_is_not_an_error() -> None:
+    free = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    free.bind(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+    free.close()
+    sender = HeartbeatSender(KEY, "gpu-1")
+    assert not sender.send([]), "no leader address known"
+    sender.address = ("127.0.0.1", port)
+    for _ in range(3):
+        sender.send([])  # nobody listens: UDP drops it; the next beat tries again
+
+
+# --- against the real API server ----------------------------------------------------------------
+
+
+@pytest.fixture
+def api(kubeconfig: Path, namespace: str) -> kubernetes.client.ApiClient:
+    return api_client(kubeconfig)
+
+
+def test_the_first_agent_makes_the_key_every_other_reads_it(api: kubernetes.client.ApiClient, namespace: str) -> None:
+    assert heartbeats.read_key(api, namespace) is None
+    first = heartbeats.ensure_key(api, namespace)
+    assert len(first) == 32
+    assert heartbeats.ensure_key(api, namespace) == first
+    assert heartbeats.read_key(api, namespace) == first
+
+
+def make_node(api: kubernetes.client.ApiClient) -> str:
+    name = f"node-{uuid.uuid4().hex[:6]}"
+    kubernetes.client.CoreV1Api(api).create_node({"metadata": {"name": name},
+                                                  "status": {"conditions": [{"type": "Ready", "status": "True"}]}})
+    return name
+
+
+def test_datagrams_are_the_heartbeat_and_the_lease_the_backstop(api: kubernetes.client.ApiClient, namespace: str,
+                                                                board: HeartbeatBoard) -> None:
+    store = KubernetesStore(api, namespace)
+    store.heartbeats = board
+    store.lease_renew_seconds, store.heartbeat_interval = 10.0, 1.0
+    node = make_node(api)
+    now = time.time()
+
+    store.renew_lease(node, at=now - 30)
+    assert store.get_node(node).heartbeat_at == pytest.approx(now - 20, abs=0.5), \
+        "heard nothing yet (a new leader): the Lease vouches until its next renewal is due"
+    assert board.accept(heartbeats.encode(KEY, Beat(node, "a", 1, now, (REPORT,))), now - 2)
+    assert store.get_node(node).heartbeat_at == pytest.approx(now - 2), "the datagram is newer: it is the heartbeat"
+    assert store.lease_progress()[("ns/llama", 1, node)] == REPORT
+    store.renew_lease(node, at=now - 1.5)
+    assert store.get_node(node).heartbeat_at == pytest.approx(now - 2), \
+        "a renewal within a beat of the last datagram is the same agent's: the datagrams decide"
+    store.renew_lease(node, at=now)
+    assert store.get_node(node).heartbeat_at == pytest.approx(now, abs=0.5), \
+        "renewed well after the last datagram (its beats do not get through): the Lease vouches"
+    assert board.accept(heartbeats.encode(KEY, Beat(node, "a", 2, now - 100, leaving=True)), now - 100)
+    assert store.get_node(node).heartbeat_at == pytest.approx(now - 100 + heartbeats.AGENT_RESTART_GRACE_SECONDS), \
+        "an agent that said it leaves vouches for its node through its restart"
+
+    reader = KubernetesStore(api, namespace)  # the CLI: no datagrams, the Lease as written
+    assert reader.get_node(node).heartbeat_at == pytest.approx(now, abs=0.01)
+    lease = kubernetes.client.CoordinationV1Api(api).read_namespaced_lease(names.LEASE_PREFIX + node, namespace)
+    assert lease.spec.lease_duration_seconds == 40
