@@ -114,18 +114,16 @@ class KubernetesAgent:
         endpoint = metrics.serve(self.metrics.registry, metrics_host, metrics_port or 0) if metrics_port is not None else None
         log.info("agent started", extra={"node": self.node, "kernel_log": self.kernel_log, "socket": str(receiver.path),
                                          "metrics": endpoint.address if endpoint else None})
-        beat_every = self.runtime.config.Local.HeartbeatIntervalSeconds
         renew_every = self.runtime.config.Kubernetes.LeaseRenewSeconds
-        next_beat = time.monotonic() + beat_every
         next_renewal = time.monotonic() + renew_every
         self_reboot = self.runtime.config.Kubernetes.Remediator is Remediator.SELF_REBOOT
+        if sender is not None:
+            # Its own thread: a slow or unreachable API server delays the Lease, never the beat.
+            threading.Thread(target=self._beat, args=(sender,), name="heartbeats", daemon=True).start()
         try:
             while not self.stopping.wait(RECEIVE_SECONDS):
                 self.book.apply(receiver.drain())
                 now = time.monotonic()
-                if sender is not None and now >= next_beat:
-                    next_beat = max(next_beat + beat_every, now)  # a stall (GC, a paused agent) sends one beat, not a burst
-                    sender.send(self.book.current())
                 if now >= next_renewal:
                     next_renewal = max(next_renewal + renew_every, now)
                     try:
@@ -145,6 +143,13 @@ class KubernetesAgent:
                 checkpoints.close()
             if endpoint is not None:
                 endpoint.close()
+
+    def _beat(self, sender: heartbeats.HeartbeatSender) -> None:
+        """A datagram to the leader every ``HeartbeatIntervalSeconds`` until the agent stops (a stall, a
+        paused agent, sends one beat after it, not a burst)."""
+        every = self.runtime.config.Local.HeartbeatIntervalSeconds
+        while not self.stopping.wait(every):
+            sender.send(self.book.current())
 
     def _heartbeat_sender(self) -> heartbeats.HeartbeatSender | None:
         """The datagram heartbeat to the leader (None, logged, without the key: the Lease alone then
