@@ -40,10 +40,10 @@ from controlplane.cluster import ControlPlane
 from controlplane.kubelet import ProcessKubelet, pod_processes
 from helpers import run_cli
 from processes import stop_process
-from unbroken.kube import names
-from unbroken.kube.client import api_client
-from unbroken.kube.catalog import KubernetesCatalog
-from unbroken.kube.rank_env import AGENT_DIR, SHM_DIR, with_rank_env
+from unbroken.backends.kubernetes import names
+from unbroken.backends.kubernetes.client import api_client
+from unbroken.backends.kubernetes.catalog import KubernetesCatalog
+from unbroken.backends.kubernetes.rank_env import AGENT_DIR, SHM_DIR, with_rank_env
 from unbroken.ports import free_port
 from unbroken.symptoms import says_peer_lost
 from unbroken.waiting import WaitTimeout, wait_until
@@ -201,7 +201,7 @@ def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]
 def pytorchjob(name: str, checkpoints: Path, *, steps: int, step_time: float = 0.05, annotations: dict[str, str] | None = None,
                nodes: int = 2, report_progress: bool = False, tiers_json: str | None = None) -> dict[str, Any]:
     """A PyTorchJob as a user writes it: Master + Workers, torchrun reading training-operator's PET_* env;
-    with ``report_progress``, its pods mount the node agent's socket and name their job (kube/rank_env.py);
+    with ``report_progress``, its pods mount the node agent's socket and name their job (backends/kubernetes/rank_env.py);
     with ``tiers_json`` they checkpoint through the tiered checkpoint (the node's memory tier, peer replicas)."""
     container = {
         "name": "pytorch", "image": "unbroken:dev",
@@ -1072,7 +1072,7 @@ def test_unusual_workloads_beside_a_healthy_job_never_stop_its_recovery(cluster:
     assert "reconcile pass failed" not in cluster.operator_log()
 
 
-# --- liveness through disruptions (controller/liveness.py, kube/heartbeats.py) ----------------------
+# --- liveness through disruptions (controller/liveness.py, backends/kubernetes/heartbeats.py) ----------------------
 
 
 def hearing_every_node(cluster: Cluster) -> None:

@@ -16,8 +16,8 @@ from helpers import race
 from unbroken.agent import cluster_tls
 from unbroken.checkpoint import credentials
 from unbroken.errors import StoreUnavailable
-from unbroken.kube import names
-from unbroken.kube.client import api_client
+from unbroken.backends.kubernetes import names
+from unbroken.backends.kubernetes.client import api_client
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -16,11 +16,12 @@ from test_deploy_manifests import schema_version
 from unbroken.config.cluster import ClusterConfig, InstanceGroup
 from unbroken.health.pod import VERDICT_MARK, parse_verdict, verdict_record
 from unbroken.health.result import CheckResult, FaultAction, Status, Suite
-from unbroken.kube import names
-from unbroken.kube.client import api_client
+from unbroken.backends.kubernetes import names
+from unbroken.backends.kubernetes.client import api_client
 from unbroken.operator.deep_checks import group_of, job_manifest, job_name
 from unbroken.state.phases import DeepHealthStatus, NodeState
 from unbroken.state.records import Node
+from unbroken.waiting import wait_until
 
 CLUSTER = ClusterConfig(
     ClusterName="k8s",
@@ -134,8 +135,8 @@ def test_a_peer_the_cross_node_sweep_blames_is_taken_out_and_the_joining_node_pa
     written here as the Job controller and the kubelet would."""
     import kubernetes
 
-    from unbroken.kube.client import api_client
-    from unbroken.kube.store import KubernetesStore
+    from unbroken.backends.kubernetes.client import api_client
+    from unbroken.backends.kubernetes.store import KubernetesStore
     from unbroken.operator.deep_checks import DeepCheckJobs
 
     api = api_client(kubeconfig)
@@ -163,11 +164,21 @@ def test_a_peer_the_cross_node_sweep_blames_is_taken_out_and_the_joining_node_pa
          "state": {"terminated": {"exitCode": 0, "message": VERDICT_MARK + json.dumps(verdict)}}}]}})
     # what the Job controller writes when every index succeeded (the API server checks that it is consistent)
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    batch.patch_namespaced_job_status(job.metadata.name, namespace, {"status": {
-        "startTime": now, "completionTime": now, "succeeded": job.spec.completions, "active": 0,
-        "completedIndexes": f"0-{job.spec.completions - 1}",
-        "conditions": [{"type": "SuccessCriteriaMet", "status": "True", "lastTransitionTime": now},
-                       {"type": "Complete", "status": "True", "lastTransitionTime": now}]}})
+    def completed() -> bool:
+        # The real Job controller writes this Job's status too (it sees the pod): a write that races
+        # it is refused (409, or 422 when the two disagree on startTime), and tried again.
+        try:
+            batch.patch_namespaced_job_status(job.metadata.name, namespace, {"status": {
+                "startTime": now, "completionTime": now, "succeeded": job.spec.completions, "active": 0,
+                "completedIndexes": f"0-{job.spec.completions - 1}",
+                "conditions": [{"type": "SuccessCriteriaMet", "status": "True", "lastTransitionTime": now},
+                               {"type": "Complete", "status": "True", "lastTransitionTime": now}]}})
+        except kubernetes.client.ApiException as exc:
+            if exc.status not in (409, 422):
+                raise
+            return False
+        return True
+    wait_until(completed, 10, "the Job's status to be written")
 
     checks.reconcile(cluster)
     assert store.get_node(joining).deep_health is DeepHealthStatus.PASSED

@@ -103,7 +103,7 @@ AGENT_CLUSTER_RULES = rules(
 )
 AGENT_NAMESPACE_RULES = rules(
     ("coordination.k8s.io", "leases", "get create update patch"),
-    ("", "configmaps", "get list create patch delete"),  # the checkpoint catalog (kube/catalog.py)
+    ("", "configmaps", "get list create patch delete"),  # the checkpoint catalog (backends/kubernetes/catalog.py)
     ("", "secrets", "create get"),  # unbroken-cluster-tls only (get by name; create cannot be limited to one)
 )
 

@@ -1,4 +1,4 @@
-"""Heartbeat datagrams (kube/heartbeats.py) over real UDP sockets on loopback, the signing key in a real
+"""Heartbeat datagrams (backends/kubernetes/heartbeats.py) over real UDP sockets on loopback, the signing key in a real
 Secret on the real API server, and how the Kubernetes store turns datagrams and Leases into a node's heartbeat."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from pathlib import Path
 import kubernetes
 import pytest
 
-from unbroken.kube import heartbeats, names
-from unbroken.kube.client import api_client
-from unbroken.kube.heartbeats import Beat, HeartbeatBoard, HeartbeatSender
-from unbroken.kube.store import KubernetesStore
+from unbroken.backends.kubernetes import heartbeats, names
+from unbroken.backends.kubernetes.client import api_client
+from unbroken.backends.kubernetes.heartbeats import Beat, HeartbeatBoard, HeartbeatSender
+from unbroken.backends.kubernetes.store import KubernetesStore
 from unbroken.state.records import RankInfo, WorkerProgress
 from unbroken.waiting import wait_until
 

@@ -21,11 +21,11 @@ from helpers import run_cli
 from test_deploy_manifests import schema_version
 from unbroken.config.job import JobSpec
 from unbroken.errors import UsageError
-from unbroken.kube import annotations as job_annotations
-from unbroken.kube import names
-from unbroken.kube.client import api_client
-from unbroken.kube.render import CLI_MANAGER, Placement, parse_label_selector, render_pytorchjob, render_trainjob
-from unbroken.kube.workloads import PYTORCHJOB, TRAINJOB
+from unbroken.backends.kubernetes import annotations as job_annotations
+from unbroken.backends.kubernetes import names
+from unbroken.backends.kubernetes.client import api_client
+from unbroken.backends.kubernetes.render import CLI_MANAGER, Placement, parse_label_selector, render_pytorchjob, render_trainjob
+from unbroken.backends.kubernetes.workloads import PYTORCHJOB, TRAINJOB
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "k8s-job.yaml"

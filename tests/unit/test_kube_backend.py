@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from unbroken.controller.job_decisions import is_peer_lost
-from unbroken.kube.backend import _pod_phase, _what_failed
+from unbroken.backends.kubernetes.backend import _pod_phase, _what_failed
 from unbroken.state.phases import WorkerPhase
 from unbroken.state.records import Desired, Worker
 
@@ -70,7 +70,7 @@ def test_what_failed_falls_back_to_the_last_lines() -> None:
 
 
 def test_node_ranks_follow_training_operators_rank() -> None:
-    from unbroken.kube.workloads import PYTORCHJOB
+    from unbroken.backends.kubernetes.workloads import PYTORCHJOB
 
     def pod(kind: str, index: int) -> dict:
         return {"metadata": {"labels": {PYTORCHJOB.replica_type_label: kind, PYTORCHJOB.replica_index_label: str(index)}}}

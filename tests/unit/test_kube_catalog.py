@@ -1,4 +1,4 @@
-"""The checkpoint catalog on Kubernetes (kube/catalog.py): the same contract as the SQLite catalog, on ConfigMaps.
+"""The checkpoint catalog on Kubernetes (backends/kubernetes/catalog.py): the same contract as the SQLite catalog, on ConfigMaps.
 
 Real: kube-apiserver and etcd (tests/controlplane), with their resourceVersion preconditions on patch and
 delete; the catalog talks to it with the real ``kubernetes`` client. Racing writers are real threads with
@@ -14,9 +14,9 @@ import kubernetes
 import pytest
 
 from helpers import race
-from unbroken.kube import names
-from unbroken.kube.catalog import KubernetesCatalog, configmap_name
-from unbroken.kube.client import api_client
+from unbroken.backends.kubernetes import names
+from unbroken.backends.kubernetes.catalog import KubernetesCatalog, configmap_name
+from unbroken.backends.kubernetes.client import api_client
 from unbroken.state.records import CheckpointStep, CheckpointTier, ShardCopy, StepStatus
 
 pytestmark = pytest.mark.timeout(60)
@@ -127,7 +127,7 @@ def test_shard_servers_are_node_annotations(catalog: KubernetesCatalog) -> None:
 
 def test_a_pass_reads_one_list_yet_sees_its_own_writes_at_once_and_other_agents_within_the_reuse_window(
         kubeconfig: Path, namespace: str) -> None:
-    from unbroken.kube.catalog import LIST_REUSE_SECONDS
+    from unbroken.backends.kubernetes.catalog import LIST_REUSE_SECONDS
     from unbroken.waiting import wait_until
 
     mine = KubernetesCatalog(api_client(kubeconfig), namespace)

@@ -17,11 +17,11 @@ import kubernetes
 import pytest
 
 from unbroken.errors import ConfigError, NotFoundError
-from unbroken.kube import annotations, names
-from unbroken.kube.annotations import AnnotationError
-from unbroken.kube.client import api_client
-from unbroken.kube.leader import LeaderLease
-from unbroken.kube.store import KubernetesStore, condition_reason
+from unbroken.backends.kubernetes import annotations, names
+from unbroken.backends.kubernetes.annotations import AnnotationError
+from unbroken.backends.kubernetes.client import api_client
+from unbroken.backends.kubernetes.leader import LeaderLease
+from unbroken.backends.kubernetes.store import KubernetesStore, condition_reason
 from unbroken.state.phases import DeepHealthStatus, IllegalTransition, JobPhase, NodeState
 from unbroken.state.records import EventType, RankInfo, WorkerProgress
 from unbroken.state.store import StaleUpdate

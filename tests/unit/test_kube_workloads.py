@@ -1,4 +1,4 @@
-"""The workload kinds unbroken restarts (kube/workloads.py), and the store over both of them.
+"""The workload kinds unbroken restarts (backends/kubernetes/workloads.py), and the store over both of them.
 
 Patches are checked by reading them back through the Kubeflow SDK's models; the store runs against a real
 kube-apiserver with the Kubeflow CRDs (tests/controlplane), no Kubeflow controller.
@@ -16,9 +16,9 @@ import pytest
 from kubeflow_trainer_api.models import TrainerV1alpha1TrainJob
 
 
-from unbroken.kube import names
-from unbroken.kube.store import KubernetesStore
-from unbroken.kube.workloads import PYTORCHJOB, TRAINJOB, kind_of
+from unbroken.backends.kubernetes import names
+from unbroken.backends.kubernetes.store import KubernetesStore
+from unbroken.backends.kubernetes.workloads import PYTORCHJOB, TRAINJOB, kind_of
 from unbroken.state.phases import JobPhase
 from unbroken.state.records import EventType
 from unbroken.state.updates import JobUpdate
@@ -103,7 +103,7 @@ def test_pods_of_each_kind_give_their_node_rank_and_rendezvous() -> None:
 
 @pytest.fixture
 def api(kubeconfig: Any) -> kubernetes.client.ApiClient:
-    from unbroken.kube.client import api_client
+    from unbroken.backends.kubernetes.client import api_client
     return api_client(kubeconfig)
 
 

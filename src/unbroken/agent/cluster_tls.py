@@ -3,7 +3,7 @@
 The memory tier's peer API is mutual TLS under a CA of the cluster's own
 (checkpoint/credentials.py). On Kubernetes the three files live in the Secret
 ``unbroken-cluster-tls`` in unbroken's namespace, made by the first agent that
-needs it (kube/shared_secret.py: the first one's CA wins). Each agent then writes the files
+needs it (backends/kubernetes/shared_secret.py: the first one's CA wins). Each agent then writes the files
 into its node's socket folder (``/var/run/unbroken/cluster``), which the training
 pods mount already: their ranks present the same certificate to restore from
 peers. The CA's key is not kept, as locally: nobody can mint a second certificate.
@@ -24,7 +24,7 @@ from unbroken.atomic_file import write_bytes_atomically
 from unbroken.checkpoint import credentials
 from unbroken.checkpoint.credentials import Credentials
 from unbroken.errors import NotFoundError
-from unbroken.kube import names, shared_secret
+from unbroken.backends.kubernetes import names, shared_secret
 
 _FILES = (credentials.CA_FILE, credentials.CERT_FILE, credentials.KEY_FILE)
 _REMEDY = "delete it and an agent makes a new one (every node's agent must then restart to read it)"

@@ -3,7 +3,7 @@
 The same parts as the local agent, minus what the kubelet does there: no
 worker runner (pods are the kubelet's), no registration (the Node exists). It
 sends the leading operator a signed datagram every ``HeartbeatIntervalSeconds``
-with the ranks' progress (kube/heartbeats.py: the node's heartbeat; the progress,
+with the ranks' progress (backends/kubernetes/heartbeats.py: the node's heartbeat; the progress,
 every job's latest attempt, is how the operator sees a hang) and renews its Lease
 ``unbroken-node-<node>`` every ``Kubernetes.LeaseRenewSeconds`` with the same
 progress (the backstop a new leader reads first), watches
@@ -15,7 +15,7 @@ its host when the operator asks (``_reboot_if_asked``).
 It keeps the node's checkpoint memory tier as the local agent does (the same
 :class:`CheckpointService`: replicas to peers, drains to the persistent tier,
 the restore catalog for its ranks) over the Kubernetes catalog (ConfigMaps,
-kube/catalog.py), with the cluster's TLS credentials from the Secret
+backends/kubernetes/catalog.py), with the cluster's TLS credentials from the Secret
 (agent/cluster_tls.py) written beside its socket, where the training pods find
 them, and its shard server's address in the file ``checkpoint-endpoint`` there.
 
@@ -50,10 +50,10 @@ from unbroken.config.health import KernelLogSource
 from unbroken.errors import NotFoundError, StoreUnavailable, UnbrokenError
 from unbroken.health.kernel_log.sources import LineSource, open_source
 from unbroken.health.monitor import HealthMonitor
-from unbroken.kube import heartbeats, names, node_repair, rank_env
+from unbroken.backends.kubernetes import heartbeats, names, node_repair, rank_env
 from unbroken.launch_env import ENDPOINT_FILE
-from unbroken.kube.client import api_client
-from unbroken.kube.store import KubernetesStore
+from unbroken.backends.kubernetes.client import api_client
+from unbroken.backends.kubernetes.store import KubernetesStore
 from unbroken.metrics import AgentMetrics
 from unbroken.runtime import Runtime, open_kubernetes
 from unbroken.state.records import EventType

@@ -199,8 +199,8 @@ def logs(
 
 
 def _pod_logs(runtime: Runtime, job: Job, *, node: str | None, rank: int | None, attempt: int | None, follow: bool) -> None:
-    from unbroken.kube import pod_logs  # here: local commands need not import the kubernetes client
-    from unbroken.kube.store import KubernetesStore
+    from unbroken.backends.kubernetes import pod_logs  # here: local commands need not import the kubernetes client
+    from unbroken.backends.kubernetes.store import KubernetesStore
 
     assert isinstance(runtime.cluster, KubernetesStore)
     namespace, _, short = job.name.partition("/")

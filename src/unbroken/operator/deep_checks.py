@@ -60,8 +60,8 @@ from unbroken.health import catalogue, events, join
 from unbroken.health.context import CheckContext, Peer
 from unbroken.health.pod import CONTEXT_ENV, DIR_ENV, SUITE_ENV, SWEEP_CHECK, parse_verdict
 from unbroken.health.result import FaultAction, Suite
-from unbroken.kube import names
-from unbroken.kube.api import STRICT, call
+from unbroken.backends.kubernetes import names
+from unbroken.backends.kubernetes.api import STRICT, call
 from unbroken.state.phases import DeepHealthStatus, NodeState
 from unbroken.state.records import EventType, Node
 from unbroken.state.store import ClusterStore, StaleUpdate

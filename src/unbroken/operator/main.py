@@ -34,14 +34,14 @@ from unbroken.controller.job_reconciler import JobReconciler
 from unbroken.controller.metrics import ClusterCollector
 from unbroken.controller.node_reconciler import NodeReconciler
 from unbroken.errors import UnbrokenError
-from unbroken.kube import heartbeats, names
+from unbroken.backends.kubernetes import heartbeats, names
 from unbroken.operator import deep_checks
 from unbroken.operator.deep_checks import DeepCheckJobs
 from unbroken.operator.reboots import RebootReturns
-from unbroken.kube.client import api_client
-from unbroken.kube.leader import LeaderLease
-from unbroken.kube.store import KubernetesStore
-from unbroken.kube.workloads import KINDS
+from unbroken.backends.kubernetes.client import api_client
+from unbroken.backends.kubernetes.leader import LeaderLease
+from unbroken.backends.kubernetes.store import KubernetesStore
+from unbroken.backends.kubernetes.workloads import KINDS
 from unbroken.runtime import Runtime, open_kubernetes
 from unbroken.state.records import EventType
 
@@ -50,7 +50,7 @@ log = logging.getLogger("unbroken.operator")
 RESYNC_SECONDS = 1.0
 """A full pass at least this often, events or not (a lease going stale makes no event)."""
 SILENT_AFTER_SECONDS = 3.0
-"""A node whose heartbeat is this much overdue is a suspect (agents beat every second: kube/heartbeats.py)."""
+"""A node whose heartbeat is this much overdue is a suspect (agents beat every second: backends/kubernetes/heartbeats.py)."""
 
 
 class Operator:
@@ -214,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         log.error("cannot hear heartbeats on %s:%s: %s", args.heartbeat_host, port, exc)
         return 2
+    assert isinstance(runtime.cluster, KubernetesStore)  # open_kubernetes's store
     runtime.cluster.heartbeats = board
     address = f"{args.heartbeat_address}:{board.port}"
     log.info("hearing heartbeats", extra={"address": address})

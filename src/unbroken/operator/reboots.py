@@ -4,7 +4,7 @@ On a local cluster the node's agent says it is back (it registers again). On
 Kubernetes the machine is rebooted by whoever the remediator hands it to, and the
 DaemonSet's agent may come back before or after the kubelet; what says "this is a
 new boot" is the kubelet's ``status.nodeInfo.bootID`` differing from the one
-recorded when the reboot was asked for (``kube/node_repair.py``), on a Ready node.
+recorded when the reboot was asked for (``backends/kubernetes/node_repair.py``), on a Ready node.
 
 Then, in this order (a pass that dies between the steps is finished by the next):
 
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import logging
 
-from unbroken.kube import node_repair
-from unbroken.kube.store import KubernetesStore
+from unbroken.backends.kubernetes import node_repair
+from unbroken.backends.kubernetes.store import KubernetesStore
 from unbroken.state.phases import DeepHealthStatus, NodeState
 from unbroken.state.records import Node
 from unbroken.state.store import StaleUpdate

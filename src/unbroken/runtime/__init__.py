@@ -92,10 +92,10 @@ def open_kubernetes(api: "kubernetes.client.ApiClient", namespace: str, *, job_n
     """The runtime of the cluster behind ``api``: unbroken installed in ``namespace`` (its
     ConfigMap ``unbroken-cluster`` holds the cluster file); jobs in ``job_namespace`` or all."""
     from unbroken.config.cluster import Remediator
-    from unbroken.kube.backend import CommandRemediator, ConditionRemediator, KubernetesBackend, SelfRebootRemediator
-    from unbroken.kube.backend import Remediator as NodeRemediator
-    from unbroken.kube.catalog import KubernetesCatalog
-    from unbroken.kube.store import KubernetesStore
+    from unbroken.backends.kubernetes.backend import CommandRemediator, ConditionRemediator, KubernetesBackend, SelfRebootRemediator
+    from unbroken.backends.kubernetes.backend import Remediator as NodeRemediator
+    from unbroken.backends.kubernetes.catalog import KubernetesCatalog
+    from unbroken.backends.kubernetes.store import KubernetesStore
 
     store = KubernetesStore(api, namespace, job_namespace=job_namespace)
     config = store.cluster().config()

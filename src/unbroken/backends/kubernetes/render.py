@@ -55,9 +55,9 @@ from kubeflow_trainer_api import models as trainer
 from unbroken import launch_env
 from unbroken.config.job import JobSpec
 from unbroken.errors import UsageError
-from unbroken.kube import names
-from unbroken.kube import rank_env
-from unbroken.kube.workloads import PYTORCHJOB, TRAINER_CONTAINER, TRAINER_JOB, TRAINJOB, WorkloadKind
+from unbroken.backends.kubernetes import names
+from unbroken.backends.kubernetes import rank_env
+from unbroken.backends.kubernetes.workloads import PYTORCHJOB, TRAINER_CONTAINER, TRAINER_JOB, TRAINJOB, WorkloadKind
 
 DEFAULT_CHECKPOINT_DIR = Path("/checkpoints")
 CONTAINER = "pytorch"

@@ -16,11 +16,11 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from unbroken.kube import names
-from unbroken.kube.api import STRICT, call
-from unbroken.kube.store import KubernetesStore
+from unbroken.backends.kubernetes import names
+from unbroken.backends.kubernetes.api import STRICT, call
+from unbroken.backends.kubernetes.store import KubernetesStore
 
-log = logging.getLogger("unbroken.kube.node_repair")
+log = logging.getLogger("unbroken.backends.kubernetes.node_repair")
 
 
 @dataclass(frozen=True)

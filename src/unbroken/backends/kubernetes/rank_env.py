@@ -22,7 +22,7 @@ import copy
 from typing import Any
 
 from unbroken import launch_env
-from unbroken.kube import names
+from unbroken.backends.kubernetes import names
 
 AGENT_DIR = "/var/run/unbroken"
 """The agent's socket directory on every node (deploy/base/agent.yaml mounts the same hostPath)."""

@@ -31,7 +31,7 @@ from kubeflow.training.api_client import ApiClient as KubeflowApiClient
 from kubeflow.training.models import KubeflowOrgV1PyTorchJob
 from kubeflow_trainer_api import models as trainer
 
-from unbroken.kube import names
+from unbroken.backends.kubernetes import names
 
 _KUBEFLOW = KubeflowApiClient()
 

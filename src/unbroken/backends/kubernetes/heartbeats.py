@@ -17,7 +17,7 @@ Where to: the leader writes its address into the leader Lease
 a new leader hears every node within one renewal.
 
 Signed: HMAC-SHA256 under a 32-byte key in the Secret
-``unbroken-heartbeat-key``, made by the first agent (kube/shared_secret.py) and
+``unbroken-heartbeat-key``, made by the first agent (backends/kubernetes/shared_secret.py) and
 read by the operator. A datagram whose signature does not verify, that repeats
 or precedes a sequence number already heard from the same agent process, or
 whose sender clock is more than ``MAX_CLOCK_SKEW_SECONDS`` from the operator's
@@ -43,10 +43,10 @@ from typing import Any
 
 import kubernetes
 
-from unbroken.kube import names, shared_secret
+from unbroken.backends.kubernetes import names, shared_secret
 from unbroken.state.records import RankInfo, WorkerProgress
 
-log = logging.getLogger("unbroken.kube.heartbeats")
+log = logging.getLogger("unbroken.backends.kubernetes.heartbeats")
 
 KEY_SECRET = "unbroken-heartbeat-key"
 KEY_FIELD = "key"

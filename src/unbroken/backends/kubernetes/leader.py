@@ -14,9 +14,9 @@ import time
 
 import kubernetes
 from unbroken.errors import NotFoundError, StoreUnavailable
-from unbroken.kube.api import STRICT, ApiConflict, RequestRefused, call, format_time, parse_time
+from unbroken.backends.kubernetes.api import STRICT, ApiConflict, RequestRefused, call, format_time, parse_time
 
-log = logging.getLogger("unbroken.kube.leader")
+log = logging.getLogger("unbroken.backends.kubernetes.leader")
 
 
 class LeaderLease:
@@ -24,7 +24,7 @@ class LeaderLease:
                  annotations: dict[str, str] | None = None) -> None:
         self.leases = kubernetes.client.CoordinationV1Api(api)
         self.annotations = dict(annotations or {})
-        """Written with every renewal while leading (the heartbeat address: kube/heartbeats.py)."""
+        """Written with every renewal while leading (the heartbeat address: backends/kubernetes/heartbeats.py)."""
         self.namespace = namespace
         self.name = name
         self.identity = identity

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from unbroken.config.checkpoint import TierPolicy
 from unbroken.errors import ConfigError
-from unbroken.kube import names
+from unbroken.backends.kubernetes import names
 
 _TRUE = {"true", "True", "TRUE", "1", "yes"}
 _FALSE = {"false", "False", "FALSE", "0", "no"}

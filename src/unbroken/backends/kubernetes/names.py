@@ -71,7 +71,7 @@ LEASE_PROGRESS = f"{PREFIX}/progress"
 LEADER_LEASE = "unbroken-operator"
 COMPONENT = "unbroken"
 CHECKPOINT_JOB = f"{PREFIX}/checkpoint-job"
-"""On each checkpoint catalog ConfigMap (kube/catalog.py): label = the job's digest, annotation = its name."""
+"""On each checkpoint catalog ConfigMap (backends/kubernetes/catalog.py): label = the job's digest, annotation = its name."""
 CLUSTER_TLS_SECRET = "unbroken-cluster-tls"
 """The cluster's TLS credentials for the memory tier's peer API (checkpoint/credentials.py), made by the operator."""
 

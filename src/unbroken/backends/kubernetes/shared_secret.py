@@ -4,7 +4,7 @@ Agents race to create it: a create is atomic, so the first one's data wins and
 the losers read the winner's. There is no install step and no operator
 dependency (the operator is granted ``get`` on such Secrets by name, never
 ``create``). Used for the memory tier's TLS credentials (agent/cluster_tls.py)
-and the heartbeat key (kube/heartbeats.py).
+and the heartbeat key (backends/kubernetes/heartbeats.py).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from collections.abc import Callable, Collection
 import kubernetes
 
 from unbroken.errors import NotFoundError, StoreUnavailable
-from unbroken.kube import names
-from unbroken.kube.api import STRICT, ApiConflict, RequestRefused, call
+from unbroken.backends.kubernetes import names
+from unbroken.backends.kubernetes.api import STRICT, ApiConflict, RequestRefused, call
 
 
 def read(core: kubernetes.client.CoreV1Api, namespace: str, name: str, keys: Collection[str], *,

@@ -4,7 +4,7 @@
 |---|---|
 | node | the Node: labels ``unbroken.dev/node-health-status``, ``deep-health-check-status``, ``fault-types``, ``fault-reasons``; annotations ``fault-details`` and ``node-state`` (the full record); the taint ``unbroken.dev/node-health-status=Unschedulable:NoSchedule`` while not Schedulable; the condition ``UnbrokenHealthy`` |
 | node lease (heartbeat) | Lease ``unbroken-node-<node>`` in the operator's namespace, renewed by the node agent; while no agent runs there, the kubelet vouches for the node: a Node whose ``Ready`` condition is not True reads as a lease that lapsed long ago |
-| job | an annotated PyTorchJob or TrainJob (kube/workloads.py): ``unbroken.dev/job-state`` (phase, attempt, reason, times, version), mirrored for people in ``unbroken.dev/phase`` and ``unbroken.dev/restart-count`` |
+| job | an annotated PyTorchJob or TrainJob (backends/kubernetes/workloads.py): ``unbroken.dev/job-state`` (phase, attempt, reason, times, version), mirrored for people in ``unbroken.dev/phase`` and ``unbroken.dev/restart-count`` |
 | event | a core/v1 Event on the node or the workload (``reportingComponent: unbroken.dev/operator``) |
 | cluster record | ConfigMap ``unbroken-cluster`` (key ``cluster.yaml``; status in ``status``) |
 
@@ -35,19 +35,19 @@ import yaml
 from unbroken.config.cluster import ClusterConfig
 from unbroken.config.job import JobSpec, ResilienceSpec, RestartPolicy
 from unbroken.errors import ConfigError, NotFoundError, StoreUnavailable, UsageError
-from unbroken.kube import annotations as job_annotations
-from unbroken.kube import names
-from unbroken.kube.api import STRICT, ApiConflict, call, format_time, parse_time
-from unbroken.kube import heartbeats
-from unbroken.kube.heartbeats import HeartbeatBoard, progress_from_json
-from unbroken.kube.annotations import AnnotationError
-from unbroken.kube.workloads import KINDS, WorkloadKind, kind_of
+from unbroken.backends.kubernetes import annotations as job_annotations
+from unbroken.backends.kubernetes import names
+from unbroken.backends.kubernetes.api import STRICT, ApiConflict, call, format_time, parse_time
+from unbroken.backends.kubernetes import heartbeats
+from unbroken.backends.kubernetes.heartbeats import HeartbeatBoard, progress_from_json
+from unbroken.backends.kubernetes.annotations import AnnotationError
+from unbroken.backends.kubernetes.workloads import KINDS, WorkloadKind, kind_of
 from unbroken.state.phases import JOB_TRANSITIONS, NODE_TRANSITIONS, DeepHealthStatus, JobPhase, NodeState, check_transition
 from unbroken.state.records import ClusterRecord, ClusterStatus, Event, EventType, Job, Node, WorkerProgress
 from unbroken.state.store import check_version
 from unbroken.state.updates import JobUpdate, NodeUpdate
 
-log = logging.getLogger("unbroken.kube.store")
+log = logging.getLogger("unbroken.backends.kubernetes.store")
 
 T = TypeVar("T")
 NO_HANG_TIMEOUT = 10.0 ** 9

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from unbroken.errors import NotFoundError
-from unbroken.kube.api import RequestRefused, call
-from unbroken.kube.store import KubernetesStore
+from unbroken.backends.kubernetes.api import RequestRefused, call
+from unbroken.backends.kubernetes.store import KubernetesStore
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """``Backend`` on Kubernetes: attempts are a workload's pods, node recovery is a ``Remediator``.
 
-A job is a PyTorchJob or a TrainJob; kube/workloads.py says how each is suspended and patched.
+A job is a PyTorchJob or a TrainJob; backends/kubernetes/workloads.py says how each is suspended and patched.
 
 - launch attempt N: one merge patch of the workload: the pod templates get
   ``unbroken.dev/attempt: N`` (and, for jobs that require it, a nodeSelector on
@@ -32,14 +32,14 @@ from collections.abc import Collection, Sequence
 from typing import Any, Protocol
 
 from unbroken.errors import BackendError, NotFoundError
-from unbroken.kube import names, node_repair
-from unbroken.kube.api import STRICT, call, parse_time
-from unbroken.kube.store import KubernetesStore
-from unbroken.kube.workloads import Child, WorkloadKind, job_of
+from unbroken.backends.kubernetes import names, node_repair
+from unbroken.backends.kubernetes.api import STRICT, call, parse_time
+from unbroken.backends.kubernetes.store import KubernetesStore
+from unbroken.backends.kubernetes.workloads import Child, WorkloadKind, job_of
 from unbroken.state.phases import WorkerPhase
 from unbroken.state.records import Desired, EventType, Job, Node, Worker, WorkerProgress
 
-log = logging.getLogger("unbroken.kube.backend")
+log = logging.getLogger("unbroken.backends.kubernetes.backend")
 
 _SIGNALS = {6: "SIGABRT", 9: "SIGKILL", 11: "SIGSEGV", 15: "SIGTERM"}
 

@@ -35,8 +35,8 @@ from typing import Any
 import kubernetes
 
 from unbroken.errors import NotFoundError, StoreUnavailable
-from unbroken.kube import names
-from unbroken.kube.api import STRICT, ApiConflict, call
+from unbroken.backends.kubernetes import names
+from unbroken.backends.kubernetes.api import STRICT, ApiConflict, call
 from unbroken.state.records import CheckpointStep, CheckpointTier, ShardCopy, StepStatus
 
 LIST_REUSE_SECONDS = 0.2
