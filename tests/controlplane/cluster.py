@@ -128,10 +128,13 @@ def write_kubeconfig(path: Path, server: str, ca: Path, *, cert: pki.KeyPair | N
 class ControlPlane:
     """etcd, kube-apiserver, kube-controller-manager, kube-scheduler (and Kubeflow's controllers) on loopback."""
 
-    def __init__(self, workdir: Path, *, kubeflow: bool = True, trainer: bool = False, crds: bool = False) -> None:
+    def __init__(self, workdir: Path, *, kubeflow: bool = True, trainer: bool = False, crds: bool = False,
+                 controllers: str = "*") -> None:
         """``kubeflow``: training-operator runs; ``trainer``: JobSet and the Trainer too; ``crds``: only the
         Kubeflow CRDs are installed (PyTorchJob, TrainJob and its runtimes, JobSet), no controller: for tests of
-        what unbroken writes to those objects."""
+        what unbroken writes to those objects. ``controllers``: the controller-manager's ``--controllers``
+        (benchmarks/scale.py turns the node lifecycle controller off: its Nodes have no kubelet)."""
+        self.controllers = controllers
         needed = [components.ETCD, components.KUBERNETES] + [components.TRAINING_OPERATOR] * (kubeflow or trainer or crds) \
             + [components.TRAINER] * (trainer or crds)
         missing = [c for c in needed if not c.is_built()]
@@ -221,7 +224,7 @@ class ControlPlane:
             f"--service-account-private-key-file={self.sa_keys.key}", f"--root-ca-file={self.ca.cert}",
             "--use-service-account-credentials=true", f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--node-monitor-period=1s", f"--node-monitor-grace-period={NODE_GRACE_S}s", "--node-startup-grace-period=20s",
-            "--kube-api-qps=200", "--kube-api-burst=400", "--profiling=false"])
+            "--kube-api-qps=200", "--kube-api-burst=400", "--profiling=false", f"--controllers={self.controllers}"])
         self._process("kube-scheduler", [
             str(kube.binary("kube-scheduler")), f"--kubeconfig={self.scheduler_kubeconfig}",
             f"--authentication-kubeconfig={self.scheduler_kubeconfig}",

@@ -124,13 +124,16 @@ def parse_address(text: str) -> tuple[str, int] | None:
 class HeartbeatSender:
     """The agent's end: one socket, a sequence number, the leader's address as last read."""
 
-    def __init__(self, key: bytes, node: str) -> None:
+    def __init__(self, key: bytes, node: str, *, sock: socket.socket | None = None) -> None:
+        """``sock``: a UDP socket to send from, shared (benchmarks/scale.py simulates thousands of agents in one
+        process); by default one of its own."""
         self.key = key
         self.node = node
         self.sender = uuid.uuid4().hex[:12]
         self.seq = 0
         self.address: tuple[str, int] | None = None
-        self._socket = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self._own = sock is None
+        self._socket = sock if sock is not None else socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 
     def send(self, progress: Sequence[WorkerProgress] = (), *, leaving: bool = False) -> bool:
         """One beat to the leader; False when no leader address is known or the send failed (logged)."""
@@ -146,7 +149,8 @@ class HeartbeatSender:
         return True
 
     def close(self) -> None:
-        self._socket.close()
+        if self._own:
+            self._socket.close()
 
 
 @dataclass(frozen=True)
