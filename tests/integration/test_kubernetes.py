@@ -1130,7 +1130,8 @@ def test_every_agent_paused_8_s_mid_job_loses_no_node_and_restarts_nothing(clust
     assert faulty_nodes(cluster) == [] and "JobRestarting" not in cluster.reasons(name)
 
     dead = cluster.core.read_namespaced_pod(f"{name}-worker-0", JOBS).spec.node_name
-    cluster.kubelet.fail_node(dead)
+    cluster.kubelet.fail_node(dead)  # the machine dies, and its agent with it
+    agents[dead].kill()
     wait_until(lambda: faulty_nodes(cluster) == [dead], 30, "the killed node to be lost as usual")
     wait_until(lambda: "JobRestarting" in cluster.reasons(name), 30, "the job to restart")
 

@@ -71,3 +71,14 @@ def test_the_reconciler_holds_then_judges_as_usual_when_heartbeats_return(runtim
     events = store.list_events(object_kind=CLUSTER_OBJECT[0], object_name=CLUSTER_OBJECT[1])
     assert [e.reason for e in events] == ["LivenessHold", "LivenessHoldLifted"]
     assert reconciler.holding is None
+
+
+def test_agents_that_stop_together_are_held_before_the_first_crosses_the_threshold() -> None:
+    """Beats stop at the same moment but were sent at different points of the second: when the first node is
+    4.0 s silent the others are 3.2-3.8 s silent. The crowd is counted at half the threshold, so the hold is in
+    force before the first is judged alone."""
+    nodes = [node("a", NOW - 4.01), node("b", NOW - 3.8), node("c", NOW - 3.2)]
+    hold = liveness.hold(NOW, nodes, LOST_AFTER)
+    assert hold is not None and hold.silent == ("a", "b", "c")
+    assert liveness.hold(NOW, [node("a", NOW - 4.01), node("b", NOW - 0.9), node("c", NOW - 0.2)], LOST_AFTER) is None, \
+        "one node really lost among talking ones"

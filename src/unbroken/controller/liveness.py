@@ -26,6 +26,8 @@ from unbroken.state.records import Node
 MASS_SILENCE_SHARE = 0.5
 MASS_SILENCE_MIN = 2
 """Two silent nodes of three hold; one of two does not (a two-node cluster loses a node as usual)."""
+CROWD_THRESHOLD_SHARE = 0.5
+"""A node counts towards the crowd once silent for this share of ``NodeLostAfterSeconds`` (see :func:`hold`)."""
 
 
 @dataclass(frozen=True)
@@ -50,9 +52,13 @@ def silent(now: float, node: Node, lost_after: float) -> bool:
 
 
 def hold(now: float, nodes: Sequence[Node], lost_after: float) -> Hold | None:
-    """The hold in force, None when silence may be believed."""
+    """The hold in force, None when silence may be believed.
+
+    The crowd is counted at half the loss threshold: agents that stop together stopped at different
+    points of their beat, so one crosses ``lost_after`` up to a beat before the others; counted at the
+    full threshold, that first one would be judged alone (and lost) a pass before the hold."""
     active = [n for n in nodes if n.state.is_active]
-    quiet = tuple(sorted(n.name for n in active if silent(now, n, lost_after)))
+    quiet = tuple(sorted(n.name for n in active if silent(now, n, lost_after * CROWD_THRESHOLD_SHARE)))
     if len(quiet) >= MASS_SILENCE_MIN and len(quiet) > MASS_SILENCE_SHARE * len(active):
         return Hold(quiet, len(active))
     return None

@@ -227,16 +227,22 @@ class KubernetesStore:
                 return ""
         return self._node_uids[name]
 
-    def _node(self, obj: dict[str, Any], lease: float | None) -> Node:
+    def _node(self, obj: dict[str, Any], seen: float | None) -> Node:
+        """``seen``: the node's heartbeat as :meth:`_heartbeat` found it."""
         self._node_uids[obj["metadata"]["name"]] = obj["metadata"].get("uid", "")
         meta = obj["metadata"]
         labels = meta.get("labels") or {}
         saved = json.loads((meta.get("annotations") or {}).get(names.NODE_STATE, "{}") or "{}")
         ready: dict[str, Any] = next((c for c in (obj.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), {})
-        if ready.get("status") != "True":
-            heartbeat: float | None = 0.0  # the node lifecycle controller gave up on it: lost
+        heard = self.heartbeats.heard(meta["name"]) if self.heartbeats is not None else None
+        if ready.get("status") != "True" and (heard is None or seen != heard.at):
+            # The node lifecycle controller gave up on it and its agent is not heard either: lost. Where the
+            # agent's datagrams still arrive they are the fresher word: the controller writes NotReady for
+            # every node whose kubelet it could not see, e.g. after an API-server outage longer than its
+            # grace period, while the machine and its ranks run on (a dead machine's beats stop too).
+            heartbeat: float | None = 0.0
         else:
-            heartbeat = lease if lease is not None else time.time()  # no agent yet: the kubelet vouches
+            heartbeat = seen if seen is not None else time.time()  # no agent yet: the kubelet vouches
         address = next((a["address"] for a in (obj.get("status") or {}).get("addresses") or [] if a.get("type") == "InternalIP"),
                        meta["name"])
         spec = obj.get("spec") or {}
