@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import kubernetes
@@ -25,7 +26,7 @@ REPORT = WorkerProgress(job="ns/llama", attempt=1, ranks=(RankInfo(rank=0, local
 
 
 @pytest.fixture
-def board() -> HeartbeatBoard:
+def board() -> Iterator[HeartbeatBoard]:
     board = HeartbeatBoard("127.0.0.1", 0)
     board.key = KEY
     yield board

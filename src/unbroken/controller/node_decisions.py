@@ -10,9 +10,12 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from unbroken.config.cluster import ClusterConfig, NodeRecovery
+from unbroken.controller import liveness
 from unbroken.state.phases import DeepHealthStatus, NodeState
 from unbroken.state.records import Node
 
+NODE_LOST = "NodeLost"
+"""fault-type of a node whose heartbeat stopped."""
 MANUAL = "Manual"
 """fault-type of a node an operator took out of service (``node reboot|replace``)."""
 
@@ -38,14 +41,13 @@ class NodeDecision:
 def decide(now: float, node: Node, cluster: ClusterConfig) -> NodeDecision:
     settings = cluster.Local
     automatic = cluster.NodeRecovery is NodeRecovery.AUTOMATIC
-    if node.state.is_active:
+    if liveness.silent(now, node, settings.NodeLostAfterSeconds):
         last = node.heartbeat_at or node.state_changed_at
-        if now - last > settings.NodeLostAfterSeconds:
-            return NodeDecision(
-                NodeAction.FAULT, f"heartbeat lost: last seen {now - last:.1f} s ago "
-                f"(NodeLostAfterSeconds {settings.NodeLostAfterSeconds:g})",
-                NodeState.PENDING_REPLACEMENT, "NodeLost",
-            )
+        return NodeDecision(
+            NodeAction.FAULT, f"heartbeat lost: last seen {now - last:.1f} s ago "
+            f"(NodeLostAfterSeconds {settings.NodeLostAfterSeconds:g})",
+            NodeState.PENDING_REPLACEMENT, NODE_LOST,
+        )
     if node.state is NodeState.JOINING:
         if node.deep_health is DeepHealthStatus.PASSED:
             return NodeDecision(NodeAction.ADMIT, "join checks passed", NodeState.SCHEDULABLE)

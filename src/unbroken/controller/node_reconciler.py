@@ -59,7 +59,7 @@ class NodeReconciler:
         if decision.action is NodeAction.NONE:
             return decision
         if self.holding is not None and decision.action is not NodeAction.ADMIT and (
-                decision.fault_type == "NodeLost" or decision.action in (NodeAction.REBOOT, NodeAction.REPLACE)):
+                decision.fault_type == node_decisions.NODE_LOST or decision.action in (NodeAction.REBOOT, NodeAction.REPLACE)):
             return NodeDecision(NodeAction.NONE, f"held: {decision.reason}")
         extra = {"node": node.name, "action": decision.action.value}
         log.log(logging.INFO if decision.action is NodeAction.ADMIT else logging.WARNING,

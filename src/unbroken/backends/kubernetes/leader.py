@@ -72,8 +72,7 @@ class LeaderLease:
             spec["leaseTransitions"] = int(current.get("leaseTransitions") or 0) + 1
             log.warning("taking over the leader lease", extra={"previous": holder, "silent_s": round(now - renewed, 1)})
         metadata = lease["metadata"]
-        if now > 0:  # a release leaves the address: agents' beats to it go nowhere until the next leader writes its own
-            metadata["annotations"] = {**(metadata.get("annotations") or {}), **self.annotations}
+        metadata["annotations"] = {**(metadata.get("annotations") or {}), **self.annotations}
         body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": metadata, "spec": {**current, **spec}}
         try:
             call(lambda: self.leases.replace_namespaced_lease(self.name, self.namespace, body, field_validation=STRICT))
@@ -88,6 +87,6 @@ class LeaderLease:
             return
         try:
             self._try(0.0)  # renewed in 1970: expired for everyone
-        except (ApiConflict, StoreUnavailable):
-            pass
+        except (ApiConflict, StoreUnavailable, RequestRefused):
+            pass  # the Lease expires on its own
         self.leading = False

@@ -3,7 +3,7 @@
 | unbroken | Kubernetes |
 |---|---|
 | node | the Node: labels ``unbroken.dev/node-health-status``, ``deep-health-check-status``, ``fault-types``, ``fault-reasons``; annotations ``fault-details`` and ``node-state`` (the full record); the taint ``unbroken.dev/node-health-status=Unschedulable:NoSchedule`` while not Schedulable; the condition ``UnbrokenHealthy`` |
-| node lease (heartbeat) | Lease ``unbroken-node-<node>`` in the operator's namespace, renewed by the node agent; while no agent runs there, the kubelet vouches for the node: a Node whose ``Ready`` condition is not True reads as a lease that lapsed long ago |
+| node heartbeat | the signed datagrams the operator hears (``heartbeats``, backends/kubernetes/heartbeats.py), and the Lease ``unbroken-node-<node>`` in the operator's namespace, renewed by the node agent every ``LeaseRenewSeconds`` (``_heartbeat`` says how they combine with the kubelet's ``Ready``) |
 | job | an annotated PyTorchJob or TrainJob (backends/kubernetes/workloads.py): ``unbroken.dev/job-state`` (phase, attempt, reason, times, version), mirrored for people in ``unbroken.dev/phase`` and ``unbroken.dev/restart-count`` |
 | event | a core/v1 Event on the node or the workload (``reportingComponent: unbroken.dev/operator``) |
 | cluster record | ConfigMap ``unbroken-cluster`` (key ``cluster.yaml``; status in ``status``) |
@@ -36,9 +36,8 @@ from unbroken.config.cluster import ClusterConfig
 from unbroken.config.job import JobSpec, ResilienceSpec, RestartPolicy
 from unbroken.errors import ConfigError, NotFoundError, StoreUnavailable, UsageError
 from unbroken.backends.kubernetes import annotations as job_annotations
-from unbroken.backends.kubernetes import names
+from unbroken.backends.kubernetes import heartbeats, names
 from unbroken.backends.kubernetes.api import STRICT, ApiConflict, call, format_time, parse_time
-from unbroken.backends.kubernetes import heartbeats
 from unbroken.backends.kubernetes.heartbeats import HeartbeatBoard, progress_from_json
 from unbroken.backends.kubernetes.annotations import AnnotationError
 from unbroken.backends.kubernetes.workloads import KINDS, WorkloadKind, kind_of
@@ -144,27 +143,39 @@ class KubernetesStore:
         raise UsageError("on Kubernetes, nodes join the cluster through the kubelet; unbroken does not create Node objects")
 
     def get_node(self, name: str) -> Node:
-        return self._node(self.node_object(name), self._heartbeat(name, self._lease(name)))
+        return self._node(self.node_object(name), self._lease(name))
 
     def list_nodes(self) -> list[Node]:
         leases = self._leases()
         items = self._json(self.core.list_node)["items"]
-        return sorted((self._node(obj, self._heartbeat(obj["metadata"]["name"], leases.get(obj["metadata"]["name"])))
-                       for obj in items), key=lambda n: n.name)
+        return sorted((self._node(obj, leases.get(obj["metadata"]["name"])) for obj in items), key=lambda n: n.name)
 
-    def _heartbeat(self, node: str, lease: float | None) -> float | None:
-        """When the node's agent was last known alive. The datagrams the operator heard are the
-        heartbeat while they arrive; a Lease renewed after the last datagram (a new leader not yet
-        heard from, datagrams that do not get through) vouches for the node until its next renewal
-        is due, so a node whose datagrams stop is suspect after ``NodeLostAfterSeconds`` and one seen
-        only through its Lease after ``LeaseRenewSeconds`` more."""
+    def _heartbeat(self, node: str, lease: float | None, *, ready: bool) -> float | None:
+        """When the node was last known alive, from the datagrams the operator heard, the agent's Lease
+        (``lease``: its renewTime) and the kubelet's ``Ready`` condition:
+
+        - the datagrams, while they arrive, whatever ``Ready`` says: the node lifecycle controller writes
+          NotReady for every node whose kubelet it could not see (e.g. after an API-server outage longer
+          than its grace period) while the machines run on, and a dead machine's beats stop too;
+        - otherwise not ``Ready``: lost (0.0);
+        - an agent that said it is leaving (SIGTERM: a rolling update) vouches for its node for
+          ``AGENT_RESTART_GRACE_SECONDS``, until its successor's beats replace that;
+        - a Lease renewed after the last datagram (a new leader not yet heard from, datagrams that do
+          not get through) vouches until its next renewal is due: such a node is lost
+          ``LeaseRenewSeconds`` later than one that is heard;
+        - no Lease, no agent yet: the kubelet vouches (now); a reader that hears no datagrams (the CLI):
+          the Lease as written."""
         heard = self.heartbeats.heard(node) if self.heartbeats is not None else None
+        if heard is not None and not heard.leaving and (lease is None or lease <= heard.at + self.heartbeat_interval):
+            return heard.at
+        if not ready:
+            return 0.0
         if heard is not None and heard.leaving:
             return min(time.time(), heard.at + heartbeats.AGENT_RESTART_GRACE_SECONDS)
-        if heard is not None and (lease is None or lease <= heard.at + self.heartbeat_interval):
-            return heard.at  # the datagrams arrive: they are the heartbeat
-        if lease is None or self.heartbeats is None:
-            return lease  # no agent yet, or a reader that hears no datagrams (the CLI): the Lease as written
+        if lease is None:
+            return time.time()
+        if self.heartbeats is None:
+            return lease
         return min(time.time(), lease + self.lease_renew_seconds)
 
     def _lease(self, node: str) -> float | None:
@@ -227,22 +238,14 @@ class KubernetesStore:
                 return ""
         return self._node_uids[name]
 
-    def _node(self, obj: dict[str, Any], seen: float | None) -> Node:
-        """``seen``: the node's heartbeat as :meth:`_heartbeat` found it."""
+    def _node(self, obj: dict[str, Any], lease: float | None) -> Node:
+        """``lease``: when the node's agent last renewed its Lease (None: no agent has run there)."""
         self._node_uids[obj["metadata"]["name"]] = obj["metadata"].get("uid", "")
         meta = obj["metadata"]
         labels = meta.get("labels") or {}
         saved = json.loads((meta.get("annotations") or {}).get(names.NODE_STATE, "{}") or "{}")
         ready: dict[str, Any] = next((c for c in (obj.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), {})
-        heard = self.heartbeats.heard(meta["name"]) if self.heartbeats is not None else None
-        if ready.get("status") != "True" and (heard is None or seen != heard.at):
-            # The node lifecycle controller gave up on it and its agent is not heard either: lost. Where the
-            # agent's datagrams still arrive they are the fresher word: the controller writes NotReady for
-            # every node whose kubelet it could not see, e.g. after an API-server outage longer than its
-            # grace period, while the machine and its ranks run on (a dead machine's beats stop too).
-            heartbeat: float | None = 0.0
-        else:
-            heartbeat = seen if seen is not None else time.time()  # no agent yet: the kubelet vouches
+        heartbeat = self._heartbeat(meta["name"], lease, ready=ready.get("status") == "True")
         address = next((a["address"] for a in (obj.get("status") or {}).get("addresses") or [] if a.get("type") == "InternalIP"),
                        meta["name"])
         spec = obj.get("spec") or {}
