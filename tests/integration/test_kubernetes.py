@@ -5,7 +5,7 @@ lifecycle controllers: a dead node is tainted and its pods evicted by Kubernetes
 Kubeflow's training-operator v1, built from their Go modules (tests/controlplane/components.py has the
 versions); ``deploy/``'s ServiceAccounts and RBAC, applied with ``kubectl kustomize deploy/``: the operator and
 the node agents run with those accounts' tokens, so a missing permission fails a test. ``unbroken operator``
-(kopf watches + the shared reconcilers) and the node agents run as their own processes; the training pods are
+(watch caches + the shared reconcilers) and the node agents run as their own processes; the training pods are
 real processes (torchrun, gloo, the MLP workload); ``kill -9`` really kills a rank; ``kubectl`` is the real binary.
 
 What is simulated, and how (no container runtime here): the kubelet. tests/controlplane/kubelet.py registers

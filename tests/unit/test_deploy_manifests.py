@@ -81,8 +81,6 @@ OPERATOR_CLUSTER_RULES = rules(
     ("", "events", "create patch get list"),  # list: the restart a JobRestartCause follows
     ("events.k8s.io", "events", "create patch"),
     ("coordination.k8s.io", "leases", "get list watch"),
-    ("apiextensions.k8s.io", "customresourcedefinitions", "get list watch"),  # kopf's resource discovery
-    ("batch", "jobs", "list watch"),  # kopf's one cluster-wide watch of the (label-selected) deep-check Jobs
     ("kubeflow.org", "pytorchjobs", "get list watch patch"),
     ("kubeflow.org", "pytorchjobs/status", "get"),
     ("trainer.kubeflow.org", "trainjobs", "get list watch patch"),

@@ -1,1 +1,1 @@
-"""``unbroken operator``: the controller on Kubernetes (kopf watches, the shared reconcilers)."""
+"""``unbroken operator``: the controller on Kubernetes (watch caches, the shared reconcilers)."""

@@ -1,7 +1,8 @@
 """The operator process: ``unbroken operator --namespace unbroken-system``.
 
-kopf keeps watches open on Nodes, the jobs' pods, PyTorchJobs and the deep-check Jobs (reconnecting,
-resuming from resourceVersions); every event only wakes the reconcile loop. The
+Watch caches (backends/kubernetes/watch_cache.py) keep Nodes, the agents' Leases, the workloads and
+their pods in memory: listed once, then watched from their resourceVersion, so a pass reads memory and
+never LISTs the cluster. A change to a Node, a workload or a pod wakes the reconcile loop. The
 loop lets nodes back from a reboot join again (:class:`RebootReturns`), runs joining
 nodes' deep checks (:class:`DeepCheckJobs`), then the local
 controller's: the same :class:`NodeReconciler` and
@@ -17,15 +18,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
 from pathlib import Path
 from collections.abc import Iterator
-from typing import Any
+from types import FrameType
 
-import kopf
-import kubernetes
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -41,7 +41,6 @@ from unbroken.operator.reboots import RebootReturns
 from unbroken.backends.kubernetes.client import api_client
 from unbroken.backends.kubernetes.leader import LeaderLease
 from unbroken.backends.kubernetes.store import KubernetesStore
-from unbroken.backends.kubernetes.workloads import KINDS
 from unbroken.runtime import Runtime, open_kubernetes
 from unbroken.state.records import EventType
 
@@ -137,50 +136,6 @@ class OperatorCollector:
             yield beats
 
 
-class _KopfInternals(logging.Filter):
-    """kopf's per-object log records carry its settings object (queues inside: not JSON, and the
-    JSON formatter fails on it); keep the object reference, drop the internals."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        for attribute in ("settings", "k8s_skip"):
-            record.__dict__.pop(attribute, None)
-        return True
-
-
-def _connection(api: kubernetes.client.ApiClient) -> kopf.ConnectionInfo:
-    """kopf logs in with exactly what our client was configured with (kubeconfig + context, or in-cluster)."""
-    config = api.configuration
-    authorization = config.get_api_key_with_prefix("authorization") or ""
-    scheme, _, token = authorization.partition(" ")
-    return kopf.ConnectionInfo(
-        server=config.host, scheme=scheme or None, token=token or None, ca_path=config.ssl_ca_cert,
-        certificate_path=config.cert_file, private_key_path=config.key_file, insecure=not config.verify_ssl,
-        username=config.username or None, password=config.password or None,
-    )
-
-
-def _registry(operator: Operator, api: kubernetes.client.ApiClient) -> kopf.OperatorRegistry:
-    registry = kopf.OperatorRegistry()
-
-    def wake(**_: Any) -> None:
-        operator.wake.set()
-
-    kopf.on.login(registry=registry)(lambda **_: _connection(api))
-    kopf.on.event("", "v1", "nodes", registry=registry)(wake)
-    for kind in KINDS:
-        kopf.on.event("", "v1", "pods", labels={kind.pod_label: kopf.PRESENT}, id=f"{kind.plural}-pods", registry=registry)(wake)
-        kopf.on.event(kind.group, kind.version, kind.plural, id=kind.plural, registry=registry)(wake)
-    kopf.on.event("batch", "v1", "jobs", labels={deep_checks.COMPONENT_LABEL: deep_checks.COMPONENT}, registry=registry)(wake)
-
-    @kopf.on.startup(registry=registry)
-    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-        settings.posting.enabled = False  # our Events are the reconcilers'; kopf's own would be noise
-        settings.watching.server_timeout = 60
-        settings.networking.request_timeout = 30
-
-    return registry
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="unbroken operator", description=__doc__.split("\n")[0])
     parser.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE", "unbroken-system"),
@@ -200,8 +155,6 @@ def main(argv: list[str] | None = None) -> int:
                              "the Deployment sets from status.podIP)")
     args = parser.parse_args(argv)
     logs.setup(component="operator")
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(_KopfInternals())
     try:
         api = api_client(args.kubeconfig, args.context)
         runtime = open_kubernetes(api, args.namespace, job_namespace=args.job_namespace)
@@ -230,16 +183,20 @@ def main(argv: list[str] | None = None) -> int:
         endpoint = metrics.serve(registry, args.metrics_host,
                                  args.metrics_port if args.metrics_port is not None else runtime.config.Metrics.ControllerPort)
         log.info("serving metrics", extra={"address": endpoint.address})
-    loop = threading.Thread(target=operator.run, name="reconcile", daemon=True)
-    loop.start()
-    log.info("operator started", extra={"namespace": args.namespace, "identity": args.identity})
-    try:
-        kopf.run(registry=_registry(operator, api), standalone=True, clusterwide=args.job_namespace is None,
-                 namespaces=[args.job_namespace] if args.job_namespace else (), )
-    finally:
+    def stop(signum: int, _frame: FrameType | None) -> None:
+        log.info("stopping", extra={"signal": signal.Signals(signum).name})
         operator.stopping.set()
         operator.wake.set()
-        loop.join(timeout=10)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    caches = runtime.cluster.start_watches(on_change=operator.wake.set)
+    log.info("operator started", extra={"namespace": args.namespace, "identity": args.identity,
+                                        "watches": [cache.name for cache in caches.all()]})
+    try:
+        operator.run()
+    finally:
+        runtime.cluster.stop_watches()
         if endpoint is not None:
             endpoint.close()
         board.close()

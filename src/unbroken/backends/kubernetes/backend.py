@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 from unbroken.errors import BackendError, NotFoundError
 from unbroken.backends.kubernetes import names, node_repair
-from unbroken.backends.kubernetes.api import STRICT, call, parse_time
+from unbroken.backends.kubernetes.api import call, parse_time
 from unbroken.backends.kubernetes.store import KubernetesStore
 from unbroken.backends.kubernetes.workloads import Child, WorkloadKind, job_of
 from unbroken.state.phases import WorkerPhase
@@ -121,18 +121,18 @@ class KubernetesBackend:
         return None  # capacity comes back through whatever repairs or scales the node group
 
     def _evict(self, node: Node) -> None:
-        for _, pod in self._training_pods(field_selector=f"spec.nodeName={node.name}"):
+        for _, pod in self._training_pods(node=node.name):
             if not pod["metadata"].get("deletionTimestamp"):
                 self._delete(pod, grace=None)
 
     # -- attempts -------------------------------------------------------------------------
 
     def launch_attempt(self, job: Job, attempt: int, placement: Sequence[Node]) -> str:
-        namespace, _, short = job.name.partition("/")
+        short = job.name.partition("/")[2]
         obj = self.store.workload_object(job.name)
         kind = self.store.kind_of(job.name)
         patch = kind.launch_patch(obj, attempt, require_deep_health=job.spec().resilience.require_deep_health_passed)
-        call(lambda: self.store.custom.patch_namespaced_custom_object(kind.group, kind.version, namespace, kind.plural, short, patch, field_validation=STRICT))
+        self.store.patch_workload(job.name, patch)
         return f"{kind.rdzv_endpoint(short)} (the workload's controller sets the rendezvous address)"
 
     def stop_attempt(self, job: str, attempt: int, *, hold: Collection[str] = ()) -> None:
@@ -140,8 +140,7 @@ class KubernetesBackend:
         namespace, _, short = job.partition("/")
         try:
             kind = self.store.kind_of(job)
-            call(lambda: self.store.custom.patch_namespaced_custom_object(
-                kind.group, kind.version, namespace, kind.plural, short, kind.suspend_patch(True), field_validation=STRICT))
+            self.store.patch_workload(job, kind.suspend_patch(True))
         except NotFoundError:
             return  # the job was deleted: its pods go with it
         for child in kind.children_to_recreate(short):
@@ -169,7 +168,7 @@ class KubernetesBackend:
 
     def release_workers(self, node: Node, reason: str) -> None:
         now = time.time()
-        for job, pod in self._training_pods(field_selector=f"spec.nodeName={node.name}"):
+        for job, pod in self._training_pods(node=node.name):
             meta = pod["metadata"]
             deleting = parse_time(meta.get("deletionTimestamp"))
             if deleting is None:
@@ -183,18 +182,12 @@ class KubernetesBackend:
 
     # -- pods -----------------------------------------------------------------------------
 
-    def _pods(self, **selectors: str) -> list[dict[str, Any]]:
-        core = self.store.core
-        if self.store.job_namespace:
-            return self.store._json(core.list_namespaced_pod, self.store.job_namespace, **selectors)["items"]
-        return self.store._json(core.list_pod_for_all_namespaces, **selectors)["items"]
-
-    def _training_pods(self, **selectors: str) -> list[tuple[str, dict[str, Any]]]:
+    def _training_pods(self, *, node: str | None = None) -> list[tuple[str, dict[str, Any]]]:
         """(job, pod) for every training pod of a job unbroken manages (never another workload's)."""
         managed = {j.name for j in self.store.list_jobs()}
         found = []
         for kind in self.store.kinds:
-            for pod in self._pods(label_selector=kind.pods_selector(), **selectors):
+            for pod in self.store.kind_pods(kind, node=node):
                 job = job_of(kind, pod)
                 if job in managed and self.store.kind_of(job) is kind:
                     found.append((job, pod))

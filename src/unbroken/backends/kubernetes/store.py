@@ -40,6 +40,7 @@ from unbroken.backends.kubernetes import heartbeats, names
 from unbroken.backends.kubernetes.api import STRICT, ApiConflict, call, format_time, parse_time
 from unbroken.backends.kubernetes.heartbeats import HeartbeatBoard, progress_from_json
 from unbroken.backends.kubernetes.annotations import AnnotationError
+from unbroken.backends.kubernetes.watch_cache import WatchCache, own_client
 from unbroken.backends.kubernetes.workloads import KINDS, WorkloadKind, kind_of
 from unbroken.state.phases import JOB_TRANSITIONS, NODE_TRANSITIONS, DeepHealthStatus, JobPhase, NodeState, check_transition
 from unbroken.state.records import ClusterRecord, ClusterStatus, Event, EventType, Job, Node, WorkerProgress
@@ -53,6 +54,9 @@ NO_HANG_TIMEOUT = 10.0 ** 9
 """A job without ``hang-timeout-seconds`` has no hang detection (its ranks may not report progress)."""
 WRITE_RETRIES = 5
 FAULT_HISTORY = 10
+MANAGED_BY = "app.kubernetes.io/managed-by"
+AGENT_LEASE_SELECTOR = f"{MANAGED_BY}={names.COMPONENT}"
+"""The agents' Leases carry this label (the leader Lease does not)."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,61 @@ class InvalidJob:
     object_kind: str = "Job"
     """Whose Events to warn on: ``Job``, or the workload's own kind (``TrainJob``) when the job of
     that name is another object."""
+
+
+@dataclass(frozen=True)
+class StoreCaches:
+    """The operator's watch caches, one per resource it reads every pass, each with its own connection."""
+
+    nodes: WatchCache
+    leases: WatchCache
+    workloads: dict[str, WatchCache]
+    """By workload kind (``PyTorchJob``, ``TrainJob``)."""
+    pods: dict[str, WatchCache]
+    """The training pods of each workload kind, by kind."""
+
+    @classmethod
+    def open(cls, store: KubernetesStore, on_change: Callable[[], None] | None) -> StoreCaches:
+        def client() -> kubernetes.client.ApiClient:
+            return own_client(store.api)
+
+        workloads, pods = {}, {}
+        for kind in store.kinds:
+            custom = kubernetes.client.CustomObjectsApi(client())
+            core = kubernetes.client.CoreV1Api(client())
+            if store.job_namespace:
+                workloads[kind.kind] = WatchCache(kind.plural, custom.list_namespaced_custom_object, kind.group, kind.version,
+                                                  store.job_namespace, kind.plural, kind=kind.kind,
+                                                  api_version=kind.api_version, on_change=on_change)
+                pods[kind.kind] = WatchCache(f"{kind.plural}-pods", core.list_namespaced_pod, store.job_namespace,
+                                             label_selector=kind.pods_selector(), on_change=on_change)
+            else:
+                workloads[kind.kind] = WatchCache(kind.plural, custom.list_cluster_custom_object, kind.group, kind.version,
+                                                  kind.plural, kind=kind.kind, api_version=kind.api_version,
+                                                  on_change=on_change)
+                pods[kind.kind] = WatchCache(f"{kind.plural}-pods", core.list_pod_for_all_namespaces,
+                                             label_selector=kind.pods_selector(), on_change=on_change)
+        caches = cls(
+            nodes=WatchCache("nodes", kubernetes.client.CoreV1Api(client()).list_node, kind="Node", api_version="v1",
+                             on_change=on_change),
+            # A renewal changes nothing to decide on (silence is measured against the clock): no wake-up.
+            leases=WatchCache("leases", kubernetes.client.CoordinationV1Api(client()).list_namespaced_lease,
+                              store.namespace, label_selector=AGENT_LEASE_SELECTOR),
+            workloads=workloads, pods=pods,
+        )
+        for cache in caches.all():
+            cache.start()
+        return caches
+
+    def all(self) -> list[WatchCache]:
+        return [self.nodes, self.leases, *self.workloads.values(), *self.pods.values()]
+
+    def synced(self) -> bool:
+        return all(cache.synced for cache in self.all())
+
+    def stop(self) -> None:
+        for cache in self.all():
+            cache.stop()
 
 
 class KubernetesStore:
@@ -87,6 +146,19 @@ class KubernetesStore:
         """The operator's: what it heard from the agents by datagram (None elsewhere: the Leases alone)."""
         self.lease_renew_seconds = 10.0
         self.heartbeat_interval = 1.0
+        self.caches: StoreCaches | None = None
+        """The operator's watch caches (:meth:`start_watches`); None elsewhere: every read asks the API server."""
+
+    def start_watches(self, on_change: Callable[[], None] | None = None) -> StoreCaches:
+        """Keep Nodes, the agents' Leases, the workloads and their pods in memory from now on
+        (backends/kubernetes/watch_cache.py): the reads every pass makes come from there once each has
+        been listed. ``on_change`` is called on every change (the operator's loop wakes on it)."""
+        self.caches = StoreCaches.open(self, on_change)
+        return self.caches
+
+    def stop_watches(self) -> None:
+        if self.caches is not None:
+            self.caches.stop()
 
     # -- raw JSON access (dicts, not the client's models: records read annotations by key) ----
 
@@ -104,7 +176,9 @@ class KubernetesStore:
         return obj
 
     def node_objects(self) -> list[dict[str, Any]]:
-        """Every Node as the API serves it (one list call)."""
+        """Every Node as the API serves it (the watch cache's copy, else one list call)."""
+        if self.caches is not None and self.caches.nodes.synced:
+            return self.caches.nodes.objects()
         items: list[dict[str, Any]] = self._json(self.core.list_node)["items"]
         return items
 
@@ -147,7 +221,7 @@ class KubernetesStore:
 
     def list_nodes(self) -> list[Node]:
         leases = self._leases()
-        items = self._json(self.core.list_node)["items"]
+        items = self.node_objects()
         return sorted((self._node(obj, leases.get(obj["metadata"]["name"])) for obj in items), key=lambda n: n.name)
 
     def _heartbeat(self, node: str, lease: float | None, *, ready: bool) -> float | None:
@@ -193,7 +267,11 @@ class KubernetesStore:
 
     def _agent_leases(self) -> dict[str, dict[str, Any]]:
         """The node agents' Leases, by node (other Leases in the namespace, the leader's, are not theirs)."""
-        items = self._json(self.coordination.list_namespaced_lease, self.namespace)["items"]
+        if self.caches is not None and self.caches.leases.synced:
+            items = self.caches.leases.objects()
+        else:
+            items = self._json(self.coordination.list_namespaced_lease, self.namespace,
+                               label_selector=AGENT_LEASE_SELECTOR)["items"]
         return {lease["metadata"]["name"].removeprefix(names.LEASE_PREFIX): lease for lease in items
                 if lease["metadata"]["name"].startswith(names.LEASE_PREFIX)}
 
@@ -282,7 +360,9 @@ class KubernetesStore:
             obj = self.node_object(name)
             current = self._node(obj, lease)
             new = _updated(f"node {name}", current, update, expect_version, "state", NODE_TRANSITIONS, "state_changed_at")
-            call(lambda: self.core.patch_node(name, self._node_patch(obj, current, new), field_validation=STRICT))
+            written = self._json(self.core.patch_node, name, self._node_patch(obj, current, new), field_validation=STRICT)
+            if self.caches is not None:
+                self.caches.nodes.observe(written)
             return new
 
         new = _retry_conflicts(f"node {name}", attempt)
@@ -333,7 +413,7 @@ class KubernetesStore:
         stamp = format_time(at, micro=True)
         body = {
             "metadata": {"name": names.LEASE_PREFIX + node, "namespace": self.namespace,
-                         "labels": {"app.kubernetes.io/managed-by": names.COMPONENT},
+                         "labels": {MANAGED_BY: names.COMPONENT},
                          "annotations": {names.LEASE_PROGRESS: json.dumps([asdict(p) for p in progress])}},
             "spec": {"holderIdentity": node, "leaseDurationSeconds": int(4 * self.lease_renew_seconds), "renewTime": stamp},
         }
@@ -350,6 +430,10 @@ class KubernetesStore:
         items = []
         kinds: dict[str, WorkloadKind] = {}
         for kind in self.kinds:
+            cache = self.caches.workloads.get(kind.kind) if self.caches is not None else None
+            if cache is not None and cache.synced:
+                items.extend(cache.objects())
+                continue
             try:
                 if self.job_namespace:
                     listing = self._json(self.custom.list_namespaced_custom_object, kind.group, kind.version,
@@ -372,9 +456,40 @@ class KubernetesStore:
     def job_pods(self, name: str) -> list[dict[str, Any]]:
         """The training pods of the job ``name`` (``<namespace>/<name>``), as the API serves them."""
         namespace, _, short = name.partition("/")
+        kind = self.kind_of(name)
+        cache = self.caches.pods.get(kind.kind) if self.caches is not None else None
+        if cache is not None and cache.synced:
+            return [pod for pod in cache.objects() if pod["metadata"].get("namespace") == namespace
+                    and (pod["metadata"].get("labels") or {}).get(kind.pod_label) == short]
         pods: list[dict[str, Any]] = self._json(self.core.list_namespaced_pod, namespace,
-                                                label_selector=self.kind_of(name).pod_selector(short))["items"]
+                                                label_selector=kind.pod_selector(short))["items"]
         return pods
+
+    def kind_pods(self, kind: WorkloadKind, *, node: str | None = None) -> list[dict[str, Any]]:
+        """The training pods of every workload of ``kind`` (on ``node`` only, if given), as the API serves them."""
+        cache = self.caches.pods.get(kind.kind) if self.caches is not None else None
+        if cache is not None and cache.synced:
+            return [pod for pod in cache.objects() if node is None or (pod.get("spec") or {}).get("nodeName") == node]
+        selectors = {"label_selector": kind.pods_selector()}
+        if node is not None:
+            selectors["field_selector"] = f"spec.nodeName={node}"
+        if self.job_namespace:
+            return list(self._json(self.core.list_namespaced_pod, self.job_namespace, **selectors)["items"])
+        return list(self._json(self.core.list_pod_for_all_namespaces, **selectors)["items"])
+
+    def patch_workload(self, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        """Merge-patch the job's workload (strict fields); the answer goes into the watch cache, so the next
+        pass reads this write even before the watch brings it."""
+        namespace, _, short = name.partition("/")
+        kind = self.kind_of(name)
+        obj: dict[str, Any] = self._json(self.custom.patch_namespaced_custom_object, kind.group, kind.version, namespace,
+                                         kind.plural, short, patch, field_validation=STRICT)
+        obj.setdefault("apiVersion", kind.api_version)
+        obj.setdefault("kind", kind.kind)
+        cache = self.caches.workloads.get(kind.kind) if self.caches is not None else None
+        if cache is not None:
+            cache.observe(obj)
+        return obj
 
     def kind_of(self, name: str) -> WorkloadKind:
         """The kind of the workload that is the job ``name``."""
@@ -499,11 +614,8 @@ class KubernetesStore:
         )
 
     def update_job(self, name: str, update: JobUpdate, *, expect_version: int | None = None) -> Job:
-        namespace, _, short = name.partition("/")
-
         def attempt() -> Job:
             obj = self._workload(name)
-            kind = kind_of(obj)
             current = self._job(obj)
             if current is None:
                 raise NotFoundError(f"job {name} is no longer managed by unbroken")
@@ -514,7 +626,7 @@ class KubernetesStore:
                 names.JOB_PHASE: new.phase.value,
                 names.RESTART_COUNT: str(new.attempt),
             }}}
-            call(lambda: self.custom.patch_namespaced_custom_object(kind.group, kind.version, namespace, kind.plural, short, patch, field_validation=STRICT))
+            self.patch_workload(name, patch)  # the kind _workload just recorded
             return new
 
         return _retry_conflicts(f"job {name}", attempt)
