@@ -65,7 +65,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_SPEC)" \
 		|| $(BIN)/pip install -q --retries 1 --timeout 15 "$(TORCH_SPEC)" --extra-index-url $(TORCH_CPU_INDEX) \
 		|| $(BIN)/pip install -q "torch==$(TORCH_VERSION)"
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,bench]'
 	rm -f $(VENV)/.installed-*
 	touch $@
 

@@ -93,6 +93,9 @@ class Row:
     outage_false_losses: int
     writes_per_node_s: float
     read_bytes_s: float
+    lists_per_s: float
+    """LIST requests per second during the steady minute, from every client (the controller-manager's and the
+    scheduler's informers list only at their start)."""
     operator_cpu_cores: float
     operator_rss_mb: float
     etcd_db_mb: float
@@ -228,16 +231,17 @@ def reset_nodes(api: kubernetes.client.ApiClient, nodes: list[str]) -> None:
                                "spec": {"taints": None, "unschedulable": None}})
 
 
-def apiserver_totals(plane: ControlPlane) -> tuple[float, float]:
-    """(write requests, response bytes) so far, from the API server's own /metrics."""
+def apiserver_totals(plane: ControlPlane) -> tuple[float, float, float]:
+    """(write requests, response bytes, LIST requests) so far, from the API server's own /metrics."""
     text = plane.kubectl("get", "--raw", "/metrics").stdout
-    writes = size = 0.0
+    writes = size = lists = 0.0
     for family in text_string_to_metric_families(text):
         if family.name == "apiserver_request":
             writes += sum(s.value for s in family.samples if s.name == "apiserver_request_total" and s.labels.get("verb") in WRITE_VERBS)
+            lists += sum(s.value for s in family.samples if s.name == "apiserver_request_total" and s.labels.get("verb") == "LIST")
         elif family.name == "apiserver_response_sizes":
             size += sum(s.value for s in family.samples if s.name == "apiserver_response_sizes_sum")
-    return writes, size
+    return writes, size, lists
 
 
 def etcd_db_mb(plane: ControlPlane) -> float:
@@ -313,7 +317,7 @@ def run_one(system: str, count: int, losses: int, workdir: Path, say: Any) -> Ro
             wait_until(lambda: time.monotonic() - warm > agents.renew_every + 5, 60, "a full round of renewals (agents learn the address)")
             say(f"{system} N={count}: steady {STEADY_S:.0f} s")
             proc = psutil.Process(operator.pid)
-            writes0, bytes0 = apiserver_totals(plane)
+            writes0, bytes0, lists0 = apiserver_totals(plane)
             cpu0, t0 = sum(proc.cpu_times()[:2]), time.monotonic()
             due0, done0 = agents.due, agents.done
             rss = 0.0
@@ -321,7 +325,7 @@ def run_one(system: str, count: int, losses: int, workdir: Path, say: Any) -> Ro
                 rss = max(rss, proc.memory_info().rss / 2**20)
                 time.sleep(1)
             cpu1, t1 = sum(proc.cpu_times()[:2]), time.monotonic()
-            writes1, bytes1 = apiserver_totals(plane)
+            writes1, bytes1, lists1 = apiserver_totals(plane)
             kept_up = (agents.done - done0) / max(1, agents.due - due0)
             seconds = t1 - t0
             db = etcd_db_mb(plane)
@@ -371,13 +375,14 @@ def run_one(system: str, count: int, losses: int, workdir: Path, say: Any) -> Ro
                losses=len(killed), missed=len(killed) - len(detections), false_losses=len(false),
                pause_false_losses=len(pause_false), outage_false_losses=len(outage_false),
                writes_per_node_s=(writes1 - writes0) / seconds / count, read_bytes_s=(bytes1 - bytes0) / seconds,
+               lists_per_s=(lists1 - lists0) / seconds,
                operator_cpu_cores=(cpu1 - cpu0) / seconds, operator_rss_mb=rss, etcd_db_mb=db,
                renewals_kept_up=kept_up, notes=notes)
 
 
 def table(rows: list[Row]) -> str:
     header = ("system", "nodes", "detect p50", "detect p99", "missed", "false", "pause false", "outage false",
-              "writes/node/s", "read KB/s", "op CPU", "op RSS MB", "etcd MB", "renewals kept up")
+              "writes/node/s", "read KB/s", "LIST/s", "op CPU", "op RSS MB", "etcd MB", "renewals kept up")
     lines = [" | ".join(header), " | ".join("---" for _ in header)]
     for r in rows:
         def s(v: float | None, fmt: str = "{:.2f}") -> str:
@@ -385,7 +390,7 @@ def table(rows: list[Row]) -> str:
         lines.append(" | ".join([r.system, str(r.nodes), s(r.detect_p50_s), s(r.detect_p99_s), f"{r.missed}/{r.losses}",
                                  str(r.false_losses), str(r.pause_false_losses), str(r.outage_false_losses),
                                  s(r.writes_per_node_s, "{:.3f}"), s(r.read_bytes_s / 1024, "{:.0f}"),
-                                 s(r.operator_cpu_cores), s(r.operator_rss_mb, "{:.0f}"), s(r.etcd_db_mb, "{:.1f}"),
+                                 s(r.lists_per_s, "{:.1f}"), s(r.operator_cpu_cores), s(r.operator_rss_mb, "{:.0f}"), s(r.etcd_db_mb, "{:.1f}"),
                                  s(r.renewals_kept_up, "{:.0%}")]))
     by = {(r.system, r.nodes): r for r in rows}
     ratios = []
