@@ -12,11 +12,14 @@ from pathlib import Path
 
 import kubernetes
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from controlplane.cluster import ControlPlane
 from helpers import race
 from unbroken.backends.kubernetes import names
-from unbroken.backends.kubernetes.catalog import KubernetesCatalog, configmap_name
+from unbroken.backends.kubernetes.catalog import KubernetesCatalog, configmap_name, copies_configmap_name
 from unbroken.backends.kubernetes.client import api_client
+from unbroken.state.catalog import CopyKey
 from unbroken.state.records import CheckpointStep, CheckpointTier, ShardCopy, StepStatus
 
 pytestmark = pytest.mark.timeout(60)
@@ -80,7 +83,9 @@ def test_steps_and_copies_are_listed_newest_first_per_tier_and_job(catalog: Kube
     catalog.put_shard_copy(a_copy(0, CheckpointTier.MEMORY, "gpu-a", step=20))
     assert [(c.step, c.rank, c.node) for c in catalog.list_shard_copies(JOB)] == [(30, 1, ""), (20, 0, "gpu-a")]
     assert catalog.list_shard_copies(JOB, step=30)[0] == a_copy(1, CheckpointTier.PERSISTENT, "", step=30)
-    assert configmaps(catalog) == sorted([configmap_name(JOB, s) for s in (10, 20, 30)] + [configmap_name("team-b/llama", 40)])
+    assert configmaps(catalog) == sorted([configmap_name(JOB, s) for s in (10, 20, 30)] + [configmap_name("team-b/llama", 40)]
+                                         + [copies_configmap_name(JOB, node) for node in ("", "gpu-a")]), \
+        "a ConfigMap per step for its rows, one per node for the copies it holds (the persistent tier's under no node)"
 
 
 def test_shard_copies_are_forgotten_per_rank_tier_and_node(catalog: KubernetesCatalog) -> None:
@@ -138,3 +143,35 @@ def test_a_pass_reads_one_list_yet_sees_its_own_writes_at_once_and_other_agents_
     theirs.put_checkpoint_step(a_step(20))
     wait_until(lambda: [s.step for s in mine.list_checkpoint_steps(JOB)] == [20, 10], LIST_REUSE_SECONDS + 5,
                "another agent's write to show")
+
+
+def configmap_writes(plane: ControlPlane) -> float:
+    """Create, patch, update and delete requests for ConfigMaps the API server has answered."""
+    text = plane.kubectl("get", "--raw", "/metrics").stdout
+    return sum(sample.value for family in text_string_to_metric_families(text) if family.name == "apiserver_request"
+               for sample in family.samples if sample.name == "apiserver_request_total"
+               and sample.labels.get("resource") == "configmaps"
+               and sample.labels.get("verb") in ("POST", "PATCH", "PUT", "DELETE"))
+
+
+def test_a_nodes_copy_changes_of_a_pass_are_one_write_whatever_its_ranks(k8s: ControlPlane, catalog: KubernetesCatalog) -> None:
+    """Eight ranks on one node: the copies of the new step recorded and the retired step's forgotten together."""
+    catalog.update_shard_copies(JOB, put=[a_copy(rank, CheckpointTier.MEMORY, "gpu-a", step=10) for rank in range(8)])
+    before = configmap_writes(k8s)
+    catalog.update_shard_copies(
+        JOB, put=[a_copy(rank, CheckpointTier.MEMORY, "gpu-a", step=20) for rank in range(8)]
+        + [a_copy(rank, CheckpointTier.REPLICA, "gpu-a", step=20) for rank in range(8, 16)],
+        forget=[CopyKey(10, CheckpointTier.MEMORY, "gpu-a", rank) for rank in range(8)])
+    assert configmap_writes(k8s) - before == 1
+    assert sorted((c.step, c.tier, c.rank) for c in catalog.list_shard_copies(JOB)) == sorted(
+        [(20, CheckpointTier.MEMORY, rank) for rank in range(8)] + [(20, CheckpointTier.REPLICA, rank) for rank in range(8, 16)])
+
+
+def test_a_step_configmap_of_the_layout_before_is_deleted_with_its_last_row(catalog: KubernetesCatalog) -> None:
+    """Before, copies were keys of the step's ConfigMap: left there after an upgrade, they never keep it alive."""
+    catalog.put_checkpoint_step(a_step(10))
+    catalog.core.patch_namespaced_config_map(configmap_name(JOB, 10), catalog.namespace,
+                                             {"data": {"copy.memory.0.gpu-a": '{"left": "over"}'}})
+    assert catalog.list_shard_copies(JOB) == [], "keys of the old layout are not copies"
+    catalog.delete_checkpoint_step(JOB, 10, CheckpointTier.MEMORY)
+    assert configmaps(catalog) == []

@@ -31,7 +31,7 @@ from unbroken.checkpoint.persistent import PersistentStore
 from unbroken.checkpoint.restore_catalog import CatalogStep, CopyLocation, RestoreCatalog
 from unbroken.config.checkpoint import TierPolicy
 from unbroken.metrics import AgentMetrics
-from unbroken.state.catalog import CheckpointCatalog
+from unbroken.state.catalog import CheckpointCatalog, CopyKey
 from unbroken.state.phases import NodeState
 from unbroken.state.records import CheckpointStep, CheckpointTier, EventType, Job, ShardCopy, StepStatus
 from unbroken.state.store import ClusterStore
@@ -64,6 +64,30 @@ class _Background:
         return True
 
 
+@dataclass
+class _CopyChanges:
+    """Copy records this agent holds back to send together (``CheckpointCatalog.copy_write_delay``)."""
+
+    since: float
+    put: dict[CopyKey, ShardCopy] = field(default_factory=dict)
+    forget: set[CopyKey] = field(default_factory=set)
+
+    def record(self, copy: ShardCopy) -> None:
+        key = CopyKey(copy.step, copy.tier, copy.node, copy.rank)
+        self.forget.discard(key)
+        self.put[key] = copy
+
+    def drop(self, key: CopyKey) -> None:
+        self.put.pop(key, None)
+        self.forget.add(key)
+
+    def applied_to(self, copies: list[ShardCopy]) -> list[ShardCopy]:
+        """What the catalog will hold once these are written: the plan decides on that, not on the catalog's lag."""
+        kept = [c for c in copies if CopyKey(c.step, c.tier, c.node, c.rank) not in self.forget and
+                CopyKey(c.step, c.tier, c.node, c.rank) not in self.put]
+        return sorted([*kept, *self.put.values()], key=lambda c: (-c.step, c.rank, c.tier.value, c.node))
+
+
 PUSHED_HOLDS = 2
 """Own slots a rank's pushes hold at most (besides the pinned step's): see ``_hold_pushed``."""
 
@@ -92,6 +116,8 @@ class CheckpointService:
     _pins_lock: threading.Lock = field(default_factory=threading.Lock)
     """The replicator thread adds to ``_pushed``; the pass releases."""
     _policies: dict[str, TierPolicy | None] = field(default_factory=dict)
+    _copy_changes: dict[str, _CopyChanges] = field(default_factory=dict)
+    """By job: copy records not written yet (see ``_flush_copies``)."""
     server: ShardServer | None = None
     metrics: AgentMetrics | None = None
 
@@ -113,6 +139,10 @@ class CheckpointService:
                 stopping.wait(1.0)
 
     def close(self) -> None:
+        try:
+            self._flush_copies(force=True)
+        except Exception as exc:  # noqa: BLE001 - closing anyway: the next agent on this node records them again
+            log.warning("copy records not written at close: %s", exc, extra={"node": self.node})
         with self._pins_lock:
             for read in [*self._pins.values(), *(r for reads in self._pushed.values() for r in reads)]:
                 read.__exit__(None, None, None)
@@ -144,7 +174,7 @@ class CheckpointService:
                 job=job, policy=policy,
                 shards=tuple(plan.LocalShard(s.path, s.info, s.held, shm.slot_attempt(s.path)) for s in local),
                 steps=tuple(self.catalog.list_checkpoint_steps(job.name)),
-                copies=tuple(self.catalog.list_shard_copies(job.name)),
+                copies=tuple(self._copies(job.name)),
                 empty_slots=tuple(shm.empty_slots(self.root, job.name)),
             )
             here = plan.NodeView(
@@ -154,6 +184,27 @@ class CheckpointService:
             )
             for action in plan.plan(view, here):
                 self._do(view, action)
+        self._flush_copies()
+
+    def _copies(self, job: str) -> list[ShardCopy]:
+        copies = self.catalog.list_shard_copies(job)
+        changes = self._copy_changes.get(job)
+        return changes.applied_to(copies) if changes is not None else copies
+
+    def _change_copies(self, job: str) -> _CopyChanges:
+        return self._copy_changes.setdefault(job, _CopyChanges(since=time.monotonic()))
+
+    def _flush_copies(self, *, force: bool = False, job: str | None = None) -> None:
+        """Write the held copy records of every job (of ``job``) whose oldest is ``copy_write_delay`` old: one
+        ``update_shard_copies`` each. A write that fails keeps them for the next pass."""
+        now = time.monotonic()
+        for name, changes in list(self._copy_changes.items()):
+            if job is not None and name != job:
+                continue
+            if not force and now - changes.since < self.catalog.copy_write_delay:
+                continue
+            self.catalog.update_shard_copies(name, put=list(changes.put.values()), forget=sorted(changes.forget))
+            del self._copy_changes[name]
 
     def _policy(self, job: Job) -> TierPolicy | None:
         """The job's tiers; a job's spec never changes, so it is parsed once, not every pass."""
@@ -165,11 +216,14 @@ class CheckpointService:
         catalog, job, policy = self.catalog, view.job.name, view.policy
         match action:
             case plan.RecordCopy(copy=copy, path=path):
-                catalog.put_shard_copy(copy)
+                self._change_copies(job).record(copy)
                 self._known[path] = copy.checksum
                 if self.metrics is not None and copy.tier is CheckpointTier.MEMORY:
                     self.metrics.checkpoint_bytes.labels("memory").inc(copy.size)
+            case plan.ForgetCopies(step=step, tier=tier, node=node, rank=rank) if node is not None and rank is not None:
+                self._change_copies(job).drop(CopyKey(step, tier, node, rank))
             case plan.ForgetCopies(step=step, tier=tier, node=node, rank=rank):
+                self._flush_copies(force=True, job=job)  # held records first: the delete comes after them
                 catalog.delete_shard_copies(job, step, tier=tier, node=node, rank=rank)
             case plan.DeleteStep(step=step, tier=tier):
                 catalog.delete_checkpoint_step(job, step, tier)
@@ -249,6 +303,19 @@ class CheckpointService:
             log.info("draining step %d to %s", row.step, policy.persistent.uri, extra={"node": self.node, "job": row.job})
 
     def _upload(self, job: str, policy: TierPolicy, row: CheckpointStep, shards: tuple[plan.LocalShard, ...]) -> None:
+        """Upload ``shards``, then record their persistent copies in one write (also when a shard fails part way)."""
+        assert policy.persistent is not None
+        uploaded: list[ShardCopy] = []
+        try:
+            self._upload_each(job, policy, row, shards, uploaded)
+        finally:
+            if uploaded:
+                self.catalog.update_shard_copies(job, put=uploaded)
+        if len(uploaded) == len(shards):
+            self._try_commit_persistent(job, policy, row)
+
+    def _upload_each(self, job: str, policy: TierPolicy, row: CheckpointStep, shards: tuple[plan.LocalShard, ...],
+                     uploaded: list[ShardCopy]) -> None:
         assert policy.persistent is not None
         for shard in shards:
             info = shard.info
@@ -258,17 +325,21 @@ class CheckpointService:
                 if not read.ok:
                     # The rank moved on (its slot holds a newer step): this step is superseded,
                     # not a tier failure. Give the drain up; a newer step will be due soon.
+                    uploaded.clear()  # the step's persistent copies go with it
                     self._abandon_drain(job, row, f"rank {info.rank}'s shard was rewritten before it was drained")
                     return
-                error = self._upload_with_retries(job, policy.persistent.uri, shard)
+                outcome = self._upload_with_retries(job, policy.persistent.uri, shard)
             self._drained.add(shard.key)
-            if error is not None:
-                self._fail_drain(job, row, f"rank {info.rank}: {error}")
+            if isinstance(outcome, str):
+                if uploaded:
+                    self.catalog.update_shard_copies(job, put=uploaded)  # before the verdict, as one by one did
+                    uploaded.clear()
+                self._fail_drain(job, row, f"rank {info.rank}: {outcome}")
                 return
-        self._try_commit_persistent(job, policy, row)
+            uploaded.append(outcome)
 
-    def _upload_with_retries(self, job: str, uri: str, shard: plan.LocalShard) -> str | None:
-        """None once the shard is in the tier (and recorded), else the last error."""
+    def _upload_with_retries(self, job: str, uri: str, shard: plan.LocalShard) -> ShardCopy | str:
+        """The shard's persistent copy once it is in the tier (to record), else the last error."""
         info = shard.info
 
         def warn(state: tenacity.RetryCallState) -> None:
@@ -289,14 +360,13 @@ class CheckpointService:
             return f"{type(exc).__name__}: {exc}"
         if self.metrics is not None:
             self.metrics.checkpoint_bytes.labels("persistent").inc(info.size)
-        self.catalog.put_shard_copy(ShardCopy(
+        log.info("drained step %d rank %d", info.step, info.rank,
+                 extra={"node": self.node, "job": job, "bytes": info.size, "seconds": round(time.monotonic() - started, 3)})
+        return ShardCopy(
             job=job, step=info.step, rank=info.rank, tier=PERSISTENT, node="", attempt=info.attempt,
             world_size=info.world_size, size=info.size, checksum=info.checksum, info_json=info.model_dump_json(),
             created_at=time.time(),
-        ))
-        log.info("drained step %d rank %d", info.step, info.rank,
-                 extra={"node": self.node, "job": job, "bytes": info.size, "seconds": round(time.monotonic() - started, 3)})
-        return None
+        )
 
     def _persistent_row(self, job: str, step: int) -> CheckpointStep | None:
         return next((r for r in self.catalog.list_checkpoint_steps(job, tier=PERSISTENT) if r.step == step), None)

@@ -3,7 +3,8 @@
 Separate from the :class:`~unbroken.state.store.ClusterStore` because of its
 churn: the node agents record copies, commits, replicas and drains several times
 a second while a job checkpoints. Locally it is the same SQLite file; on
-Kubernetes the node agents serve it to each other, never the API server.
+Kubernetes, ConfigMaps written about once per node per save (backends/kubernetes/catalog.py),
+which holds to a few hundred nodes; past that the design wants it served off the API server.
 
 Agents on different nodes race for the same rows (two of them see a step due
 for the persistent tier, or finish its last shard together). Instead of
@@ -15,14 +16,30 @@ catalog can provide as easily as SQLite: insert-if-absent
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
 
 from unbroken.state.records import CheckpointStep, CheckpointTier, ShardCopy
 
 
+class CopyKey(NamedTuple):
+    """One shard copy's identity: at most one copy of a rank's shard of a step per tier and node."""
+
+    step: int
+    tier: CheckpointTier
+    node: str
+    rank: int
+
+
 class CheckpointCatalog(Protocol):
+    copy_write_delay: float
+    """How long an agent may hold its copy changes to send them together (0: write each pass's at once):
+    what a write costs the catalog's home."""
+
     # shard copies
     def put_shard_copy(self, copy: ShardCopy) -> None: ...
+    def update_shard_copies(self, job: str, *, put: Sequence[ShardCopy] = (), forget: Sequence[CopyKey] = ()) -> None:
+        """Record the copies ``put`` and forget exactly the copies ``forget``, in as few writes as the catalog allows."""
     def list_shard_copies(self, job: str, *, step: int | None = None, tier: CheckpointTier | None = None) -> list[ShardCopy]:
         """Newest step first."""
     def delete_shard_copies(self, job: str, step: int, *, tier: CheckpointTier | None = None, node: str | None = None,

@@ -22,6 +22,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar, get_type_hints
 
+from unbroken.state.catalog import CopyKey
 from unbroken.errors import ConflictError, NotFoundError, StoreError, StoreUnavailable
 from unbroken.state.phases import (
     JOB_TRANSITIONS,
@@ -153,6 +154,9 @@ def _store_call(method: Callable[P, R]) -> Callable[P, R]:
 
 class SqliteStore:
     """``<cluster dir>/state.db``."""
+
+    copy_write_delay = 0.0
+    """A local write is a transaction on this machine: every pass's copies go in at once."""
 
     def __init__(self, path: Path, *, create: bool = False) -> None:
         self.path = path
@@ -401,6 +405,19 @@ class SqliteStore:
                 f'INSERT OR REPLACE INTO shard_copies ({", ".join(_quote(c) for c in row)}) VALUES ({", ".join("?" for _ in row)})',
                 tuple(row.values()),
             )
+
+    @_store_call
+    def update_shard_copies(self, job: str, *, put: Sequence[ShardCopy] = (), forget: Sequence[CopyKey] = ()) -> None:
+        with self._transaction() as conn:
+            for key in forget:
+                conn.execute("DELETE FROM shard_copies WHERE job = ? AND step = ? AND tier = ? AND node = ? AND rank = ?",
+                             (job, key.step, key.tier.value, key.node, key.rank))
+            for copy in put:
+                row = _encode(copy)
+                conn.execute(
+                    f'INSERT OR REPLACE INTO shard_copies ({", ".join(_quote(c) for c in row)}) VALUES ({", ".join("?" for _ in row)})',
+                    tuple(row.values()),
+                )
 
     @_store_call
     def list_shard_copies(self, job: str, *, step: int | None = None, tier: CheckpointTier | None = None) -> list[ShardCopy]:

@@ -1,26 +1,31 @@
-"""``CheckpointCatalog`` on a Kubernetes API: one ConfigMap per checkpointed step of a job.
+"""``CheckpointCatalog`` on a Kubernetes API: ConfigMaps per checkpointed step and per node of a job.
 
 | catalog | Kubernetes |
 |---|---|
 | a step's row in one tier | key ``step.<tier>`` of ConfigMap ``unbroken-ckpt-<job digest>-<step>`` (JSON) |
-| one copy of one rank's shard | key ``copy.<tier>.<rank>.<node>`` of the same ConfigMap (``-`` for the persistent tier's empty node) |
+| the copies of a job's shards on one node | ConfigMap ``unbroken-ckpt-<job digest>-n-<node digest>``, a key ``<tier>.<step>.<rank>`` per copy (the persistent tier's copies, which have no node, under the node name ``-``) |
 | a node's shard server | annotation ``unbroken.dev/shard-server`` on the Node |
 
 The ConfigMaps live in the operator's namespace, labelled ``unbroken.dev/checkpoint-job``
-(the job's digest) and annotated with the job's name. One per step keeps each object
-small (a step of a 1,000-rank job with two copies per rank is ~400 KiB, under the
-API's 1 MiB) and keeps agents writing different steps off each other's objects.
+(the job's digest) and annotated with the job's name.
 
-Writes: a copy is one merge patch of one key (the API server applies it atomically,
-so agents adding copies to one step never lose each other's). Step rows are the
-agents' race: insert-if-absent and compare-and-swap read the ConfigMap and send its
-``resourceVersion`` with the patch, so a write that raced another is refused (409)
-and decided again on the fresh object. A ConfigMap left with no key is deleted under
-the same precondition, so a copy added meanwhile is never lost with it.
+**What a save costs.** A node's agent records its copies (its own shards and the replicas it
+holds), and forgets those it deleted, in its own ConfigMap: one merge patch per pass at most,
+and the agent holds its changes for ``COPY_WRITE_DELAY_SECONDS`` so that a save's own copies,
+its replicas and the older step they retire go out as one write (checkpoint/service.py). That
+is about one API write per node per save whatever the ranks per node; a ConfigMap per step
+(the layout before) took one write per copy, two to three per rank per save. Step rows are a
+few writes per save for the whole job: the agents race for them through insert-if-absent and
+compare-and-swap, which read the ConfigMap and send its ``resourceVersion`` with the patch, so
+a write that raced another is refused (409) and decided again on the fresh object. A
+ConfigMap left with no key is deleted under the same precondition, so a key added meanwhile
+is never lost with it.
 
-Reads list the label's ConfigMaps (a label selector, and filtered here too); one list
-serves the reads of a pass (``LIST_REUSE_SECONDS``). Agents read every pass;
-``CHECKPOINT_PASS_SECONDS`` in agent/kubernetes.py sets how often.
+**What reading costs.** Reads list the job's ConfigMaps (a label selector); one list serves
+the reads of a pass (``LIST_REUSE_SECONDS``). That is one LIST per agent per pass, of every
+node's ConfigMap of the job: what limits this catalog past a few hundred nodes
+(docs/benchmarks.md, "checkpoint catalog"), and why the design wants the catalog off the API
+server at that scale.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -37,6 +42,7 @@ import kubernetes
 from unbroken.errors import NotFoundError, StoreUnavailable
 from unbroken.backends.kubernetes import names
 from unbroken.backends.kubernetes.api import STRICT, ApiConflict, call
+from unbroken.state.catalog import CopyKey
 from unbroken.state.records import CheckpointStep, CheckpointTier, ShardCopy, StepStatus
 
 LIST_REUSE_SECONDS = 0.2
@@ -44,9 +50,13 @@ LIST_REUSE_SECONDS = 0.2
 job's steps, then its copies, then the restore catalog does again; other agents' writes show within this."""
 CONFLICT_RETRIES = 20
 """Optimistic writes retried against the fresh object; agents racing for one step settle in a few."""
+COPY_WRITE_DELAY_SECONDS = 1.0
+"""How long an agent may hold its copy changes to send them as one write (see the module's docstring): a
+memory step is committed up to this much later than the last copy landed."""
 _STEP_KEY = "step."
-_COPY_KEY = "copy."
 _NO_NODE = "-"
+_KIND_LABEL = f"{names.PREFIX}/checkpoint-object"
+"""``step`` or ``copies``: which of the two kinds of catalog ConfigMap."""
 
 
 def job_digest(job: str) -> str:
@@ -55,15 +65,21 @@ def job_digest(job: str) -> str:
 
 
 def configmap_name(job: str, step: int) -> str:
+    """The ConfigMap of the step's rows."""
     return f"unbroken-ckpt-{job_digest(job)}-{step}"
+
+
+def copies_configmap_name(job: str, node: str) -> str:
+    """The ConfigMap of the job's shard copies on ``node`` ("" : the persistent tier's)."""
+    return f"unbroken-ckpt-{job_digest(job)}-n-{hashlib.sha256((node or _NO_NODE).encode()).hexdigest()[:12]}"
 
 
 def _step_key(tier: CheckpointTier) -> str:
     return f"{_STEP_KEY}{tier.value}"
 
 
-def _copy_key(tier: CheckpointTier, rank: int, node: str) -> str:
-    return f"{_COPY_KEY}{tier.value}.{rank}.{node or _NO_NODE}"
+def _copy_key(tier: CheckpointTier, step: int, rank: int) -> str:
+    return f"{tier.value}.{step}.{rank}"
 
 
 def _encode(record: CheckpointStep | ShardCopy) -> str:
@@ -80,7 +96,13 @@ def _decode_copy(raw: str) -> ShardCopy:
     return ShardCopy(**{**data, "tier": CheckpointTier(data["tier"])})
 
 
+def _kind(obj: dict[str, Any]) -> str:
+    return (obj["metadata"].get("labels") or {}).get(_KIND_LABEL, "step")
+
+
 class KubernetesCatalog:
+    copy_write_delay = COPY_WRITE_DELAY_SECONDS
+
     def __init__(self, api: kubernetes.client.ApiClient, namespace: str) -> None:
         self.core = kubernetes.client.CoreV1Api(api)
         self.namespace = namespace
@@ -93,17 +115,17 @@ class KubernetesCatalog:
         response = call(lambda: request(*args, _preload_content=False, **kwargs))
         return json.loads(response.data)
 
-    def _read(self, job: str, step: int) -> dict[str, Any] | None:
-        """The step's ConfigMap as JSON, None if there is none."""
+    def _read(self, name: str) -> dict[str, Any] | None:
+        """The ConfigMap ``name`` as JSON, None if there is none."""
         try:
-            obj: dict[str, Any] = self._json(self.core.read_namespaced_config_map, configmap_name(job, step), self.namespace)
+            obj: dict[str, Any] = self._json(self.core.read_namespaced_config_map, name, self.namespace)
         except NotFoundError:
             return None
         return obj
 
     def _list(self, job: str) -> list[dict[str, Any]]:
-        """The job's step ConfigMaps. Within ``LIST_REUSE_SECONDS`` of the last list and with no write by this
-        catalog since, the same answer: a pass reads a job's steps and its copies, one list serves both."""
+        """The job's ConfigMaps, both kinds. Within ``LIST_REUSE_SECONDS`` of the last list and with no write by
+        this catalog since, the same answer: a pass reads a job's steps and its copies, one list serves both."""
         now = time.monotonic()
         cached = self._listed.get(job)
         if cached is not None and now - cached[0] < LIST_REUSE_SECONDS:
@@ -116,104 +138,121 @@ class KubernetesCatalog:
         self._listed[job] = (now, mine)
         return mine
 
-    def _write(self, job: str, step: int, data: dict[str, str | None], *, resource_version: str | None = None) -> bool:
-        """Merge ``data`` into the step's ConfigMap (None deletes a key), creating it if it is missing.
-        With ``resource_version``: only over that version of it; False if it changed (or went away)."""
+    def _write(self, job: str, name: str, kind: str, data: dict[str, str | None], *,
+               resource_version: str | None = None) -> dict[str, Any] | None:
+        """Merge ``data`` into the ConfigMap ``name`` (None deletes a key), creating it if it is missing; the
+        ConfigMap as written. With ``resource_version``: only over that version of it; None if it changed (or
+        went away)."""
         self._listed.pop(job, None)
         patch: dict[str, Any] = {"data": data}
         if resource_version is not None:
             patch["metadata"] = {"resourceVersion": resource_version}
         try:
-            call(lambda: self.core.patch_namespaced_config_map(configmap_name(job, step), self.namespace, patch, field_validation=STRICT))
-            return True
+            written: dict[str, Any] = self._json(self.core.patch_namespaced_config_map, name, self.namespace, patch,
+                                                 field_validation=STRICT)
+            return written
         except ApiConflict:
-            return False
+            return None
         except NotFoundError:
             if resource_version is not None:  # the version we read is gone
-                return False
+                return None
         if all(v is None for v in data.values()):
-            return True  # deleting keys of a ConfigMap that is gone: nothing to do
-        if self._create_only(job, step, data):
-            return True
-        return self._write(job, step, data)  # another agent created it first: merge into theirs
+            return {"metadata": {}, "data": {}}  # deleting keys of a ConfigMap that is gone: nothing to do
+        created = self._create_only(job, name, kind, data)
+        if created is not None:
+            return created
+        return self._write(job, name, kind, data)  # another agent created it first: merge into theirs
 
-    def _delete_if_empty(self, job: str, step: int) -> None:
-        obj = self._read(job, step)
-        if obj is None or obj.get("data"):
+    def _delete_if_empty(self, job: str, name: str, obj: dict[str, Any] | None = None) -> None:
+        """Delete the ConfigMap if it holds nothing of the catalog's any more (a step's ConfigMap: no step key;
+        keys of the layout before, one per copy, are left-overs), only over the version read."""
+        obj = obj if obj is not None and obj.get("metadata", {}).get("resourceVersion") else self._read(name)
+        if obj is None:
+            return
+        keys = (obj.get("data") or {}).keys()
+        if any(key.startswith(_STEP_KEY) for key in keys) if _kind(obj) == "step" else keys:
             return
         self._listed.pop(job, None)
         options = kubernetes.client.V1DeleteOptions(preconditions=kubernetes.client.V1Preconditions(
             resource_version=obj["metadata"]["resourceVersion"]))
         try:
-            call(lambda: self.core.delete_namespaced_config_map(configmap_name(job, step), self.namespace, body=options))
+            call(lambda: self.core.delete_namespaced_config_map(name, self.namespace, body=options))
         except (NotFoundError, ApiConflict):
             pass  # gone already, or a key was added since: keep it
 
     def _compare_and_write(self, job: str, step: int, decide: Callable[[dict[str, str]], dict[str, str | None] | None]) -> bool:
         """``decide(data)`` → the keys to write, or None to give up; retried on a changed ConfigMap."""
+        name = configmap_name(job, step)
         for _ in range(CONFLICT_RETRIES):
-            obj = self._read(job, step)
+            obj = self._read(name)
             change = decide((obj or {}).get("data") or {})
             if change is None:
                 return False
             if obj is None:
                 # Nothing to race over yet: create it; a creator that lost the race tries again.
-                if self._create_only(job, step, change):
+                if self._create_only(job, name, "step", change) is not None:
                     return True
                 continue
-            if self._write(job, step, change, resource_version=obj["metadata"]["resourceVersion"]):
+            written = self._write(job, name, "step", change, resource_version=obj["metadata"]["resourceVersion"])
+            if written is not None:
                 if any(v is None for v in change.values()):
-                    self._delete_if_empty(job, step)
+                    self._delete_if_empty(job, name, written)
                 return True
         raise StoreUnavailable(f"checkpoint catalog: step {step} of job {job} kept changing under {CONFLICT_RETRIES} writes")
 
-    def _create_only(self, job: str, step: int, data: dict[str, str | None]) -> bool:
+    def _create_only(self, job: str, name: str, kind: str, data: dict[str, str | None]) -> dict[str, Any] | None:
         self._listed.pop(job, None)
-        body = {"metadata": {"name": configmap_name(job, step),
-                             "labels": {names.CHECKPOINT_JOB: job_digest(job), "app.kubernetes.io/part-of": names.COMPONENT},
+        body = {"metadata": {"name": name,
+                             "labels": {names.CHECKPOINT_JOB: job_digest(job), _KIND_LABEL: kind,
+                                        "app.kubernetes.io/part-of": names.COMPONENT},
                              "annotations": {names.CHECKPOINT_JOB: job}},
                 "data": {k: v for k, v in data.items() if v is not None}}
         try:
-            call(lambda: self.core.create_namespaced_config_map(self.namespace, body, field_validation=STRICT))
-            return True
+            created: dict[str, Any] = self._json(self.core.create_namespaced_config_map, self.namespace, body,
+                                                 field_validation=STRICT)
+            return created
         except ApiConflict:
-            return False
+            return None
 
     # -- shard copies ---------------------------------------------------------------------
 
     def put_shard_copy(self, copy: ShardCopy) -> None:
-        self._write(copy.job, copy.step, {_copy_key(copy.tier, copy.rank, copy.node): _encode(copy)})
+        self.update_shard_copies(copy.job, put=[copy])
+
+    def update_shard_copies(self, job: str, *, put: Sequence[ShardCopy] = (), forget: Sequence[CopyKey] = ()) -> None:
+        """One merge patch per node's ConfigMap touched: an agent's changes of a pass are one write."""
+        by_node: dict[str, dict[str, str | None]] = {}
+        for key in forget:
+            by_node.setdefault(key.node, {})[_copy_key(key.tier, key.step, key.rank)] = None
+        for copy in put:
+            by_node.setdefault(copy.node, {})[_copy_key(copy.tier, copy.step, copy.rank)] = _encode(copy)
+        for node, data in by_node.items():
+            name = copies_configmap_name(job, node)
+            written = self._write(job, name, "copies", data)
+            if written is not None and not written.get("data") and any(v is None for v in data.values()):
+                self._delete_if_empty(job, name, written)
 
     def list_shard_copies(self, job: str, *, step: int | None = None, tier: CheckpointTier | None = None) -> list[ShardCopy]:
-        objects = [o for o in [self._read(job, step)] if o is not None] if step is not None else self._list(job)
-        copies = [_decode_copy(raw) for obj in objects for key, raw in (obj.get("data") or {}).items()
-                  if key.startswith(_COPY_KEY)]
-        copies = [c for c in copies if c.job == job and (tier is None or c.tier is tier)]
+        copies = [_decode_copy(raw) for obj in self._list(job) if _kind(obj) == "copies"
+                  for raw in (obj.get("data") or {}).values()]
+        copies = [c for c in copies if c.job == job and (step is None or c.step == step) and (tier is None or c.tier is tier)]
         return sorted(copies, key=lambda c: (-c.step, c.rank, c.tier.value, c.node))
 
     def delete_shard_copies(self, job: str, step: int, *, tier: CheckpointTier | None = None, node: str | None = None,
                             rank: int | None = None) -> None:
-        obj = self._read(job, step)
-        if obj is None:
-            return
-        gone: dict[str, str | None] = {}
-        for key, raw in (obj.get("data") or {}).items():
-            if not key.startswith(_COPY_KEY):
-                continue
-            copy = _decode_copy(raw)
-            if (tier is None or copy.tier is tier) and (node is None or copy.node == node) and (rank is None or copy.rank == rank):
-                gone[key] = None
+        self._listed.pop(job, None)  # decided on what is there now
+        gone = [CopyKey(c.step, c.tier, c.node, c.rank) for c in self.list_shard_copies(job, step=step, tier=tier)
+                if (node is None or c.node == node) and (rank is None or c.rank == rank)]
         if gone:
             # No precondition: a delete racing a put of the same copy is ordered either way, as in SQL.
-            self._write(job, step, gone)
-            self._delete_if_empty(job, step)
+            self.update_shard_copies(job, forget=gone)
 
     # -- step rows --------------------------------------------------------------------------
 
     def put_checkpoint_step(self, record: CheckpointStep, *, only_if_absent: bool = False) -> bool:
         key = _step_key(record.tier)
         if not only_if_absent:
-            self._write(record.job, record.step, {key: _encode(record)})
+            self._write(record.job, configmap_name(record.job, record.step), "step", {key: _encode(record)})
             return True
         return self._compare_and_write(record.job, record.step,
                                        lambda data: None if key in data else {key: _encode(record)})
@@ -236,16 +275,17 @@ class KubernetesCatalog:
         return True
 
     def list_checkpoint_steps(self, job: str, *, tier: CheckpointTier | None = None) -> list[CheckpointStep]:
-        steps = [_decode_step(raw) for obj in self._list(job) for key, raw in (obj.get("data") or {}).items()
-                 if key.startswith(_STEP_KEY)]
+        steps = [_decode_step(raw) for obj in self._list(job) if _kind(obj) == "step"
+                 for key, raw in (obj.get("data") or {}).items() if key.startswith(_STEP_KEY)]
         steps = [s for s in steps if s.job == job and (tier is None or s.tier is tier)]
         return sorted(steps, key=lambda s: (-s.step, s.tier.value))
 
     def delete_checkpoint_step(self, job: str, step: int, tier: CheckpointTier) -> None:
-        if self._read(job, step) is None:
+        name = configmap_name(job, step)
+        if self._read(name) is None:
             return
-        self._write(job, step, {_step_key(tier): None})
-        self._delete_if_empty(job, step)
+        written = self._write(job, name, "step", {_step_key(tier): None})
+        self._delete_if_empty(job, name, written)
 
     # -- shard servers ------------------------------------------------------------------------
 
