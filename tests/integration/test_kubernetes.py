@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -82,12 +83,12 @@ class Cluster:
     def custom(self) -> kubernetes.client.CustomObjectsApi:
         return kubernetes.client.CustomObjectsApi(self.api)
 
-    def start_operator(self) -> subprocess.Popen[bytes]:
+    def start_operator(self, heartbeat_host: str = "127.0.0.1") -> subprocess.Popen[bytes]:
         log = open(self.workdir / "operator.log", "ab")
         self.operator = subprocess.Popen(
             [sys.executable, "-m", "unbroken.operator", "--kubeconfig", str(self.operator_kubeconfig), "--namespace", SYSTEM,
              "--metrics-port", "0", "--metrics-host", "127.0.0.1", "--identity", f"operator-{uuid.uuid4().hex[:4]}",
-             "--heartbeat-host", "127.0.0.1", "--heartbeat-port", "0", "--heartbeat-address", "127.0.0.1"],
+             "--heartbeat-host", heartbeat_host, "--heartbeat-port", "0", "--heartbeat-address", heartbeat_host],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "KUBECONFIG": str(self.operator_kubeconfig)})
         return self.operator
 
@@ -433,7 +434,7 @@ def start_agent(cluster: Cluster, node: str, *, kernel_log: str | None = None) -
     kernel_log = kernel_log or str(node_dir / "kmsg.log")
     log = open(cluster.workdir / f"agent-{node}.log", "ab")
     return subprocess.Popen(
-        [sys.executable, "-m", "unbroken.agent.kubernetes", "--kubernetes", "--node", node, "--kubeconfig", str(cluster.kubeconfig),
+        [sys.executable, "-m", "unbroken.agent.kubernetes", "--kubernetes", "--node", node, "--kubeconfig", str(cluster.agent_kubeconfig),
          "--namespace", SYSTEM, "--kernel-log", kernel_log, "--socket-dir", str(node_dir / AGENT_DIR.lstrip("/")),
          "--state-dir", str(node_dir / "state")],
         # the memory tier's hostPath (/dev/shm/unbroken), as the pods' mount of it is rewritten
@@ -1181,3 +1182,73 @@ def test_a_rolling_restart_of_the_agents_loses_no_node(cluster: Cluster, agents:
         untouched_for(cluster, name, 6, f"the agent on {node} restarting")
         agents[node] = start_agent(cluster, node)
     untouched_for(cluster, name, 6, "after the rolling restart")
+
+
+@dataclass
+class CuttableAddress:
+    """An address of this machine that a test can take away and give back, on one end of a veth pair made for the
+    test. While it is gone, datagrams sent to it are routed off the machine and lost; a socket bound to it stays
+    bound and hears again when it is back: a real cut of a path (no tc action or netfilter module is loaded on
+    these machines)."""
+
+    address: str
+    link: str
+
+    def cut(self) -> None:
+        subprocess.run(["ip", "addr", "del", f"{self.address}/32", "dev", self.link], check=True)
+
+    def restore(self) -> None:
+        subprocess.run(["ip", "addr", "add", f"{self.address}/32", "dev", self.link], check=True)
+
+
+@pytest.fixture
+def heartbeat_path() -> Iterator[CuttableAddress]:
+    link = f"ubhb{uuid.uuid4().hex[:6]}"
+    path = CuttableAddress(f"10.251.{int(link[-4:-2], 16)}.{int(link[-2:], 16) % 254 + 1}", link)
+    subprocess.run(["ip", "link", "add", link, "type", "veth", "peer", "name", f"{link}p"], check=True)
+    try:
+        path.restore()
+        subprocess.run(["ip", "link", "set", link, "up"], check=True)
+        yield path
+    finally:
+        subprocess.run(["ip", "link", "del", link], check=False)
+
+
+def heartbeats_accepted(cluster: Cluster) -> float:
+    """The operator's unbroken_heartbeats_total{outcome="accepted"}, from its /metrics."""
+    address = json.loads(next(line for line in cluster.operator_log().splitlines() if '"serving metrics"' in line))["address"]
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith('unbroken_heartbeats_total{outcome="accepted"}'))
+
+
+def test_the_agents_datagrams_cut_off_for_30_s_lose_no_node_and_restart_nothing(
+        cluster: Cluster, agents: Agents, tmp_path: Path, heartbeat_path: CuttableAddress) -> None:
+    """The address the operator hears heartbeats on goes away for 30 s (a partition between the agents and the
+    operator; the API server still reachable): the operator hears no datagram (checked on its own counter), the
+    agents' Leases vouch for their nodes, the job trains on and nothing is restarted or taken out; when the path
+    is back the datagrams are heard again, and a node killed afterwards is lost as usual."""
+    cluster.start_operator(heartbeat_host=heartbeat_path.address)
+    checkpoints = tmp_path / "ckpt"
+    name = running_with_a_checkpoint(cluster, pytorchjob("partition", checkpoints, steps=3000, annotations=auto_resume(3)),
+                                     checkpoints)
+    hearing_every_node(cluster)
+    before = max(checkpoint_steps(checkpoints))
+
+    heartbeat_path.cut()
+    try:
+        heard = heartbeats_accepted(cluster)
+        untouched_for(cluster, name, 30, "datagrams cut off")
+        assert heartbeats_accepted(cluster) == heard, "a datagram got through the cut"
+    finally:
+        heartbeat_path.restore()
+    assert max(checkpoint_steps(checkpoints)) > before, "the job trained through the partition"
+    heard = heartbeats_accepted(cluster)
+    wait_until(lambda: heartbeats_accepted(cluster) >= heard + 2 * len(NODES), 15, "the datagrams to be heard again")
+    assert faulty_nodes(cluster) == [] and "JobRestarting" not in cluster.reasons(name)
+
+    dead = cluster.core.read_namespaced_pod(f"{name}-worker-0", JOBS).spec.node_name
+    cluster.kubelet.fail_node(dead)
+    agents[dead].kill()
+    wait_until(lambda: faulty_nodes(cluster) == [dead], 30, "the killed node to be lost as usual")
+    wait_until(lambda: "JobRestarting" in cluster.reasons(name), 30, "the job to restart")

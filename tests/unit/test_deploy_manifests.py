@@ -98,10 +98,12 @@ AGENT_CLUSTER_RULES = rules(
     ("", "events", "create patch"),
     ("events.k8s.io", "events", "create patch"),
     ("", "pods", "get list watch"),
+    ("kubeflow.org", "pytorchjobs", "get list watch"),  # the jobs whose checkpoints its node keeps
+    ("trainer.kubeflow.org", "trainjobs", "get list watch"),
 )
 AGENT_NAMESPACE_RULES = rules(
     ("coordination.k8s.io", "leases", "get create update patch"),
-    ("", "configmaps", "get list create patch delete"),  # the checkpoint catalog (backends/kubernetes/catalog.py)
+    ("", "configmaps", "get list watch create patch delete"),  # the checkpoint catalog (backends/kubernetes/catalog.py)
     ("", "secrets", "create get"),  # unbroken-cluster-tls only (get by name; create cannot be limited to one)
 )
 

@@ -175,3 +175,35 @@ def test_a_step_configmap_of_the_layout_before_is_deleted_with_its_last_row(cata
     assert catalog.list_shard_copies(JOB) == [], "keys of the old layout are not copies"
     catalog.delete_checkpoint_step(JOB, 10, CheckpointTier.MEMORY)
     assert configmaps(catalog) == []
+
+
+def list_requests(plane: ControlPlane) -> float:
+    text = plane.kubectl("get", "--raw", "/metrics").stdout
+    return sum(sample.value for family in text_string_to_metric_families(text) if family.name == "apiserver_request"
+               for sample in family.samples if sample.name == "apiserver_request_total"
+               and sample.labels.get("resource") == "configmaps" and sample.labels.get("verb") == "LIST")
+
+
+def test_a_following_catalog_reads_from_its_watch_its_own_writes_at_once_and_others_as_they_land(
+        k8s: ControlPlane, kubeconfig: Path, namespace: str) -> None:
+    from unbroken.waiting import wait_until
+
+    mine = KubernetesCatalog(api_client(kubeconfig), namespace)
+    theirs = KubernetesCatalog(api_client(kubeconfig), namespace)
+    cache = mine.follow()
+    try:
+        wait_until(lambda: cache.synced, 20, "the catalog's watch to list")
+        lists = list_requests(k8s)
+        mine.put_checkpoint_step(a_step(10))
+        assert [s.step for s in mine.list_checkpoint_steps(JOB)] == [10], "its own write: read back at once"
+        theirs.update_shard_copies(JOB, put=[a_copy(0, CheckpointTier.MEMORY, "gpu-b")])
+        wait_until(lambda: [(c.rank, c.node) for c in mine.list_shard_copies(JOB)] == [(0, "gpu-b")], 10,
+                   "another agent's write to arrive by watch")
+        mine.delete_checkpoint_step(JOB, 10, CheckpointTier.MEMORY)
+        assert mine.list_checkpoint_steps(JOB) == [], "its own delete: gone at once"
+        for _ in range(20):
+            mine.list_checkpoint_steps(JOB)
+            mine.list_shard_copies(JOB)
+        assert list_requests(k8s) == lists, "a following catalog never lists"
+    finally:
+        mine.stop_following()

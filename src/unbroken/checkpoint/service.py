@@ -68,18 +68,29 @@ class _Background:
 class _CopyChanges:
     """Copy records this agent holds back to send together (``CheckpointCatalog.copy_write_delay``)."""
 
-    since: float
     put: dict[CopyKey, ShardCopy] = field(default_factory=dict)
     forget: set[CopyKey] = field(default_factory=set)
+    put_since: float | None = None
+    forget_since: float | None = None
 
-    def record(self, copy: ShardCopy) -> None:
+    def record(self, copy: ShardCopy, now: float) -> None:
         key = CopyKey(copy.step, copy.tier, copy.node, copy.rank)
         self.forget.discard(key)
         self.put[key] = copy
+        self.put_since = now if self.put_since is None else self.put_since
 
-    def drop(self, key: CopyKey) -> None:
+    def drop(self, key: CopyKey, now: float) -> None:
         self.put.pop(key, None)
-        self.forget.add(key)
+        if key not in self.forget:
+            self.forget.add(key)
+            self.forget_since = now if self.forget_since is None else self.forget_since
+
+    def due(self, now: float, catalog: CheckpointCatalog) -> bool:
+        """New copies once they are ``copy_write_delay`` old; forgotten ones alone only after
+        ``forget_write_delay``: until then they ride with the next save's write (a copy record of a
+        retired step misleads no one: its step row is gone, and readers read the rows first)."""
+        return ((self.put_since is not None and now - self.put_since >= catalog.copy_write_delay)
+                or (self.forget_since is not None and now - self.forget_since >= catalog.forget_write_delay))
 
     def applied_to(self, copies: list[ShardCopy]) -> list[ShardCopy]:
         """What the catalog will hold once these are written: the plan decides on that, not on the catalog's lag."""
@@ -192,16 +203,16 @@ class CheckpointService:
         return changes.applied_to(copies) if changes is not None else copies
 
     def _change_copies(self, job: str) -> _CopyChanges:
-        return self._copy_changes.setdefault(job, _CopyChanges(since=time.monotonic()))
+        return self._copy_changes.setdefault(job, _CopyChanges())
 
     def _flush_copies(self, *, force: bool = False, job: str | None = None) -> None:
-        """Write the held copy records of every job (of ``job``) whose oldest is ``copy_write_delay`` old: one
+        """Write the held copy records of every job (of ``job``) that are due (``_CopyChanges.due``): one
         ``update_shard_copies`` each. A write that fails keeps them for the next pass."""
         now = time.monotonic()
         for name, changes in list(self._copy_changes.items()):
             if job is not None and name != job:
                 continue
-            if not force and now - changes.since < self.catalog.copy_write_delay:
+            if not force and not changes.due(now, self.catalog):
                 continue
             self.catalog.update_shard_copies(name, put=list(changes.put.values()), forget=sorted(changes.forget))
             del self._copy_changes[name]
@@ -216,12 +227,12 @@ class CheckpointService:
         catalog, job, policy = self.catalog, view.job.name, view.policy
         match action:
             case plan.RecordCopy(copy=copy, path=path):
-                self._change_copies(job).record(copy)
+                self._change_copies(job).record(copy, time.monotonic())
                 self._known[path] = copy.checksum
                 if self.metrics is not None and copy.tier is CheckpointTier.MEMORY:
                     self.metrics.checkpoint_bytes.labels("memory").inc(copy.size)
             case plan.ForgetCopies(step=step, tier=tier, node=node, rank=rank) if node is not None and rank is not None:
-                self._change_copies(job).drop(CopyKey(step, tier, node, rank))
+                self._change_copies(job).drop(CopyKey(step, tier, node, rank), time.monotonic())
             case plan.ForgetCopies(step=step, tier=tier, node=node, rank=rank):
                 self._flush_copies(force=True, job=job)  # held records first: the delete comes after them
                 catalog.delete_shard_copies(job, step, tier=tier, node=node, rank=rank)

@@ -35,6 +35,8 @@ class CheckpointCatalog(Protocol):
     copy_write_delay: float
     """How long an agent may hold its copy changes to send them together (0: write each pass's at once):
     what a write costs the catalog's home."""
+    forget_write_delay: float
+    """How long forgotten copies alone may wait for the next write (they ride with the next save's)."""
 
     # shard copies
     def put_shard_copy(self, copy: ShardCopy) -> None: ...

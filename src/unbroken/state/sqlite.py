@@ -156,6 +156,7 @@ class SqliteStore:
     """``<cluster dir>/state.db``."""
 
     copy_write_delay = 0.0
+    forget_write_delay = 0.0
     """A local write is a transaction on this machine: every pass's copies go in at once."""
 
     def __init__(self, path: Path, *, create: bool = False) -> None:

@@ -11,8 +11,9 @@ The ConfigMaps live in the operator's namespace, labelled ``unbroken.dev/checkpo
 
 **What a save costs.** A node's agent records its copies (its own shards and the replicas it
 holds), and forgets those it deleted, in its own ConfigMap: one merge patch per pass at most,
-and the agent holds its changes for ``COPY_WRITE_DELAY_SECONDS`` so that a save's own copies,
-its replicas and the older step they retire go out as one write (checkpoint/service.py). That
+and the agent holds new records for ``COPY_WRITE_DELAY_SECONDS`` so that a save's own copies and
+its replicas go out as one write, with the copies the save before retired
+(``FORGET_WRITE_DELAY_SECONDS``; checkpoint/service.py). That
 is about one API write per node per save whatever the ranks per node; a ConfigMap per step
 (the layout before) took one write per copy, two to three per rank per save. Step rows are a
 few writes per save for the whole job: the agents race for them through insert-if-absent and
@@ -21,11 +22,14 @@ a write that raced another is refused (409) and decided again on the fresh objec
 ConfigMap left with no key is deleted under the same precondition, so a key added meanwhile
 is never lost with it.
 
-**What reading costs.** Reads list the job's ConfigMaps (a label selector); one list serves
-the reads of a pass (``LIST_REUSE_SECONDS``). That is one LIST per agent per pass, of every
-node's ConfigMap of the job: what limits this catalog past a few hundred nodes
-(docs/benchmarks.md, "checkpoint catalog"), and why the design wants the catalog off the API
-server at that scale.
+**What reading costs.** A catalog that :meth:`~KubernetesCatalog.follow` s (the agents') keeps
+the catalog's ConfigMaps, and the Nodes' shard-server annotations, in watch caches
+(backends/kubernetes/watch_cache.py): a pass reads memory, and each write reaches every agent
+once, as a watch event. Without (the CLI) a read lists the job's ConfigMaps (a label selector),
+one list serving the reads of ``LIST_REUSE_SECONDS``. Compare-and-swap always reads the
+ConfigMap itself. Every agent receiving every node's write is what limits this catalog past a
+few hundred nodes (docs/benchmarks.md, "checkpoint catalog"), and why the design wants the
+catalog off the API server at that scale.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import kubernetes
 from unbroken.errors import NotFoundError, StoreUnavailable
 from unbroken.backends.kubernetes import names
 from unbroken.backends.kubernetes.api import STRICT, ApiConflict, call
+from unbroken.backends.kubernetes.watch_cache import WatchCache, own_client
 from unbroken.state.catalog import CopyKey
 from unbroken.state.records import CheckpointStep, CheckpointTier, ShardCopy, StepStatus
 
@@ -53,6 +58,9 @@ CONFLICT_RETRIES = 20
 COPY_WRITE_DELAY_SECONDS = 1.0
 """How long an agent may hold its copy changes to send them as one write (see the module's docstring): a
 memory step is committed up to this much later than the last copy landed."""
+FORGET_WRITE_DELAY_SECONDS = 120.0
+"""How long a node's forgotten copies alone may wait: with saves more often than this, the copies a save
+retires go out with the next save's write."""
 _STEP_KEY = "step."
 _NO_NODE = "-"
 _KIND_LABEL = f"{names.PREFIX}/checkpoint-object"
@@ -102,12 +110,33 @@ def _kind(obj: dict[str, Any]) -> str:
 
 class KubernetesCatalog:
     copy_write_delay = COPY_WRITE_DELAY_SECONDS
+    forget_write_delay = FORGET_WRITE_DELAY_SECONDS
 
     def __init__(self, api: kubernetes.client.ApiClient, namespace: str) -> None:
         self.core = kubernetes.client.CoreV1Api(api)
         self.namespace = namespace
         self._listed: dict[str, tuple[float, list[dict[str, Any]]]] = {}
         """Per job: when it was last listed, and what came back (see ``_list``)."""
+        self._configmaps: WatchCache | None = None
+        self._nodes: WatchCache | None = None
+
+    def follow(self, nodes: WatchCache | None = None) -> WatchCache:
+        """Read from a watch cache of the catalog's ConfigMaps from now on (and the shard servers from ``nodes``,
+        a cache of the Nodes the caller keeps anyway)."""
+        core = kubernetes.client.CoreV1Api(own_client(self.core.api_client))
+        self._configmaps = WatchCache("checkpoint-catalog", core.list_namespaced_config_map, self.namespace,
+                                      label_selector=names.CHECKPOINT_JOB)
+        self._configmaps.start()
+        self._nodes = nodes
+        return self._configmaps
+
+    def stop_following(self) -> None:
+        if self._configmaps is not None:
+            self._configmaps.stop()
+
+    def _observe(self, obj: dict[str, Any] | None) -> None:
+        if self._configmaps is not None and obj is not None and (obj.get("metadata") or {}).get("resourceVersion"):
+            self._configmaps.observe(obj)
 
     # -- ConfigMap plumbing (every call through kube.api.call: 404 NotFoundError, 409 ApiConflict) --------
 
@@ -126,16 +155,20 @@ class KubernetesCatalog:
     def _list(self, job: str) -> list[dict[str, Any]]:
         """The job's ConfigMaps, both kinds. Within ``LIST_REUSE_SECONDS`` of the last list and with no write by
         this catalog since, the same answer: a pass reads a job's steps and its copies, one list serves both."""
-        now = time.monotonic()
-        cached = self._listed.get(job)
-        if cached is not None and now - cached[0] < LIST_REUSE_SECONDS:
-            return cached[1]
         digest = job_digest(job)
-        items = self._json(self.core.list_namespaced_config_map, self.namespace,
-                           label_selector=f"{names.CHECKPOINT_JOB}={digest}").get("items") or []
+        if self._configmaps is not None and self._configmaps.synced:
+            items = self._configmaps.objects()
+        else:
+            now = time.monotonic()
+            cached = self._listed.get(job)
+            if cached is not None and now - cached[0] < LIST_REUSE_SECONDS:
+                return cached[1]
+            items = self._json(self.core.list_namespaced_config_map, self.namespace,
+                               label_selector=f"{names.CHECKPOINT_JOB}={digest}").get("items") or []
         mine = [i for i in items if (i["metadata"].get("labels") or {}).get(names.CHECKPOINT_JOB) == digest
                 and (i["metadata"].get("annotations") or {}).get(names.CHECKPOINT_JOB) == job]
-        self._listed[job] = (now, mine)
+        if self._configmaps is None or not self._configmaps.synced:
+            self._listed[job] = (time.monotonic(), mine)
         return mine
 
     def _write(self, job: str, name: str, kind: str, data: dict[str, str | None], *,
@@ -150,6 +183,7 @@ class KubernetesCatalog:
         try:
             written: dict[str, Any] = self._json(self.core.patch_namespaced_config_map, name, self.namespace, patch,
                                                  field_validation=STRICT)
+            self._observe(written)
             return written
         except ApiConflict:
             return None
@@ -178,7 +212,9 @@ class KubernetesCatalog:
         try:
             call(lambda: self.core.delete_namespaced_config_map(name, self.namespace, body=options))
         except (NotFoundError, ApiConflict):
-            pass  # gone already, or a key was added since: keep it
+            return  # gone already, or a key was added since: keep it
+        if self._configmaps is not None:
+            self._configmaps.discard(self.namespace, name)
 
     def _compare_and_write(self, job: str, step: int, decide: Callable[[dict[str, str]], dict[str, str | None] | None]) -> bool:
         """``decide(data)`` → the keys to write, or None to give up; retried on a changed ConfigMap."""
@@ -210,6 +246,7 @@ class KubernetesCatalog:
         try:
             created: dict[str, Any] = self._json(self.core.create_namespaced_config_map, self.namespace, body,
                                                  field_validation=STRICT)
+            self._observe(created)
             return created
         except ApiConflict:
             return None
@@ -282,8 +319,11 @@ class KubernetesCatalog:
 
     def delete_checkpoint_step(self, job: str, step: int, tier: CheckpointTier) -> None:
         name = configmap_name(job, step)
-        if self._read(name) is None:
-            return
+        obj = self._read(name)
+        if obj is None or _step_key(tier) not in (obj.get("data") or {}):
+            if obj is not None:
+                self._delete_if_empty(job, name, obj)  # e.g. only keys of the layout before are left
+            return  # every agent retires old steps: the first one's write is the only one needed
         written = self._write(job, name, "step", {_step_key(tier): None})
         self._delete_if_empty(job, name, written)
 
@@ -294,7 +334,9 @@ class KubernetesCatalog:
 
     def shard_servers(self) -> dict[str, str]:
         servers: dict[str, str] = {}
-        for item in self._json(self.core.list_node).get("items") or []:
+        nodes = self._nodes.objects() if self._nodes is not None and self._nodes.synced else \
+            self._json(self.core.list_node).get("items") or []
+        for item in nodes:
             address = (item["metadata"].get("annotations") or {}).get(names.SHARD_SERVER)
             if address:
                 servers[item["metadata"]["name"]] = address

@@ -75,18 +75,21 @@ class StoreCaches:
     """The operator's watch caches, one per resource it reads every pass, each with its own connection."""
 
     nodes: WatchCache
-    leases: WatchCache
+    leases: WatchCache | None
+    """None: this reader does not follow the agents' Leases (an agent: it needs no other node's heartbeat)."""
     workloads: dict[str, WatchCache]
     """By workload kind (``PyTorchJob``, ``TrainJob``)."""
     pods: dict[str, WatchCache]
-    """The training pods of each workload kind, by kind."""
+    """The training pods of each workload kind, by kind (empty: not followed)."""
 
     @classmethod
-    def open(cls, store: KubernetesStore, on_change: Callable[[], None] | None) -> StoreCaches:
+    def open(cls, store: KubernetesStore, on_change: Callable[[], None] | None, *, leases: bool = True,
+             pods: bool = True) -> StoreCaches:
         def client() -> kubernetes.client.ApiClient:
             return own_client(store.api)
 
-        workloads, pods = {}, {}
+        workloads: dict[str, WatchCache] = {}
+        pod_caches: dict[str, WatchCache] = {}
         for kind in store.kinds:
             custom = kubernetes.client.CustomObjectsApi(client())
             core = kubernetes.client.CoreV1Api(client())
@@ -94,28 +97,30 @@ class StoreCaches:
                 workloads[kind.kind] = WatchCache(kind.plural, custom.list_namespaced_custom_object, kind.group, kind.version,
                                                   store.job_namespace, kind.plural, kind=kind.kind,
                                                   api_version=kind.api_version, on_change=on_change)
-                pods[kind.kind] = WatchCache(f"{kind.plural}-pods", core.list_namespaced_pod, store.job_namespace,
-                                             label_selector=kind.pods_selector(), on_change=on_change)
+                if pods:
+                    pod_caches[kind.kind] = WatchCache(f"{kind.plural}-pods", core.list_namespaced_pod, store.job_namespace,
+                                                       label_selector=kind.pods_selector(), on_change=on_change)
             else:
                 workloads[kind.kind] = WatchCache(kind.plural, custom.list_cluster_custom_object, kind.group, kind.version,
                                                   kind.plural, kind=kind.kind, api_version=kind.api_version,
                                                   on_change=on_change)
-                pods[kind.kind] = WatchCache(f"{kind.plural}-pods", core.list_pod_for_all_namespaces,
-                                             label_selector=kind.pods_selector(), on_change=on_change)
+                if pods:
+                    pod_caches[kind.kind] = WatchCache(f"{kind.plural}-pods", core.list_pod_for_all_namespaces,
+                                                       label_selector=kind.pods_selector(), on_change=on_change)
         caches = cls(
             nodes=WatchCache("nodes", kubernetes.client.CoreV1Api(client()).list_node, kind="Node", api_version="v1",
                              on_change=on_change),
             # A renewal changes nothing to decide on (silence is measured against the clock): no wake-up.
             leases=WatchCache("leases", kubernetes.client.CoordinationV1Api(client()).list_namespaced_lease,
-                              store.namespace, label_selector=AGENT_LEASE_SELECTOR),
-            workloads=workloads, pods=pods,
+                              store.namespace, label_selector=AGENT_LEASE_SELECTOR) if leases else None,
+            workloads=workloads, pods=pod_caches,
         )
         for cache in caches.all():
             cache.start()
         return caches
 
     def all(self) -> list[WatchCache]:
-        return [self.nodes, self.leases, *self.workloads.values(), *self.pods.values()]
+        return [self.nodes, *([self.leases] if self.leases else []), *self.workloads.values(), *self.pods.values()]
 
     def synced(self) -> bool:
         return all(cache.synced for cache in self.all())
@@ -149,11 +154,13 @@ class KubernetesStore:
         self.caches: StoreCaches | None = None
         """The operator's watch caches (:meth:`start_watches`); None elsewhere: every read asks the API server."""
 
-    def start_watches(self, on_change: Callable[[], None] | None = None) -> StoreCaches:
-        """Keep Nodes, the agents' Leases, the workloads and their pods in memory from now on
-        (backends/kubernetes/watch_cache.py): the reads every pass makes come from there once each has
-        been listed. ``on_change`` is called on every change (the operator's loop wakes on it)."""
-        self.caches = StoreCaches.open(self, on_change)
+    def start_watches(self, on_change: Callable[[], None] | None = None, *, leases: bool = True,
+                      pods: bool = True) -> StoreCaches:
+        """Keep Nodes, the workloads, and (``leases``, ``pods``) the agents' Leases and the workloads' pods in
+        memory from now on (backends/kubernetes/watch_cache.py): the reads every pass makes come from there
+        once each has been listed. ``on_change`` is called on every change (the operator's loop wakes on it).
+        A reader without ``leases`` sees no agent's Lease (an agent: the kubelet's Ready alone vouches)."""
+        self.caches = StoreCaches.open(self, on_change, leases=leases, pods=pods)
         return self.caches
 
     def stop_watches(self) -> None:
@@ -267,8 +274,12 @@ class KubernetesStore:
 
     def _agent_leases(self) -> dict[str, dict[str, Any]]:
         """The node agents' Leases, by node (other Leases in the namespace, the leader's, are not theirs)."""
-        if self.caches is not None and self.caches.leases.synced:
-            items = self.caches.leases.objects()
+        cache = self.caches.leases if self.caches is not None else None
+        items: list[dict[str, Any]]
+        if self.caches is not None and cache is None:
+            items = []  # this reader does not follow them (start_watches)
+        elif cache is not None and cache.synced:
+            items = cache.objects()
         else:
             items = self._json(self.coordination.list_namespaced_lease, self.namespace,
                                label_selector=AGENT_LEASE_SELECTOR)["items"]

@@ -117,6 +117,11 @@ class WatchCache:
         with self._lock:
             return self._objects.get((namespace, name))
 
+    def discard(self, namespace: str, name: str) -> None:
+        """Drop an object the caller just deleted (the watch's DELETED event follows)."""
+        with self._lock:
+            self._objects.pop((namespace, name), None)
+
     def observe(self, obj: Obj) -> None:
         """Put an object the operator just wrote (the write's answer) into the copy, unless the copy has a newer one."""
         self._apply("MODIFIED", obj)
