@@ -3,16 +3,18 @@
 For each system, on a fresh control plane (etcd and kube-apiserver from tests/controlplane):
 
 * N Nodes, each with the real node agent's checkpoint half (``CheckpointService``, its HTTPS shard
-  server, and its own ``KubernetesCatalog`` client), passing every 0.5 s in its own thread as the
-  Kubernetes agent does (``CHECKPOINT_PASS_SECONDS``);
+  server, and its own ``KubernetesCatalog`` client, following the catalog and the Nodes by watch where
+  the system does), passing every 0.5 s in its own thread as the Kubernetes agent does
+  (``CHECKPOINT_PASS_SECONDS``);
 * R ranks per node, each a real ``TieredCheckpointer`` writing a small state into the node's shared
   memory; tiers: memory (keep 2) with one replica on a peer;
 * S saves: every rank saves step s, and the save is done when the catalog shows step s committed in
   memory with a replica of every rank; then the agents settle (their held copy records written).
 
 Systems: ``unbroken`` (this tree: one ConfigMap of copies per node, an agent's copy records of about a
-second written as one patch) and ``baseline`` (commit ``BASELINE_COMMIT``: one ConfigMap per step,
-one patch per copy), the same driver run on each's sources (``git archive``).
+second written as one patch, reads from watch caches) and ``baseline`` (commit ``BASELINE_COMMIT``:
+one ConfigMap per step, one patch per copy, a LIST of the job's ConfigMaps and one of the Nodes per
+pass), the same driver run on each's sources (``git archive``).
 
 Reported per system, from the API server's own ``apiserver_request_total`` and ``apiserver_response_sizes``:
 writes per node per save (goal ≤ 1), LIST requests and bytes read per second while saving, and the
@@ -132,8 +134,14 @@ def worker(system: str, nodes: int, ranks: int, saves: int) -> Result:
         services = {}
         for name in names:
             own = SqliteStore(Path(scratch) / "state.db")
-            services[name] = CheckpointService(KubernetesCatalog(api_client(plane.kubeconfig), NAMESPACE), own, name,
-                                               Path(shm_dir) / name, creds)
+            catalog = KubernetesCatalog(api_client(plane.kubeconfig), NAMESPACE)
+            if hasattr(catalog, "follow"):  # as the agent does: the catalog and the Nodes from watch caches
+                from unbroken.backends.kubernetes.watch_cache import WatchCache
+
+                nodes_cache = WatchCache("nodes", kubernetes.client.CoreV1Api(api_client(plane.kubeconfig)).list_node)
+                nodes_cache.start()
+                catalog.follow(nodes=nodes_cache)
+            services[name] = CheckpointService(catalog, own, name, Path(shm_dir) / name, creds)
             services[name].start()
         checkpointers = [
             TieredCheckpointer(job=JOB, attempt=0, rank=node_index * ranks + local, world_size=world, node=name,
