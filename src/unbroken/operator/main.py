@@ -38,6 +38,7 @@ from unbroken.backends.kubernetes import heartbeats, names
 from unbroken.operator import deep_checks
 from unbroken.operator.deep_checks import DeepCheckJobs
 from unbroken.operator.reboots import RebootReturns
+from unbroken.backends.kubernetes.catalog import KubernetesCatalog
 from unbroken.backends.kubernetes.client import api_client
 from unbroken.backends.kubernetes.leader import LeaderLease
 from unbroken.backends.kubernetes.store import KubernetesStore
@@ -191,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     caches = runtime.cluster.start_watches(on_change=operator.wake.set)
+    if isinstance(runtime.catalog, KubernetesCatalog):
+        runtime.catalog.follow(nodes=caches.nodes)  # what /metrics reads of the checkpoints, per scrape
     log.info("operator started", extra={"namespace": args.namespace, "identity": args.identity,
                                         "watches": [cache.name for cache in caches.all()]})
     try:
