@@ -82,3 +82,11 @@ def test_agents_that_stop_together_are_held_before_the_first_crosses_the_thresho
     assert hold is not None and hold.silent == ("a", "b", "c")
     assert liveness.hold(NOW, [node("a", NOW - 4.01), node("b", NOW - 0.9), node("c", NOW - 0.2)], LOST_AFTER) is None, \
         "one node really lost among talking ones"
+
+
+def test_the_next_pass_is_timed_for_the_first_heard_node_that_would_turn_silent() -> None:
+    nodes = [node("a", NOW - 0.5), node("b", NOW - 3.2), node("gone", NOW - 9),
+             node("faulty", NOW - 1, NodeState.PENDING_REPLACEMENT)]
+    assert liveness.next_loss_at(NOW, nodes, LOST_AFTER) == pytest.approx(NOW + 0.8), \
+        "b turns silent first; a node already silent or not active times nothing"
+    assert liveness.next_loss_at(NOW, [node("gone", NOW - 9)], LOST_AFTER) is None

@@ -51,6 +51,14 @@ def silent(now: float, node: Node, lost_after: float) -> bool:
     return now - last > lost_after
 
 
+def next_loss_at(now: float, nodes: Sequence[Node], lost_after: float) -> float | None:
+    """When the first active node heard so far would turn silent if nothing more is heard from it (None: no such
+    node). A loop that looks again then declares a dead node lost ``lost_after`` after its last heartbeat, not up
+    to a pass later."""
+    return min(((n.heartbeat_at or n.state_changed_at) + lost_after for n in nodes
+                if n.state.is_active and not silent(now, n, lost_after)), default=None)
+
+
 def hold(now: float, nodes: Sequence[Node], lost_after: float) -> Hold | None:
     """The hold in force, None when silence may be believed.
 

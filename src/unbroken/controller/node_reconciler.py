@@ -26,10 +26,13 @@ class NodeReconciler:
         self.cluster = cluster
         self.holding: liveness.Hold | None = None
         """The disruption guard's hold in force (controller/liveness.py), None when none is."""
+        self.next_loss_at: float | None = None
+        """When the last pass's first heard node would turn silent (liveness.next_loss_at): a loop wakes then."""
 
     def reconcile_all(self, now: float) -> None:
         nodes = self.store.list_nodes()
         self._guard(liveness.hold(now, nodes, self.cluster.Local.NodeLostAfterSeconds))
+        self.next_loss_at = liveness.next_loss_at(now, nodes, self.cluster.Local.NodeLostAfterSeconds)
         for node in nodes:
             if node.state is NodeState.RETIRED:
                 continue

@@ -49,6 +49,8 @@ log = logging.getLogger("unbroken.operator")
 
 RESYNC_SECONDS = 1.0
 """A full pass at least this often, events or not (a lease going stale makes no event)."""
+LOSS_MARGIN_SECONDS = 0.02
+"""A pass timed for a node turning silent comes this much after (silence is "more than" the threshold)."""
 SILENT_AFTER_SECONDS = 3.0
 """A node whose heartbeat is this much overdue is a suspect (agents beat every second: backends/kubernetes/heartbeats.py)."""
 
@@ -72,11 +74,19 @@ class Operator:
     def run(self) -> None:
         try:
             while not self.stopping.is_set():
-                self.wake.wait(RESYNC_SECONDS)
+                self.wake.wait(self._next_pass_in())
                 self.wake.clear()
                 self.reconcile_once()
         finally:
             self.leader.release()
+
+    def _next_pass_in(self) -> float:
+        """``RESYNC_SECONDS``, or less where a node heard so far turns silent sooner: a dead node is then lost
+        ``NodeLostAfterSeconds`` after its last beat, not up to a pass later."""
+        due = self.nodes.next_loss_at
+        if due is None:
+            return RESYNC_SECONDS
+        return min(RESYNC_SECONDS, max(0.0, due - self.runtime.clock()) + LOSS_MARGIN_SECONDS)
 
     def reconcile_once(self) -> None:
         now = self.runtime.clock()
