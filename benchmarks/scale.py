@@ -408,13 +408,13 @@ def main(argv: list[str] | None = None) -> int:
                                      epilog=__doc__.split("\n", 2)[2])
     parser.add_argument("--nodes", type=int, default=None, help="one size (both systems)")
     parser.add_argument("--sizes", default="100,500,1000,2000", help="sizes for unbroken (default: %(default)s)")
-    parser.add_argument("--baseline-sizes", default=None, help="sizes for the baseline (default: --nodes, else 100,500)")
+    parser.add_argument("--baseline-sizes", default=None, help="sizes for the baseline (default: --nodes, else 100,500; \"\": none)")
     parser.add_argument("--losses", type=int, default=50, help="node losses per size (default: %(default)s; at most N/2)")
     parser.add_argument("--json", action="store_true", help='print {"results": [...]} instead of a table')
     args = parser.parse_args(argv)
     sizes = [args.nodes] if args.nodes else [int(s) for s in args.sizes.split(",")]
     baseline = [args.nodes] if args.nodes and args.baseline_sizes is None else \
-        [int(s) for s in (args.baseline_sizes or "100,500").split(",") if s]
+        [int(s) for s in (args.baseline_sizes if args.baseline_sizes is not None else "100,500").split(",") if s]
     runs = [("baseline", n) for n in baseline] + [("unbroken", n) for n in sizes]
     rows = []
 
