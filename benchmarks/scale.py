@@ -165,6 +165,8 @@ class SimulatedAgents:
 
     def _renew(self, node: str) -> None:
         try:
+            if not self.alive[node]:
+                return  # stopped while this renewal waited for a thread of the pool: a dead agent sends nothing
             self.store.renew_lease(node, at=time.time())
             if node in self.senders:
                 address = heartbeats.parse_address(
