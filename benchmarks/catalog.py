@@ -138,6 +138,7 @@ def worker(system: str, nodes: int, ranks: int, saves: int) -> Result:
                                 deep_health=DeepHealthStatus.PASSED, heartbeat_at=time.time()))
         say(f"{nodes} agents, {world} ranks")
         services = {}
+        followed: list[Any] = []  # watch caches, stopped before the control plane is
         for name in names:
             own = SqliteStore(Path(scratch) / "state.db")
             catalog = KubernetesCatalog(api_client(plane.kubeconfig), NAMESPACE)
@@ -146,7 +147,8 @@ def worker(system: str, nodes: int, ranks: int, saves: int) -> Result:
 
                 nodes_cache = WatchCache("nodes", kubernetes.client.CoreV1Api(api_client(plane.kubeconfig)).list_node)
                 nodes_cache.start()
-                catalog.follow(nodes=nodes_cache)
+                followed.append(nodes_cache)
+                followed.append(catalog.follow(nodes=nodes_cache))
             services[name] = CheckpointService(catalog, own, name, Path(shm_dir) / name, creds)
             services[name].start()
         checkpointers = [
@@ -223,6 +225,8 @@ def worker(system: str, nodes: int, ranks: int, saves: int) -> Result:
             ck.close()
         for service in services.values():
             service.close()
+        for cache in followed:
+            cache.stop()
     commit_times.sort()
     done = max(len(commit_times), 1)
     nan = float("nan")
