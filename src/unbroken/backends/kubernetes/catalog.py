@@ -11,11 +11,13 @@ The ConfigMaps live in the operator's namespace, labelled ``unbroken.dev/checkpo
 
 **What a save costs.** A node's agent records its copies (its own shards and the replicas it
 holds), and forgets those it deleted, in its own ConfigMap: one merge patch per pass at most,
-and the agent holds new records for ``COPY_WRITE_DELAY_SECONDS`` so that a save's own copies and
-its replicas go out as one write, with the copies the save before retired
-(``FORGET_WRITE_DELAY_SECONDS``; checkpoint/service.py). That
-is about one API write per node per save whatever the ranks per node; a ConfigMap per step
-(the layout before) took one write per copy, two to three per rank per save. Step rows are a
+and the agent holds new records for ``COPY_WRITE_DELAY_SECONDS`` so that what its passes find of
+one save goes out as one write, with the copies the save before retired
+(``FORGET_WRITE_DELAY_SECONDS``; checkpoint/service.py). That is one write per node per save
+for its own copies and one for the replicas it holds, whatever the ranks per node (replication
+waits for the step's commit, so the replicas come a second or more after the own copies);
+measured 2.2 at 8 ranks per node where a ConfigMap per step, a key per copy, took 27 and could
+not hold a 1,024-rank step at all (over the API's 1 MiB: docs/benchmarks.md). Step rows are a
 few writes per save for the whole job: the agents race for them through insert-if-absent and
 compare-and-swap, which read the ConfigMap and send its ``resourceVersion`` with the patch, so
 a write that raced another is refused (409) and decided again on the fresh object. A
