@@ -306,11 +306,14 @@ class ProcessKubelet:
     # ---------------------------------------------------------------- for tests
 
     def pid_of(self, namespace: str, pod: str) -> int | None:
+        """The main process of the pod ``namespace/pod``: of the newest pod of that name, where a pod deleted and
+        made again under the same name (a workload's next attempt) still has processes terminating."""
+        found = None
         with self._lock:
-            for run in self._pods.values():
+            for run in self._pods.values():  # in the order the pods were started
                 if (run.namespace, run.name) == (namespace, pod) and run.running() and run.init_done >= run.init_count:
-                    return run.pid
-        return None
+                    found = run.pid
+        return found
 
     def log_path(self, namespace: str, pod: str) -> Path:
         found = sorted((self.workdir / "logs").glob(f"{namespace}_{pod}_*.log"))

@@ -142,3 +142,36 @@ def test_datagrams_are_the_heartbeat_and_the_lease_the_backstop(api: kubernetes.
     assert reader.get_node(node).heartbeat_at == pytest.approx(now, abs=0.01)
     lease = kubernetes.client.CoordinationV1Api(api).read_namespaced_lease(names.LEASE_PREFIX + node, namespace)
     assert lease.spec.lease_duration_seconds == 40
+
+
+def test_when_most_datagrams_stop_at_once_the_leases_vouch_only_after_two_renewals(
+        api: kubernetes.client.ApiClient, namespace: str, board: HeartbeatBoard) -> None:
+    """A cut between the agents and the operator: every node's datagrams stop together. At first the last datagram
+    alone is each node's heartbeat, Leases or not, so the disruption guard sees the whole crowd silent and holds
+    (a node that renewed its Lease must not leave the last to renew judged alone). After two renewal periods the
+    Leases are the evidence: a node whose agent renewed is alive, one whose Lease is old is not."""
+    store = KubernetesStore(api, namespace)
+    store.heartbeats = board
+    store.lease_renew_seconds, store.heartbeat_interval = 2.0, 1.0  # the fallback after 4 s, not 20
+    a, b, c = make_node(api), make_node(api), make_node(api)
+    now = time.time()
+    for seq, node in enumerate((a, b, c), 1):
+        assert board.accept(heartbeats.encode(KEY, Beat(node, f"agent-{node}", seq, now - 5)), now - 5)
+    store.renew_lease(a, at=now - 0.5)
+    store.renew_lease(b, at=now - 0.5)
+    store.renew_lease(c, at=now - 60)
+
+    beats = {n.name: n.heartbeat_at for n in store.list_nodes() if n.name in (a, b, c)}
+    assert beats == {a: pytest.approx(now - 5), b: pytest.approx(now - 5), c: pytest.approx(now - 5)}, \
+        "datagrams stopped for most: the last datagram alone, though a and b renewed since"
+
+    def vouched() -> dict[str, float | None]:
+        return {n.name: n.heartbeat_at for n in store.list_nodes() if n.name in (a, b, c)}
+    beats = wait_until(lambda: (v := vouched())[a] > now - 1 and v, 10, "the Leases to vouch after two renewals")
+    assert beats[b] > now - 1 and beats[c] == pytest.approx(now - 5), "b renewed: alive; c's Lease is old: silent"
+
+    later = time.time()
+    for seq, node in enumerate((a, b, c), 10):
+        assert board.accept(heartbeats.encode(KEY, Beat(node, f"agent-{node}", seq, later)), later)
+    assert {n.name: n.heartbeat_at for n in store.list_nodes() if n.name in (a, b, c)} == {
+        a: pytest.approx(later), b: pytest.approx(later), c: pytest.approx(later)}, "datagrams back: they decide again"

@@ -54,6 +54,11 @@ NO_HANG_TIMEOUT = 10.0 ** 9
 """A job without ``hang-timeout-seconds`` has no hang detection (its ranks may not report progress)."""
 WRITE_RETRIES = 5
 FAULT_HISTORY = 10
+DATAGRAMS_SILENT_AFTER_SECONDS = 2.0
+"""A node unheard this long counts towards "most datagrams stopped at once" (agents beat every second)."""
+LEASE_FALLBACK_RENEWALS = 2
+"""How many Lease renewal periods of stopped datagrams before the Leases are the evidence for every node:
+long enough that every live agent renewed in between, longer than an agent restart or a short stall."""
 MANAGED_BY = "app.kubernetes.io/managed-by"
 AGENT_LEASE_SELECTOR = f"{MANAGED_BY}={names.COMPONENT}"
 """The agents' Leases carry this label (the leader Lease does not)."""
@@ -151,6 +156,8 @@ class KubernetesStore:
         """The operator's: what it heard from the agents by datagram (None elsewhere: the Leases alone)."""
         self.lease_renew_seconds = 10.0
         self.heartbeat_interval = 1.0
+        self._datagrams_down_since: float | None = None
+        """Since when most nodes' datagrams have stopped at once (``_judge_datagrams``); None while they arrive."""
         self.caches: StoreCaches | None = None
         """The operator's watch caches (:meth:`start_watches`); None elsewhere: every read asks the API server."""
 
@@ -229,7 +236,30 @@ class KubernetesStore:
     def list_nodes(self) -> list[Node]:
         leases = self._leases()
         items = self.node_objects()
+        self._judge_datagrams([obj["metadata"]["name"] for obj in items])
         return sorted((self._node(obj, leases.get(obj["metadata"]["name"])) for obj in items), key=lambda n: n.name)
+
+    def _judge_datagrams(self, nodes: Sequence[str]) -> None:
+        """Whether the datagrams get through (``_datagrams_down_since``): not while more than half of the nodes
+        heard from (and at least two) have been unheard for ``DATAGRAMS_SILENT_AFTER_SECONDS`` at once."""
+        if self.heartbeats is None:
+            return
+        now = time.time()
+        heard = [beat for node in nodes if (beat := self.heartbeats.heard(node)) is not None and not beat.leaving]
+        unheard = sum(1 for beat in heard if now - beat.at > DATAGRAMS_SILENT_AFTER_SECONDS)
+        if unheard >= 2 and unheard > len(heard) / 2:
+            if self._datagrams_down_since is None:
+                self._datagrams_down_since = now
+                log.warning("most nodes' heartbeat datagrams stopped at once", extra={"unheard": unheard, "heard": len(heard)})
+        elif self._datagrams_down_since is not None:
+            log.info("heartbeat datagrams are back", extra={"down_s": round(now - self._datagrams_down_since, 1)})
+            self._datagrams_down_since = None
+
+    def _lease_fallback(self) -> bool:
+        """Datagrams have not been getting through to most nodes for ``LEASE_FALLBACK_RENEWALS`` renewals: the
+        Leases are the evidence now (each agent has renewed since, if it lives)."""
+        return (self._datagrams_down_since is not None
+                and time.time() - self._datagrams_down_since >= LEASE_FALLBACK_RENEWALS * self.lease_renew_seconds)
 
     def _heartbeat(self, node: str, lease: float | None, *, ready: bool) -> float | None:
         """When the node was last known alive, from the datagrams the operator heard, the agent's Lease
@@ -238,6 +268,11 @@ class KubernetesStore:
         - the datagrams, while they arrive, whatever ``Ready`` says: the node lifecycle controller writes
           NotReady for every node whose kubelet it could not see (e.g. after an API-server outage longer
           than its grace period) while the machines run on, and a dead machine's beats stop too;
+        - while most nodes' datagrams have stopped at once (``_judge_datagrams``), the last datagram alone,
+          Leases or not: the disruption guard sees the crowd silent and holds (a Lease renewed meanwhile
+          would make the nodes that renewed first look alive and leave the last to renew judged alone);
+          after ``LEASE_FALLBACK_RENEWALS`` renewals of that, the Lease vouches for every node as below,
+          datagrams being what does not get through;
         - otherwise not ``Ready``: lost (0.0);
         - an agent that said it is leaving (SIGTERM: a rolling update) vouches for its node for
           ``AGENT_RESTART_GRACE_SECONDS``, until its successor's beats replace that;
@@ -247,7 +282,8 @@ class KubernetesStore:
         - no Lease, no agent yet: the kubelet vouches (now); a reader that hears no datagrams (the CLI):
           the Lease as written."""
         heard = self.heartbeats.heard(node) if self.heartbeats is not None else None
-        if heard is not None and not heard.leaving and (lease is None or lease <= heard.at + self.heartbeat_interval):
+        if heard is not None and not heard.leaving and not self._lease_fallback() and (
+                lease is None or lease <= heard.at + self.heartbeat_interval or self._datagrams_down_since is not None):
             return heard.at
         if not ready:
             return 0.0
@@ -257,7 +293,8 @@ class KubernetesStore:
             return time.time()
         if self.heartbeats is None:
             return lease
-        return min(time.time(), lease + self.lease_renew_seconds)
+        backstop = min(time.time(), lease + self.lease_renew_seconds)
+        return max(backstop, heard.at) if heard is not None and not heard.leaving else backstop
 
     def _lease(self, node: str) -> float | None:
         """When ``node``'s agent last renewed its Lease (None: no agent has run there)."""
