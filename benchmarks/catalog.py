@@ -41,6 +41,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import baseline  # benchmarks/baseline.py, beside this script
+
 ROOT = Path(__file__).resolve().parents[1]
 BASELINE_COMMIT = "d1eb2d6"
 """The last commit with one ConfigMap per step holding a key per copy, written one copy at a time."""
@@ -70,12 +72,7 @@ class Result:
 
 
 def baseline_sources() -> Path:
-    target = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "unbroken" / f"baseline-{BASELINE_COMMIT}"
-    if not (target / "src" / "unbroken").is_dir():
-        target.mkdir(parents=True, exist_ok=True)
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", BASELINE_COMMIT, "src"], check=True, capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(target)], input=archive, check=True)
-    return target / "src"
+    return baseline.sources(BASELINE_COMMIT)
 
 
 # -- the worker: one system, in a process whose sys.path has that system's sources ------------------------

@@ -58,6 +58,7 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
+import baseline  # noqa: E402 - benchmarks/baseline.py, beside this script
 from controlplane.cluster import ControlPlane  # noqa: E402
 
 from unbroken.backends.kubernetes import heartbeats, names  # noqa: E402
@@ -256,13 +257,7 @@ def etcd_db_mb(plane: ControlPlane) -> float:
 
 
 def baseline_sources() -> Path:
-    """The baseline commit's ``src``, extracted once into the cache."""
-    target = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "unbroken" / f"baseline-{BASELINE_COMMIT}"
-    if not (target / "src" / "unbroken").is_dir():
-        target.mkdir(parents=True, exist_ok=True)
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", BASELINE_COMMIT, "src"], check=True, capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(target)], input=archive, check=True)
-    return target / "src"
+    return baseline.sources(BASELINE_COMMIT)
 
 
 def start_operator(system: str, plane: ControlPlane, log: Path) -> subprocess.Popen[bytes]:
