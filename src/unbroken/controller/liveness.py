@@ -10,7 +10,7 @@ send healthy machines to repair, turning a short blindness into an outage.
 
 So, as Kubernetes' node lifecycle controller stops evicting when more than 55 %
 of a zone's nodes go NotReady together, the controller holds while more than
-``MASS_SILENCE_SHARE`` of the active nodes (and at least ``MASS_SILENCE_MIN``)
+half of the active nodes (and at least two: ``crowd.most_silent_at_once``)
 are silent: no node is declared lost, no node is rebooted or replaced; an
 Event and a metric say why, and decisions resume when the heartbeats return.
 A node that is still silent then is lost as usual.
@@ -21,11 +21,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from unbroken.crowd import most_silent_at_once
 from unbroken.state.records import Node
 
-MASS_SILENCE_SHARE = 0.5
-MASS_SILENCE_MIN = 2
-"""Two silent nodes of three hold; one of two does not (a two-node cluster loses a node as usual)."""
 CROWD_THRESHOLD_SHARE = 0.5
 """A node counts towards the crowd once silent for this share of ``NodeLostAfterSeconds`` (see :func:`hold`)."""
 
@@ -67,6 +65,6 @@ def hold(now: float, nodes: Sequence[Node], lost_after: float) -> Hold | None:
     full threshold, that first one would be judged alone (and lost) a pass before the hold."""
     active = [n for n in nodes if n.state.is_active]
     quiet = tuple(sorted(n.name for n in active if silent(now, n, lost_after * CROWD_THRESHOLD_SHARE)))
-    if len(quiet) >= MASS_SILENCE_MIN and len(quiet) > MASS_SILENCE_SHARE * len(active):
+    if most_silent_at_once(len(quiet), len(active)):
         return Hold(quiet, len(active))
     return None

@@ -33,6 +33,7 @@ import kubernetes
 import yaml
 
 from unbroken.config.cluster import ClusterConfig
+from unbroken.crowd import most_silent_at_once
 from unbroken.config.job import JobSpec, ResilienceSpec, RestartPolicy
 from unbroken.errors import ConfigError, NotFoundError, StoreUnavailable, UsageError
 from unbroken.backends.kubernetes import annotations as job_annotations
@@ -240,14 +241,14 @@ class KubernetesStore:
         return sorted((self._node(obj, leases.get(obj["metadata"]["name"])) for obj in items), key=lambda n: n.name)
 
     def _judge_datagrams(self, nodes: Sequence[str]) -> None:
-        """Whether the datagrams get through (``_datagrams_down_since``): not while more than half of the nodes
-        heard from (and at least two) have been unheard for ``DATAGRAMS_SILENT_AFTER_SECONDS`` at once."""
+        """Whether the datagrams get through (``_datagrams_down_since``): not while most of the nodes heard from
+        (crowd.py, the disruption guard's rule) have been unheard for ``DATAGRAMS_SILENT_AFTER_SECONDS`` at once."""
         if self.heartbeats is None:
             return
         now = time.time()
         heard = [beat for node in nodes if (beat := self.heartbeats.heard(node)) is not None and not beat.leaving]
         unheard = sum(1 for beat in heard if now - beat.at > DATAGRAMS_SILENT_AFTER_SECONDS)
-        if unheard >= 2 and unheard > len(heard) / 2:
+        if most_silent_at_once(unheard, len(heard)):
             if self._datagrams_down_since is None:
                 self._datagrams_down_since = now
                 log.warning("most nodes' heartbeat datagrams stopped at once", extra={"unheard": unheard, "heard": len(heard)})
