@@ -99,20 +99,16 @@ class StoreCaches:
         for kind in store.kinds:
             custom = kubernetes.client.CustomObjectsApi(client())
             core = kubernetes.client.CoreV1Api(client())
-            if store.job_namespace:
-                workloads[kind.kind] = WatchCache(kind.plural, custom.list_namespaced_custom_object, kind.group, kind.version,
-                                                  store.job_namespace, kind.plural, kind=kind.kind,
-                                                  api_version=kind.api_version, on_change=on_change)
-                if pods:
-                    pod_caches[kind.kind] = WatchCache(f"{kind.plural}-pods", core.list_namespaced_pod, store.job_namespace,
-                                                       label_selector=kind.pods_selector(), on_change=on_change)
-            else:
-                workloads[kind.kind] = WatchCache(kind.plural, custom.list_cluster_custom_object, kind.group, kind.version,
-                                                  kind.plural, kind=kind.kind, api_version=kind.api_version,
-                                                  on_change=on_change)
-                if pods:
-                    pod_caches[kind.kind] = WatchCache(f"{kind.plural}-pods", core.list_pod_for_all_namespaces,
-                                                       label_selector=kind.pods_selector(), on_change=on_change)
+            # a namespaced list takes the namespace first; the cluster-wide one takes nothing in its place
+            namespace: tuple[str, ...] = (store.job_namespace,) if store.job_namespace else ()
+            list_workloads = custom.list_namespaced_custom_object if namespace else custom.list_cluster_custom_object
+            list_pods = core.list_namespaced_pod if namespace else core.list_pod_for_all_namespaces
+            workloads[kind.kind] = WatchCache(kind.plural, list_workloads, kind.group, kind.version, *namespace,
+                                              kind.plural, kind=kind.kind, api_version=kind.api_version,
+                                              on_change=on_change)
+            if pods:
+                pod_caches[kind.kind] = WatchCache(f"{kind.plural}-pods", list_pods, *namespace,
+                                                   label_selector=kind.pods_selector(), on_change=on_change)
         caches = cls(
             nodes=WatchCache("nodes", kubernetes.client.CoreV1Api(client()).list_node, kind="Node", api_version="v1",
                              on_change=on_change),
@@ -522,9 +518,9 @@ class KubernetesStore:
         selectors = {"label_selector": kind.pods_selector()}
         if node is not None:
             selectors["field_selector"] = f"spec.nodeName={node}"
-        if self.job_namespace:
-            return list(self._json(self.core.list_namespaced_pod, self.job_namespace, **selectors)["items"])
-        return list(self._json(self.core.list_pod_for_all_namespaces, **selectors)["items"])
+        listing = (self._json(self.core.list_namespaced_pod, self.job_namespace, **selectors) if self.job_namespace
+                   else self._json(self.core.list_pod_for_all_namespaces, **selectors))
+        return list(listing["items"])
 
     def patch_workload(self, name: str, patch: dict[str, Any]) -> dict[str, Any]:
         """Merge-patch the job's workload (strict fields); the answer goes into the watch cache, so the next

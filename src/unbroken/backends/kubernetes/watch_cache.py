@@ -97,7 +97,7 @@ class WatchCache:
         self.absent = False
         """The list answered 404: the resource's CRD is not installed (no objects; looked for again)."""
         self.lists = 0
-        self.events = 0
+        """LISTs made so far (the first, then one per expiry or resync)."""
 
     # -- reading --------------------------------------------------------------------------
 
@@ -242,7 +242,6 @@ class WatchCache:
                 self._objects.pop(key, None)
             else:
                 self._objects[key] = obj
-        self.events += 1
         self._changed()
 
     def _changed(self) -> None:
