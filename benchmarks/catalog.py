@@ -79,21 +79,8 @@ def baseline_sources() -> Path:
 
 
 def apiserver_totals(plane: Any) -> tuple[float, float, float]:
-    """(ConfigMap writes, LIST requests, response bytes) so far."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = plane.kubectl("get", "--raw", "/metrics").stdout
-    writes = lists = size = 0.0
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == "apiserver_request_total":
-                if s.labels.get("resource") == "configmaps" and s.labels.get("verb") in WRITE_VERBS:
-                    writes += s.value
-                if s.labels.get("verb") == "LIST":
-                    lists += s.value
-            elif s.name == "apiserver_response_sizes_sum":
-                size += s.value
-    return writes, lists, size
+    """(ConfigMap writes, LIST requests, response bytes) so far, from the API server's own /metrics."""
+    return plane.requests_answered(WRITE_VERBS, "configmaps"), plane.requests_answered({"LIST"}), plane.response_bytes()
 
 
 def worker(system: str, nodes: int, ranks: int, saves: int) -> Result:

@@ -236,15 +236,7 @@ def reset_nodes(api: kubernetes.client.ApiClient, nodes: list[str]) -> None:
 
 def apiserver_totals(plane: ControlPlane) -> tuple[float, float, float]:
     """(write requests, response bytes, LIST requests) so far, from the API server's own /metrics."""
-    text = plane.kubectl("get", "--raw", "/metrics").stdout
-    writes = size = lists = 0.0
-    for family in text_string_to_metric_families(text):
-        if family.name == "apiserver_request":
-            writes += sum(s.value for s in family.samples if s.name == "apiserver_request_total" and s.labels.get("verb") in WRITE_VERBS)
-            lists += sum(s.value for s in family.samples if s.name == "apiserver_request_total" and s.labels.get("verb") == "LIST")
-        elif family.name == "apiserver_response_sizes":
-            size += sum(s.value for s in family.samples if s.name == "apiserver_response_sizes_sum")
-    return writes, size, lists
+    return plane.requests_answered(WRITE_VERBS), plane.response_bytes(), plane.requests_answered({"LIST"})
 
 
 def etcd_db_mb(plane: ControlPlane) -> float:

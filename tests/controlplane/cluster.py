@@ -35,13 +35,14 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane import components, pki
 from unbroken.ports import free_port
@@ -322,6 +323,20 @@ class ControlPlane:
         if check and result.returncode != 0:
             raise ControlPlaneError(f"kubectl {' '.join(args)} failed ({result.returncode}): {result.stderr.strip()}")
         return result
+
+    def requests_answered(self, verbs: Collection[str], resource: str | None = None) -> float:
+        """Requests the API server has answered with one of ``verbs`` (``LIST``, ``PATCH``, ...; a watch is
+        ``WATCH``), for ``resource`` or any: its own ``apiserver_request_total``."""
+        return sum(sample.value for sample in self._metric_samples("apiserver_request_total")
+                   if sample.labels.get("verb") in verbs and resource in (None, sample.labels.get("resource")))
+
+    def response_bytes(self) -> float:
+        """Bytes the API server has answered with, all requests but watch streams (``apiserver_response_sizes``)."""
+        return sum(sample.value for sample in self._metric_samples("apiserver_response_sizes_sum"))
+
+    def _metric_samples(self, name: str) -> list[Any]:
+        text = self.kubectl("get", "--raw", "/metrics").stdout
+        return [sample for family in text_string_to_metric_families(text) for sample in family.samples if sample.name == name]
 
     def apply(self, manifests: str | list[dict[str, Any]]) -> None:
         text = manifests if isinstance(manifests, str) else yaml.safe_dump_all(manifests)

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import kubernetes
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.cluster import ControlPlane
 from helpers import race
@@ -24,6 +23,7 @@ from unbroken.state.records import CheckpointStep, CheckpointTier, ShardCopy, St
 
 pytestmark = pytest.mark.timeout(60)
 JOB = "team-a/llama"
+CONFIGMAP_WRITES = {"POST", "PATCH", "PUT", "DELETE"}
 
 
 @pytest.fixture
@@ -145,24 +145,15 @@ def test_a_pass_reads_one_list_yet_sees_its_own_writes_at_once_and_other_agents_
                "another agent's write to show")
 
 
-def configmap_writes(plane: ControlPlane) -> float:
-    """Create, patch, update and delete requests for ConfigMaps the API server has answered."""
-    text = plane.kubectl("get", "--raw", "/metrics").stdout
-    return sum(sample.value for family in text_string_to_metric_families(text) if family.name == "apiserver_request"
-               for sample in family.samples if sample.name == "apiserver_request_total"
-               and sample.labels.get("resource") == "configmaps"
-               and sample.labels.get("verb") in ("POST", "PATCH", "PUT", "DELETE"))
-
-
 def test_a_nodes_copy_changes_of_a_pass_are_one_write_whatever_its_ranks(k8s: ControlPlane, catalog: KubernetesCatalog) -> None:
     """Eight ranks on one node: the copies of the new step recorded and the retired step's forgotten together."""
     catalog.update_shard_copies(JOB, put=[a_copy(rank, CheckpointTier.MEMORY, "gpu-a", step=10) for rank in range(8)])
-    before = configmap_writes(k8s)
+    before = k8s.requests_answered(CONFIGMAP_WRITES, "configmaps")
     catalog.update_shard_copies(
         JOB, put=[a_copy(rank, CheckpointTier.MEMORY, "gpu-a", step=20) for rank in range(8)]
         + [a_copy(rank, CheckpointTier.REPLICA, "gpu-a", step=20) for rank in range(8, 16)],
         forget=[CopyKey(10, CheckpointTier.MEMORY, "gpu-a", rank) for rank in range(8)])
-    assert configmap_writes(k8s) - before == 1
+    assert k8s.requests_answered(CONFIGMAP_WRITES, "configmaps") - before == 1
     assert sorted((c.step, c.tier, c.rank) for c in catalog.list_shard_copies(JOB)) == sorted(
         [(20, CheckpointTier.MEMORY, rank) for rank in range(8)] + [(20, CheckpointTier.REPLICA, rank) for rank in range(8, 16)])
 
@@ -177,13 +168,6 @@ def test_a_step_configmap_of_the_layout_before_is_deleted_with_its_last_row(cata
     assert configmaps(catalog) == []
 
 
-def list_requests(plane: ControlPlane) -> float:
-    text = plane.kubectl("get", "--raw", "/metrics").stdout
-    return sum(sample.value for family in text_string_to_metric_families(text) if family.name == "apiserver_request"
-               for sample in family.samples if sample.name == "apiserver_request_total"
-               and sample.labels.get("resource") == "configmaps" and sample.labels.get("verb") == "LIST")
-
-
 def test_a_following_catalog_reads_from_its_watch_its_own_writes_at_once_and_others_as_they_land(
         k8s: ControlPlane, kubeconfig: Path, namespace: str) -> None:
     from unbroken.waiting import wait_until
@@ -193,7 +177,7 @@ def test_a_following_catalog_reads_from_its_watch_its_own_writes_at_once_and_oth
     cache = mine.follow()
     try:
         wait_until(lambda: cache.synced, 20, "the catalog's watch to list")
-        lists = list_requests(k8s)
+        lists = k8s.requests_answered({"LIST"}, "configmaps")
         mine.put_checkpoint_step(a_step(10))
         assert [s.step for s in mine.list_checkpoint_steps(JOB)] == [10], "its own write: read back at once"
         theirs.update_shard_copies(JOB, put=[a_copy(0, CheckpointTier.MEMORY, "gpu-b")])
@@ -204,6 +188,6 @@ def test_a_following_catalog_reads_from_its_watch_its_own_writes_at_once_and_oth
         for _ in range(20):
             mine.list_checkpoint_steps(JOB)
             mine.list_shard_copies(JOB)
-        assert list_requests(k8s) == lists, "a following catalog never lists"
+        assert k8s.requests_answered({"LIST"}, "configmaps") == lists, "a following catalog never lists"
     finally:
         mine.stop_following()

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import kubernetes
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.cluster import ControlPlane
 from unbroken.backends.kubernetes.client import api_client
@@ -46,14 +45,6 @@ def make_node(api: kubernetes.client.ApiClient) -> str:
     return name
 
 
-def list_requests(plane: ControlPlane, resource: str) -> float:
-    """LIST requests the API server has answered for ``resource`` (not watches: they count as WATCH)."""
-    text = plane.kubectl("get", "--raw", "/metrics").stdout
-    return sum(sample.value for family in text_string_to_metric_families(text) if family.name == "apiserver_request"
-               for sample in family.samples if sample.name == "apiserver_request_total"
-               and sample.labels.get("verb") == "LIST" and sample.labels.get("resource") == resource)
-
-
 def test_a_cache_lists_once_then_follows_adds_changes_and_deletes(api: kubernetes.client.ApiClient) -> None:
     core = kubernetes.client.CoreV1Api(api)
     before = make_node(api)
@@ -85,13 +76,13 @@ def test_the_stores_every_pass_reads_come_from_memory(k8s: ControlPlane, api: ku
     wait_until(lambda: any(n.name == node for n in watched.list_nodes()), 10, "the cache to catch up")
     watched.renew_lease(node, at=1_700_000_000.0)
     wait_until(lambda: node in watched._leases(), 10, "the agent's Lease never reached the cache")
-    lists = {resource: list_requests(k8s, resource) for resource in ("nodes", "leases", "pytorchjobs", "pods")}
+    lists = {resource: k8s.requests_answered({"LIST"}, resource) for resource in ("nodes", "leases", "pytorchjobs", "pods")}
     for _ in range(20):  # twenty passes' worth of reads
         watched.list_nodes()
         watched.list_jobs()
         watched.lease_progress()
         watched.kind_pods(PYTORCHJOB)
-    after = {resource: list_requests(k8s, resource) for resource in lists}
+    after = {resource: k8s.requests_answered({"LIST"}, resource) for resource in lists}
     assert after == lists, f"LIST requests during 20 passes: {lists} -> {after}"
 
 
