@@ -99,6 +99,14 @@ class _CopyChanges:
         return sorted([*kept, *self.put.values()], key=lambda c: (-c.step, c.rank, c.tier.value, c.node))
 
 
+@dataclass(frozen=True)
+class _DrainStop:
+    """Why a drain stopped short: the rank moved on (``superseded``: given up, its copies dropped), or the tier failed."""
+
+    superseded: bool
+    why: str
+
+
 PUSHED_HOLDS = 2
 """Own slots a rank's pushes hold at most (besides the pinned step's): see ``_hold_pushed``."""
 
@@ -314,20 +322,26 @@ class CheckpointService:
             log.info("draining step %d to %s", row.step, policy.persistent.uri, extra={"node": self.node, "job": row.job})
 
     def _upload(self, job: str, policy: TierPolicy, row: CheckpointStep, shards: tuple[plan.LocalShard, ...]) -> None:
-        """Upload ``shards``, then record their persistent copies in one write (also when a shard fails part way)."""
+        """Upload ``shards``, record their persistent copies in one write (those uploaded before a failure too),
+        then commit the step, fail the drain, or give it up."""
         assert policy.persistent is not None
         uploaded: list[ShardCopy] = []
+        stop: _DrainStop | None = None
         try:
-            self._upload_each(job, policy, row, shards, uploaded)
+            stop = self._upload_each(job, policy.persistent.uri, shards, uploaded)
         finally:
-            if uploaded:
+            if uploaded and not (stop is not None and stop.superseded):
                 self.catalog.update_shard_copies(job, put=uploaded)
-        if len(uploaded) == len(shards):
+        if stop is None:
             self._try_commit_persistent(job, policy, row)
+        elif stop.superseded:
+            self._abandon_drain(job, row, stop.why)
+        else:
+            self._fail_drain(job, row, stop.why)
 
-    def _upload_each(self, job: str, policy: TierPolicy, row: CheckpointStep, shards: tuple[plan.LocalShard, ...],
-                     uploaded: list[ShardCopy]) -> None:
-        assert policy.persistent is not None
+    def _upload_each(self, job: str, uri: str, shards: tuple[plan.LocalShard, ...],
+                     uploaded: list[ShardCopy]) -> _DrainStop | None:
+        """Upload one shard after the other, appending each one's copy to ``uploaded``; why it stopped short."""
         for shard in shards:
             info = shard.info
             # The shared lock is held across retries: while the tier is slow or failing,
@@ -336,18 +350,13 @@ class CheckpointService:
                 if not read.ok:
                     # The rank moved on (its slot holds a newer step): this step is superseded,
                     # not a tier failure. Give the drain up; a newer step will be due soon.
-                    uploaded.clear()  # the step's persistent copies go with it
-                    self._abandon_drain(job, row, f"rank {info.rank}'s shard was rewritten before it was drained")
-                    return
-                outcome = self._upload_with_retries(job, policy.persistent.uri, shard)
+                    return _DrainStop(superseded=True, why=f"rank {info.rank}'s shard was rewritten before it was drained")
+                outcome = self._upload_with_retries(job, uri, shard)
             self._drained.add(shard.key)
             if isinstance(outcome, str):
-                if uploaded:
-                    self.catalog.update_shard_copies(job, put=uploaded)  # before the verdict, as one by one did
-                    uploaded.clear()
-                self._fail_drain(job, row, f"rank {info.rank}: {outcome}")
-                return
+                return _DrainStop(superseded=False, why=f"rank {info.rank}: {outcome}")
             uploaded.append(outcome)
+        return None
 
     def _upload_with_retries(self, job: str, uri: str, shard: plan.LocalShard) -> ShardCopy | str:
         """The shard's persistent copy once it is in the tier (to record), else the last error."""
