@@ -386,9 +386,11 @@ def test_a_lost_node_is_remediated_and_its_stuck_pods_force_deleted_so_the_job_r
     wait_until(lambda: f"Replace {dead}" in cluster.remediations.read_text(), 30, "the Command remediator to be called")
     assert node.spec.unschedulable or cluster.core.read_node(dead).spec.unschedulable  # cordoned
 
-    lifecycle = wait_until(lambda: [t for t in cluster.core.read_node(dead).spec.taints or []
-                                    if t.key == "node.kubernetes.io/unreachable"], 30, "Kubernetes' unreachable taint")
-    assert {t.effect for t in lifecycle} == {"NoSchedule", "NoExecute"}
+    # The node lifecycle controller writes the two effects in separate passes: NoSchedule with the condition,
+    # NoExecute from its rate-limited eviction queue a moment later.
+    wait_until(lambda: {t.effect for t in cluster.core.read_node(dead).spec.taints or []
+                        if t.key == "node.kubernetes.io/unreachable"} == {"NoSchedule", "NoExecute"}, 30,
+               "Kubernetes' unreachable taints, NoSchedule and NoExecute")
     ready = next(c for c in cluster.core.read_node(dead).status.conditions if c.type == "Ready")
     assert (ready.status, ready.reason) == ("Unknown", "NodeStatusUnknown")  # written by the node lifecycle controller
 
