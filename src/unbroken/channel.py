@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import threading
 import time
@@ -26,6 +27,14 @@ MAX_DATAGRAM = 8192
 MAX_BUFFERED = 100_000
 """Messages held between two drains; beyond that the oldest heartbeats go first."""
 RETRY_SECONDS = 1.0
+
+
+SECTION_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
+"""What ``ctx.section`` accepts as a name: a short word, safe as a metric label and an Event's text."""
+SECTION_PREFIX = "section:"
+"""A progress metric ``section:<name>``: seconds this rank spent in that section since its last progress."""
+WAIT_PREFIX = "wait:"
+"""A progress metric ``wait:<name>``: the same, for a section that waits on peers (not scored)."""
 
 
 class MessageKind(StrEnum):

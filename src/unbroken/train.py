@@ -20,13 +20,14 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from unbroken import logs, rank_registry, rejoin, symptoms
-from unbroken.channel import MessageKind, RankMessage, RankSender
+from unbroken.channel import SECTION_NAME, SECTION_PREFIX, WAIT_PREFIX, MessageKind, RankMessage, RankSender
 from unbroken.checkpoint.api import Checkpointer, RestoreReport, SaveReport
 from unbroken.group_sockets import GroupSockets
 from unbroken.launch_env import GroupPlacement, LaunchEnv
@@ -57,6 +58,8 @@ class Context:
     _backend: str | None = field(repr=False, default=None)
     _structured_logs: bool = field(repr=False, default=False)
     _group_sockets: GroupSockets | None = field(repr=False, default=None)
+    _sections: dict[str, float] = field(repr=False, default_factory=dict)
+    """Seconds in each ``section`` since the last ``progress``, keyed as the agent reads them."""
 
     def run(self, train: Callable[[Context], T]) -> T:
         """Train with in-process restarts: ``return ctx.run(train)``, where ``train(ctx)`` builds the model
@@ -94,6 +97,27 @@ class Context:
         next optimizer step, itself followed by the next ``progress``)."""
         self._live = state
 
+    @contextmanager
+    def section(self, name: str, *, waits_on_peers: bool = False) -> Iterator[None]:
+        """Time a part of the step: ``with ctx.section("data"): batch = next(loader)``.
+
+        The seconds go to the agent with the next ``progress``, which scores each rank against its
+        peers to find a straggler node and names the section that is slow. Cheap (two clock reads).
+        Mark a section that waits for other ranks (a collective, a barrier, DDP's backward, whose
+        gradient all-reduce runs inside it) with ``waits_on_peers=True``: there the *fast* ranks wait
+        for the slow one, so its time is reported but not scored. ``name``: a short word
+        (``[a-z][a-z0-9_-]{0,31}``), the same on every rank.
+        """
+        if not SECTION_NAME.fullmatch(name):
+            raise ValueError(f"ctx.section({name!r}): a section name is a short word matching {SECTION_NAME.pattern}, "
+                             f"e.g. 'data', 'forward', 'allreduce'")
+        key = (WAIT_PREFIX if waits_on_peers else SECTION_PREFIX) + name
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sections[key] = self._sections.get(key, 0.0) + time.perf_counter() - started
+
     def progress(self, step: int, **metrics: float) -> None:
         """Report that ``step`` finished. Cheap (one datagram) and never blocks.
 
@@ -106,7 +130,11 @@ class Context:
             from unbroken.checkpoint.live import LiveState
 
             self._live_state = LiveState(step, self._live(), rng.capture())
-        self._send(MessageKind.PROGRESS, step, {k: float(v) for k, v in metrics.items()})
+        values = {k: float(v) for k, v in metrics.items()}
+        if self._sections:
+            values.update(self._sections)
+            self._sections.clear()
+        self._send(MessageKind.PROGRESS, step, values)
 
     def _send(self, kind: MessageKind, step: int | None, metrics: dict[str, float] | None = None, detail: str = "") -> None:
         self._sender.send(

@@ -52,6 +52,8 @@ def value(scraped: dict, name: str, **labels: str) -> float | None:
     ("node node-2 is UnschedulablePendingReplacement: heartbeat lost: last seen 4.1 s ago", FaultKind.NODE_LOST),
     ("worker on node-2 lost with its node (Retired)", FaultKind.NODE_LOST),
     ("node node-3 is UnschedulablePendingReplacement: Xid 79 (GPU has fallen off the bus) on PCI:0000:b9:00", FaultKind.NODE_FAULT),
+    ("node node-2 is UnschedulablePendingReplacement: straggler in job train: rank 1 scores 0.5; expected loss ...",
+     FaultKind.STRAGGLER),
     ("worker on node-1: cannot start torchrun in /gone: No such file or directory", FaultKind.LAUNCH_FAILED),
     ("something nobody wrote", FaultKind.OTHER),
 ])

@@ -19,7 +19,7 @@ from unbroken import procs, rank_registry, symptoms
 from unbroken.ports import free_port
 from unbroken.agent import warm_spare
 from unbroken.agent.spare_pool import Spare
-from unbroken.config.job import JobSpec
+from unbroken.config.job import HANG_TIMEOUT_FALLBACK_S, JobSpec
 from unbroken.launch_env import GroupPlacement, LaunchEnv
 from unbroken.state.records import Worker
 
@@ -145,7 +145,7 @@ def group_placement(spec: JobSpec, worker: Worker, log_dir: Path, nnodes: int | 
     if not spec.resilience.in_process_restart:
         return None
     return GroupPlacement(group_rank=worker.node_rank, nnodes=nnodes or spec.nodes, rendezvous=worker.rdzv_endpoint,
-                          rejoin_dir=log_dir / "rejoin", collective_timeout=spec.resilience.hang_timeout)
+                          rejoin_dir=log_dir / "rejoin", collective_timeout=spec.resilience.hang_timeout or HANG_TIMEOUT_FALLBACK_S)
 
 
 def job_environ(spec: JobSpec, launch_env: LaunchEnv) -> dict[str, str]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from unbroken.agent.step_clock import RankClock, worker_timing
 from unbroken.channel import MessageKind, RankMessage
 from unbroken.metrics import AgentMetrics
 from unbroken.state.records import RankInfo, WorkerProgress
@@ -33,6 +34,7 @@ class _RankProgress:
     stalled: float = 0.0
     """Seconds this rank's saves blocked its training loop."""
     saved: int | None = None
+    clock: RankClock = field(default_factory=RankClock)
 
 
 @dataclass
@@ -49,6 +51,9 @@ class _Progress:
             rank = self.ranks[msg.rank] = _RankProgress(local_rank=msg.local_rank, pid=msg.pid)
         if msg.kind is MessageKind.PROGRESS and msg.step is not None:
             rank.step, rank.ts = msg.step, msg.ts
+            if rank.clock.went_back(msg.step):
+                rank.clock = RankClock()
+            rank.clock.observe(msg.step, msg.ts, msg.metrics)
             if self.first_progress_at is None or msg.ts < self.first_progress_at:
                 self.first_progress_at, self.first_step = msg.ts, msg.step
         elif msg.kind is MessageKind.RESTORED and msg.step is not None:
@@ -71,6 +76,7 @@ class _Progress:
             restored_step=self.restored_step,
             checkpoint_stall_s=max((r.stalled for r in self.ranks.values()), default=0.0) or None,
             saved_step=_oldest([r.saved for r in self.ranks.values()]),
+            step_timing=worker_timing({k: r.clock for k, r in self.ranks.items()}),
         )
 
 

@@ -14,6 +14,7 @@ from unbroken.cli import k8s, logs_view
 from unbroken.cli.common import (DirOption, Output, OutputOption, ago, clock, console, field_line, on_kubernetes, open_runtime,
                                  print_json, refuse_dir_on_kubernetes, table)
 from unbroken.config.job import load_job
+from unbroken.controller import hang_timeout
 from unbroken.errors import UsageError
 from unbroken.state.phases import JobPhase
 from unbroken.runtime import Runtime
@@ -155,7 +156,9 @@ def describe(name: JobArg, directory: DirOption = None, output: OutputOption = O
         ("phase", f"{job.phase.value}" + (f" ({job.reason})" if job.reason else "")),
         ("restarts", f"{job.attempt - job.resizes} of max {res.max_retry}" + (f", {job.resizes} resizes" if job.resizes else "")
                      + f" (auto_resume {'on' if res.auto_resume else 'off'}, "
-                     f"restart_policy {res.restart_policy.value}, hang_timeout {res.hang_timeout:g}s)"),
+                     f"restart_policy {res.restart_policy.value})"),
+        ("hang timeout", _hang_timeout(runtime, job)),
+        ("stragglers", f"policy {res.straggler_policy.value}, threshold {res.straggler_threshold:g}"),
         ("size", spec.size + (f", now {len(job.nodes)}" if spec.elastic and job.nodes else "")),
         ("command", " ".join(spec.command)),
         ("step", summary.step),
@@ -171,6 +174,13 @@ def describe(name: JobArg, directory: DirOption = None, output: OutputOption = O
                           a.last_step, a.outcome] for a in summary.attempts]))
     console.print(table("events", ["TIME", "TYPE", "REASON", "MESSAGE"],
                         [[clock(e.ts), e.type.value, e.reason, e.message] for e in events]))
+
+
+def _hang_timeout(runtime: Runtime, job: Job) -> str:
+    """The timeout in force now and where it comes from (the job's, or its step times')."""
+    workers = [] if job.phase.is_terminal else runtime.backend.observe_attempt(job.name, job.attempt)
+    timeout = hang_timeout.in_force(job.spec(), workers)
+    return f"{timeout.seconds:g} s ({timeout.why})"
 
 
 @app.command("logs")

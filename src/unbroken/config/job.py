@@ -30,6 +30,24 @@ class RestartPolicy(StrEnum):
     NEVER = "Never"
 
 
+HANG_TIMEOUT_FALLBACK_S = 300.0
+"""The hang timeout of a job that sets none, until its step times are measured (5 minutes covers a
+slow checkpoint or evaluation step)."""
+
+
+class StragglerPolicy(StrEnum):
+    """What unbroken does about a straggler node (docs/stragglers.md)."""
+
+    REPORT = "report"
+    """A metric and a Warning Event naming the node, the rank, the score and the slow section."""
+    SHADOW = "shadow"
+    """As ``report``, plus an Event saying what ``replace`` would have done and when: try the policy out."""
+    REPLACE = "replace"
+    """Take a persistent straggler out like a faulty node (fault type ``Straggler``) when a spare node is
+    free and the expected gain exceeds a restart's cost; the job moves (in-process where it can)."""
+    OFF = "off"
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -40,9 +58,12 @@ class ResilienceSpec(_Strict):
     max_retry: int = Field(default=3, ge=0, le=1000)
     """Restarts allowed over the job's life; the next failure after that is final."""
     restart_policy: RestartPolicy = RestartPolicy.ON_FAILURE
-    hang_timeout: float = Field(default=300.0, gt=0)
-    """Seconds without ``ctx.progress`` from any rank before the job counts as hung.
-    5 minutes covers a slow checkpoint or evaluation step; tighten it per job."""
+    hang_timeout: float | None = Field(default=None, gt=0)
+    """Seconds without ``ctx.progress`` from any rank before the job counts as hung. Unset: set
+    from the job's own step times once it has run a few (``controller/hang_timeout.py``: a
+    multiple of the median step and of the longest gap seen, never under a few seconds), 5
+    minutes until then. Set it for a job with rare long pauses that report no progress (an
+    evaluation every few thousand steps)."""
     startup_timeout: float = Field(default=600.0, gt=0)
     """Seconds from launch to a rank's first ``ctx.progress``: imports, rendezvous,
     restore. Longer than ``hang_timeout`` because a cold start is slower than a step."""
@@ -63,6 +84,11 @@ class ResilienceSpec(_Strict):
     """Seconds a held worker's ranks have to leave the broken process group (a rank in a long step
     reaches its next collective first). Also every collective's timeout under in-process restarts,
     at least ``hang_timeout``, so no survivor stays blocked on a dead peer."""
+    straggler_policy: StragglerPolicy = StragglerPolicy.REPORT
+    """What to do about a node whose ranks run persistently slower than their peers."""
+    straggler_threshold: float = Field(default=0.75, gt=0, lt=1)
+    """A rank is slow while its score (its peers' median time in scored sections over
+    its own) is below this; NVIDIA's resiliency extension uses 0.75 too."""
     warm_imports: list[str] = Field(default_factory=list)
     """Modules the spares' forkserver imports besides torch (the script's heavy imports:
     ``transformers``, your model package). Never the script itself: importing runs it."""

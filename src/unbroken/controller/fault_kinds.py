@@ -26,6 +26,8 @@ class FaultKind(StrEnum):
     """No first step within ``startup_timeout``."""
     NODE_LOST = "node_lost"
     """A node stopped renewing its lease (power, network, agent)."""
+    STRAGGLER = "straggler"
+    """A node was taken out for running persistently slower than its peers (``straggler_policy: replace``)."""
     NODE_FAULT = "node_fault"
     """A node was taken out by a health fault (Xid, failed check) or by an operator."""
     LAUNCH_FAILED = "launch_failed"
@@ -40,6 +42,7 @@ _PATTERNS: tuple[tuple[FaultKind, re.Pattern[str]], ...] = (
     (FaultKind.PEER_LOST, re.compile(r"Connection (closed|reset) by peer|Broken pipe|Connection refused|NCCL (error|communicator was "
                                      r"aborted)|ProcessGroup\w* .*(aborted|timed? ?out)|DistNetworkError|DistBackendError", re.I)),
     (FaultKind.NODE_LOST, re.compile(r"heartbeat lost|lost with its node|silent for")),
+    (FaultKind.STRAGGLER, re.compile(r"^node \S+ is UnschedulablePendingReplacement: straggler in job ")),
     (FaultKind.NODE_FAULT, re.compile(r"^node \S+ is (Unschedulable|Retired|Rebooting|missing)")),
     (FaultKind.WORKER_KILLED, re.compile(r"exited with signal \d+")),
     (FaultKind.WORKER_ERROR, re.compile(r"exited with code \d+|stopped unexpectedly")),

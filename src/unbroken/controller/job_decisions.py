@@ -12,6 +12,7 @@ from enum import StrEnum
 
 from unbroken import symptoms
 from unbroken.config.job import JobSpec, RestartPolicy
+from unbroken.controller import hang_timeout
 from unbroken.state.phases import DeepHealthStatus, JobPhase, NodeState, WorkerPhase
 from unbroken.state.records import Desired, Job, Node, Worker
 
@@ -132,7 +133,7 @@ def holdable(now: float, spec: JobSpec, workers: list[Worker], nodes: dict[str, 
     in a collective it cannot leave, so none is held: that restart is a full one)."""
     if not spec.resilience.in_process_restart:
         return ()
-    recent = spec.resilience.hang_timeout
+    recent = hang_timeout.in_force(spec, workers).seconds
     return tuple(w.node for w in workers
                  if w.phase in (WorkerPhase.RUNNING, WorkerPhase.INTERRUPTED)
                  and (n := nodes.get(w.node)) is not None and n.state is NodeState.SCHEDULABLE and not _silent(now, n, silent_after)
@@ -222,7 +223,8 @@ def detect_failure(now: float, spec: JobSpec, workers: list[Worker], nodes: dict
             detail = f": {node.fault_reason}" if node and node.fault_reason else ""
             state = node.state.value if node else "missing"
             return Failure(f"node {w.node} is {state}{detail}", True)
-    hang = spec.resilience.hang_timeout
+    timeout = hang_timeout.in_force(spec, workers)
+    hang = timeout.seconds
     for w in workers:
         if w.phase is not WorkerPhase.RUNNING:
             continue
@@ -234,7 +236,7 @@ def detect_failure(now: float, spec: JobSpec, workers: list[Worker], nodes: dict
             if silent > hang:
                 return Failure(
                     f"hang: no progress from a rank on {w.node} for {silent:.1f} s "
-                    f"(hang_timeout {hang:g} s, last step {w.last_step})", True,
+                    f"(hang_timeout {hang:g} s {timeout.why}, last step {w.last_step})", True,
                 )
         elif w.ranks and w.started_at is not None and now - w.started_at > spec.resilience.startup_timeout:
             # Only ranks that said hello (they called unbroken.init()) are expected to

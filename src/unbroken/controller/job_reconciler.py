@@ -12,16 +12,19 @@ from __future__ import annotations
 import logging
 
 from unbroken.backends.base import Backend
-from unbroken.config.job import JobSpec
-from unbroken.controller import job_decisions
+from unbroken.config.job import JobSpec, StragglerPolicy
+from unbroken.controller import job_decisions, stragglers
 from unbroken.controller.job_decisions import Action, Decision
 from unbroken.errors import StoreUnavailable, UnbrokenError
-from unbroken.state.phases import JobPhase
+from unbroken.state.phases import JobPhase, NodeState
 from unbroken.state.records import Desired, EventType, Job, Node, Worker
 from unbroken.state.store import ClusterStore, StaleUpdate
-from unbroken.state.updates import JobUpdate
+from unbroken.state.updates import JobUpdate, NodeUpdate
 
 log = logging.getLogger("unbroken.controller.jobs")
+
+STRAGGLER = "Straggler"
+"""The fault type of a node taken out for being slow (``straggler_policy: replace``)."""
 
 _STOPPED = {Action.RESTART: (JobPhase.RESTARTING, "JobRestarting"), Action.FAIL: (JobPhase.FAILED, "JobFailed"),
             Action.CANCEL: (JobPhase.CANCELLED, "JobCancelled"), Action.RESIZE: (JobPhase.RESTARTING, "JobResizing")}
@@ -34,6 +37,7 @@ class JobReconciler:
         self.silent_after = silent_after
         self._warned: dict[str, str] = {}
         """job -> the last reconcile failure warned about in an Event (memory only: a new controller warns once again)."""
+        self.stragglers = stragglers.StragglerWatch()
         self._grow_noticed: dict[tuple[str, int], int] = {}
         """(job, attempt) of an elastic job that could grow → the step it had saved when first seen
         so; it grows after a newer one. Memory only: a new controller notices again, one checkpoint later."""
@@ -92,8 +96,66 @@ class JobReconciler:
         # first step and its failure arrive together, the events still read in the order they happened.
         self._note_resume(job, workers)
         self._note_cause(job, workers)
+        if job.phase is JobPhase.RUNNING and decision.action is Action.WAIT:
+            self._watch_stragglers(now, job, spec, workers, nodes, free)
+        elif job.phase.is_terminal or decision.action is not Action.WAIT:
+            self.stragglers.forget(job.name)
         self._apply(now, job, decision, nodes)
         return decision
+
+    def _watch_stragglers(self, now: float, job: Job, spec: JobSpec, workers: list[Worker], nodes: dict[str, Node],
+                          free: list[str]) -> None:
+        """Score the attempt's nodes; an Event when one becomes (or stops being) a straggler, and under
+        ``replace`` the node taken out when a spare is free and it is worth a restart."""
+        policy = spec.resilience.straggler_policy
+        if policy is StragglerPolicy.OFF:
+            return
+        steps = [w.last_step for w in workers if not w.phase.is_terminal]
+        step = min(s for s in steps if s is not None) if steps and None not in steps else None
+        for change in self.stragglers.observe(job.name, job.attempt, step, stragglers.scores(workers),
+                                              spec.resilience.straggler_threshold):
+            score = change.score
+            if not change.straggler:
+                self.store.add_event("Job", job.name, "StragglerRecovered",
+                                     f"node {change.node} keeps pace again: {stragglers.describe(score)} at step {step}")
+                continue
+            log.warning("job %s: node %s is a straggler: %s", job.name, change.node, stragglers.describe(score),
+                        extra={"job": job.name, "node": change.node, "score": score.score})
+            self.store.add_event("Job", job.name, "StragglerDetected",
+                                 f"node {change.node} is a straggler: {stragglers.describe(score)} against the job's other "
+                                 f"nodes (threshold {spec.resilience.straggler_threshold:g}) at step {step}; policy "
+                                 f"{policy.value}", type=EventType.WARNING)
+        if policy in (StragglerPolicy.REPLACE, StragglerPolicy.SHADOW):
+            self._replace_stragglers(now, job, spec, workers, nodes, free)
+
+    def _replace_stragglers(self, now: float, job: Job, spec: JobSpec, workers: list[Worker], nodes: dict[str, Node],
+                            free: list[str]) -> None:
+        own = {w.node for w in workers}
+        spares = [n for n in free if n not in own]
+        started = [w.first_progress_at for w in workers if w.first_progress_at is not None]
+        running = now - min(started) if started else 0.0
+        scored = stragglers.scores(workers)
+        for name in self.stragglers.stragglers(job.name, job.attempt):
+            node, score = nodes.get(name), scored.get(name)
+            if node is None or score is None or node.state is not NodeState.SCHEDULABLE:
+                continue
+            if not spares or not stragglers.worth_replacing(score.score, running, stragglers.RESTART_COST_S):
+                continue  # looked at again next pass: a spare frees up, the job runs long enough
+            why = (f"straggler in job {job.name}: {stragglers.describe(score)}; expected loss over the job's remaining "
+                   f"run ({running:.0f} s x {1 - score.score:.2f}) exceeds a restart (~{stragglers.RESTART_COST_S:g} s); "
+                   f"spare {spares[0]} free")
+            if spec.resilience.straggler_policy is StragglerPolicy.SHADOW:
+                if self.stragglers.shadowed(job.name, job.attempt, name):
+                    self.store.add_event("Job", job.name, "StragglerReplaceShadow", f"would take out node {name} now: {why}")
+                continue
+            try:
+                self.store.update_node(name, NodeUpdate(state=NodeState.PENDING_REPLACEMENT, fault_type=STRAGGLER,
+                                                        fault_reason=why[:200]), expect_version=node.version)
+            except StaleUpdate:
+                continue  # changed under us: the next pass looks again
+            self.store.add_event("Node", name, STRAGGLER, why, type=EventType.WARNING)
+            self.store.add_event("Job", job.name, "StragglerReplaced", f"node {name} taken out: {why}", type=EventType.WARNING)
+            spares.pop(0)
 
     def _noticed_growth(self, job: Job, spec: JobSpec, workers: list[Worker], free: list[str]) -> int | None:
         key = (job.name, job.attempt)

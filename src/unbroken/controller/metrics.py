@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 from unbroken import jobs as job_ops
 from unbroken import report
 from unbroken.backends.base import Backend
+from unbroken.controller import hang_timeout, stragglers
 from unbroken.controller.fault_kinds import FaultKind, classify
 from unbroken.state.catalog import CheckpointCatalog
 from unbroken.state.phases import DeepHealthStatus, JobPhase, NodeState
@@ -30,7 +31,7 @@ RECOVERY_BUCKETS = (1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0
 
 HEALTH_STATUSES = ("Schedulable", "Unschedulable", "UnschedulablePendingReboot", "UnschedulablePendingReplacement")
 _REMEDIATIONS = {"NodeRebooting": "reboot", "NodeReplaced": "replace"}
-_NODE_FAULTS = ("NodeLost", "FaultyInstance", "RebootRequired", "DeepHealthCheckFailed", "RebootFailed")
+_NODE_FAULTS = ("NodeLost", "FaultyInstance", "RebootRequired", "DeepHealthCheckFailed", "RebootFailed", "Straggler")
 
 
 @dataclass(eq=False)  # registries key collectors by identity
@@ -62,6 +63,10 @@ class ClusterCollector(Collector):
         phase = GaugeMetricFamily("unbroken_job_phase", "1 for the job's current phase", labels=["job", "phase"])
         committed = GaugeMetricFamily("unbroken_checkpoint_last_committed_step", "Newest step committed in each checkpoint tier",
                                       labels=["job", "tier"])
+        straggler = GaugeMetricFamily("unbroken_straggler_score", "A node's slowest rank's time in scored sections against the "
+                                      "job's other nodes (1: keeps pace; under the job's threshold: a straggler)", labels=["job", "node"])
+        hang_timeout_s = GaugeMetricFamily("unbroken_job_hang_timeout_seconds", "The hang timeout in force (set, or from step times)",
+                                           labels=["job"])
         recoveries: list[float] = []
         for job in self.store.list_jobs():
             events = self.store.list_events(object_kind="Job", object_name=job.name)
@@ -78,6 +83,10 @@ class ClusterCollector(Collector):
             progress = max((w.last_progress_at for w in current if w.last_progress_at is not None), default=None)
             if progress is not None:
                 last.add_metric([job.name], progress)
+            if not job.phase.is_terminal:
+                hang_timeout_s.add_metric([job.name], hang_timeout.in_force(job.spec(), current).seconds)
+                for node, score in stragglers.scores(current).items():
+                    straggler.add_metric([job.name, node], score.score)
             lost = report.badput(summary, lambda reason: classify(reason) in (FaultKind.HANG, FaultKind.STARTUP_TIMEOUT))
             goodput.add_metric([job.name], summary.goodput * summary.wall_seconds if summary.goodput is not None else 0.0)
             for cause, seconds in lost.items():
@@ -89,7 +98,7 @@ class ClusterCollector(Collector):
                 steps = [s.step for s in self.catalog.list_checkpoint_steps(job.name, tier=tier) if s.status is StepStatus.COMMITTED]
                 if steps:
                     committed.add_metric([job.name, tier.value], max(steps))
-        yield from (restarts, faults, budget, step, last, goodput, badput, phase, committed)
+        yield from (restarts, faults, budget, step, last, goodput, badput, phase, committed, straggler, hang_timeout_s)
         yield _histogram("unbroken_job_recovery_seconds", "Fault (or its detection) to the first step after the resume",
                          recoveries, RECOVERY_BUCKETS)
 
@@ -147,6 +156,8 @@ def fault_reason_code(message: str) -> str:
         return match.group(1)
     if "requested by operator" in message:
         return "Operator"
+    if message.startswith("straggler in job "):
+        return "Straggler"
     return "Other"
 
 

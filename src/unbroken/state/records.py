@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from unbroken.state.phases import DeepHealthStatus, JobPhase, NodeState, WorkerPhase
 
@@ -91,6 +91,46 @@ class RankInfo:
 
 
 @dataclass(frozen=True)
+class RankTiming:
+    """One rank's recent step times, as its agent measured them (``agent/step_clock.py``)."""
+
+    rank: int
+    work_s: float | None = None
+    """Median seconds per step in the rank's scored sections (``ctx.section``, not ``waits_on_peers``)."""
+    sections: dict[str, float] = field(default_factory=dict)
+    """Median seconds per step of each scored section, by name."""
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """A worker's step times over its recent steps (the first steps of a process excluded)."""
+
+    steps: int
+    """Step intervals measured so far this attempt."""
+    median_s: float
+    """Median wall seconds between two steps over the recent window (slowest rank)."""
+    longest_s: float
+    """Longest wall gap between two progress reports of a rank this attempt: a checkpoint, an evaluation."""
+    ranks: tuple[RankTiming, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"steps": self.steps, "median_s": round(self.median_s, 6), "longest_s": round(self.longest_s, 6),
+                "ranks": [{"rank": r.rank, "work_s": None if r.work_s is None else round(r.work_s, 6),
+                           "sections": {k: round(v, 6) for k, v in r.sections.items()}} for r in self.ranks]}
+
+    @classmethod
+    def from_json(cls, raw: Any) -> StepTiming | None:
+        """The timing in ``raw``, or None if it is not one (an older or foreign writer): timing is advice."""
+        try:
+            ranks = tuple(RankTiming(rank=int(r["rank"]), work_s=None if r.get("work_s") is None else float(r["work_s"]),
+                                     sections={str(k): float(v) for k, v in (r.get("sections") or {}).items()})
+                          for r in raw.get("ranks") or ())
+            return cls(steps=int(raw["steps"]), median_s=float(raw["median_s"]), longest_s=float(raw["longest_s"]), ranks=ranks)
+        except (AttributeError, KeyError, TypeError, ValueError):
+            return None
+
+
+@dataclass(frozen=True)
 class Job:
     name: str
     spec_json: str
@@ -141,9 +181,11 @@ class Worker:
     restored_step: int | None = None
     ranks: tuple[RankInfo, ...] = field(default_factory=tuple)
     checkpoint_stall_s: float | None = None
+    """Time its ranks spent blocked in checkpoint saves (the most of any rank), for badput."""
     saved_step: int | None = None
     """The newest step every rank of the worker has saved (an elastic job grows after one)."""
-    """Time its ranks spent blocked in checkpoint saves (the most of any rank), for badput."""
+    step_timing: StepTiming | None = None
+    """Its ranks' recent step and section times: hang timeouts and straggler scores read them."""
 
 
 @dataclass(frozen=True)
@@ -164,6 +206,7 @@ class WorkerProgress:
     checkpoint_stall_s: float | None = None
     saved_step: int | None = None
     """The newest step every rank of the worker has saved (an elastic job grows after one)."""
+    step_timing: StepTiming | None = None
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from unbroken.state.records import (
     Node,
     RankInfo,
     ShardCopy,
+    StepTiming,
     Worker,
     WorkerProgress,
 )
@@ -50,7 +51,7 @@ from unbroken.state.updates import JobUpdate, NodeUpdate, WorkerUpdate
 
 __all__ = ["SCHEMA_VERSION", "SqliteStore", "StaleUpdate"]
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS cluster (
@@ -79,7 +80,7 @@ CREATE TABLE IF NOT EXISTS workers (
     pid INTEGER, created_at REAL NOT NULL, started_at REAL, ended_at REAL,
     exit_code INTEGER, message TEXT, log_dir TEXT,
     first_step INTEGER, first_progress_at REAL, last_step INTEGER, last_progress_at REAL,
-    restored_step INTEGER, ranks TEXT NOT NULL, checkpoint_stall_s REAL, saved_step INTEGER,
+    restored_step INTEGER, ranks TEXT NOT NULL, checkpoint_stall_s REAL, saved_step INTEGER, step_timing TEXT,
     UNIQUE (job, attempt, node)
 );
 CREATE INDEX IF NOT EXISTS workers_by_node ON workers(node, phase);
@@ -131,6 +132,9 @@ _NEW_IN_V4 = (
     ("jobs", "resizes", "INTEGER NOT NULL DEFAULT 0"),
     ("workers", "saved_step", "INTEGER"),
 )
+_NEW_IN_V5 = (
+    ("workers", "step_timing", "TEXT"),
+)
 
 _NODES = "SELECT nodes.*, leases.renewed_at AS heartbeat_at FROM nodes LEFT JOIN leases ON leases.node = nodes.name"
 
@@ -175,8 +179,8 @@ class SqliteStore:
                 if version == 2:
                     for statement in _statements(_FROM_V2):
                         conn.execute(statement)
-                if version in (2, 3):
-                    for table, column, declaration in (*_NEW_IN_V3, *_NEW_IN_V4):
+                if version in (2, 3, 4):  # a column the file already has is skipped
+                    for table, column, declaration in (*_NEW_IN_V3, *_NEW_IN_V4, *_NEW_IN_V5):
                         if column not in {row["name"] for row in conn.execute(f"PRAGMA table_info({table})")}:
                             conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
                 conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
@@ -525,6 +529,8 @@ def _encode_value(value: Any) -> Any:
         return value.value
     if isinstance(value, bool):
         return int(value)
+    if isinstance(value, StepTiming):
+        return json.dumps(value.to_json(), separators=(",", ":"))
     if isinstance(value, tuple):
         return json.dumps([dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for v in value])  # type: ignore[arg-type]
     return value
@@ -555,6 +561,8 @@ def _decode(cls: type[R], row: sqlite3.Row) -> R:
             values[name] = tuple(RankInfo(**r) for r in json.loads(raw))
         elif name == "nodes":
             values[name] = tuple(json.loads(raw))
+        elif name == "step_timing":
+            values[name] = StepTiming.from_json(json.loads(raw))
         else:
             values[name] = raw
     return cls(**values)

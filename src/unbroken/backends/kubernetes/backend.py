@@ -224,7 +224,8 @@ class KubernetesBackend:
                 worker = replace(worker, ranks=report.ranks, first_step=report.first_step,
                                  first_progress_at=report.first_progress_at, last_step=report.last_step,
                                  last_progress_at=report.last_progress_at, restored_step=report.restored_step,
-                                 checkpoint_stall_s=report.checkpoint_stall_s, saved_step=report.saved_step)
+                                 checkpoint_stall_s=report.checkpoint_stall_s, saved_step=report.saved_step,
+                                 step_timing=report.step_timing)
             workers.append(worker)
         return workers
 

@@ -44,7 +44,7 @@ from typing import Any
 import kubernetes
 
 from unbroken.backends.kubernetes import names, shared_secret
-from unbroken.state.records import RankInfo, WorkerProgress
+from unbroken.state.records import RankInfo, StepTiming, WorkerProgress
 
 log = logging.getLogger("unbroken.backends.kubernetes.heartbeats")
 
@@ -89,7 +89,7 @@ class Beat:
 
 def encode(key: bytes, beat: Beat) -> bytes:
     body = json.dumps({"node": beat.node, "sender": beat.sender, "seq": beat.seq, "sent_at": beat.sent_at,
-                       "progress": [asdict(p) for p in beat.progress], "leaving": beat.leaving}, separators=(",", ":")).encode()
+                       "progress": [progress_to_json(p) for p in beat.progress], "leaving": beat.leaving}, separators=(",", ":")).encode()
     if len(body) + _DIGEST > MAX_DATAGRAM:
         return encode(key, Beat(beat.node, beat.sender, beat.seq, beat.sent_at, leaving=beat.leaving))
     return hmac.digest(key, body, "sha256") + body
@@ -109,9 +109,18 @@ def decode(key: bytes, datagram: bytes) -> Beat | None:
         return None
 
 
+def progress_to_json(progress: WorkerProgress) -> dict[str, Any]:
+    """A worker's report as the beat and the Lease annotation carry it (no empty fields: a datagram is 8 KB)."""
+    entry = {k: v for k, v in asdict(progress).items() if v is not None and k != "step_timing"}
+    if progress.step_timing is not None:
+        entry["step_timing"] = progress.step_timing.to_json()
+    return entry
+
+
 def progress_from_json(entry: dict[str, Any]) -> WorkerProgress:
     ranks = tuple(RankInfo(**rank) for rank in entry.pop("ranks", None) or ())
-    return WorkerProgress(ranks=ranks, **entry)
+    timing = StepTiming.from_json(entry.pop("step_timing", None))
+    return WorkerProgress(ranks=ranks, step_timing=timing, **entry)
 
 
 def parse_address(text: str) -> tuple[str, int] | None:

@@ -109,10 +109,11 @@ def job_annotations(spec: JobSpec, placement: Placement) -> dict[str, str]:
     annotations = {
         names.AUTO_RESUME: "true" if resilience.auto_resume else "false",
         names.MAX_RETRY: str(resilience.max_retry),
-        names.HANG_TIMEOUT: f"{resilience.hang_timeout:g}",
         names.STARTUP_TIMEOUT: f"{resilience.startup_timeout:g}",
         names.REQUIRE_DEEP_HEALTH: "true" if deep else "false",
     }
+    if resilience.hang_timeout is not None:  # unset: the operator sets it from the job's step times
+        annotations[names.HANG_TIMEOUT] = f"{resilience.hang_timeout:g}"
     if (tiers := tiers_json(spec)) is not None:
         annotations[names.CHECKPOINT_TIERS] = tiers
     return annotations

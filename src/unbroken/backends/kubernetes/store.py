@@ -39,7 +39,7 @@ from unbroken.errors import ConfigError, NotFoundError, StoreUnavailable, UsageE
 from unbroken.backends.kubernetes import annotations as job_annotations
 from unbroken.backends.kubernetes import heartbeats, names
 from unbroken.backends.kubernetes.api import STRICT, ApiConflict, call, format_time, parse_time
-from unbroken.backends.kubernetes.heartbeats import HeartbeatBoard, progress_from_json
+from unbroken.backends.kubernetes.heartbeats import HeartbeatBoard, progress_from_json, progress_to_json
 from unbroken.backends.kubernetes.annotations import AnnotationError
 from unbroken.backends.kubernetes.watch_cache import WatchCache, own_client
 from unbroken.backends.kubernetes.workloads import KINDS, WorkloadKind, kind_of
@@ -459,7 +459,7 @@ class KubernetesStore:
         body = {
             "metadata": {"name": names.LEASE_PREFIX + node, "namespace": self.namespace,
                          "labels": {MANAGED_BY: names.COMPONENT},
-                         "annotations": {names.LEASE_PROGRESS: json.dumps([asdict(p) for p in progress])}},
+                         "annotations": {names.LEASE_PROGRESS: json.dumps([progress_to_json(p) for p in progress])}},
             "spec": {"holderIdentity": node, "leaseDurationSeconds": int(4 * self.lease_renew_seconds), "renewTime": stamp},
         }
         try:
@@ -639,7 +639,7 @@ class KubernetesStore:
             "command": [f"{kind.kind} {meta['namespace']}/{meta['name']}"],
             "resilience": ResilienceSpec(
                 auto_resume=True, max_retry=settings.max_retry, restart_policy=RestartPolicy.ON_FAILURE,
-                hang_timeout=settings.hang_timeout or NO_HANG_TIMEOUT,
+                hang_timeout=settings.hang_timeout,
                 startup_timeout=settings.startup_timeout or NO_HANG_TIMEOUT,
                 require_deep_health_passed=settings.require_deep_health_passed,
             ).model_dump(),

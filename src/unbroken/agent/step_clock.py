@@ -1,0 +1,94 @@
+"""Step times of one worker's ranks, from the progress datagrams they already send.
+
+Per rank: the wall time between consecutive steps, and the time in each
+``ctx.section`` (sent with ``ctx.progress``), over the last ``WINDOW`` steps.
+The first ``WARMUP_STEPS`` of every process are left out: the first steps
+compile, warm caches and set up the all-reduce's connections, and would make a
+healthy rank look slow and a hang timeout too generous.
+
+Medians, not means: a shared machine's noise (another process taking the core
+for 200 ms) lands on one step of twenty and moves a median by nothing. The
+agent keeps ``WINDOW`` floats per rank and section; a report is computed once
+per lease renewal, not per step.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+from unbroken.channel import SECTION_PREFIX
+from unbroken.state.records import RankTiming, StepTiming
+
+WINDOW = 20
+"""Steps a median is taken over: long enough to shrug off a noisy step, short enough that a node
+that slows down shows within ``WINDOW / 2`` steps."""
+WARMUP_STEPS = 3
+"""Steps of each process not measured (compilation, first all-reduce, cold caches)."""
+MAX_SECTIONS = 16
+"""Section names kept per rank: a datagram is anyone's to send, the agent's memory is not."""
+
+
+@dataclass
+class RankClock:
+    """One rank process's recent step times."""
+
+    last_step: int | None = None
+    last_ts: float | None = None
+    measured: int = 0
+    """Step intervals measured (after the warm-up)."""
+    reports: int = 0
+    longest: float = 0.0
+    intervals: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    work: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    sections: dict[str, deque[float]] = field(default_factory=dict)
+
+    def observe(self, step: int, ts: float, metrics: dict[str, float]) -> None:
+        """A progress report of ``step`` at ``ts`` with its sections' seconds since the previous one."""
+        if self.last_step is not None and self.last_ts is not None and step > self.last_step:
+            self.reports += 1
+            if self.reports > WARMUP_STEPS:
+                steps = step - self.last_step
+                gap = max(0.0, ts - self.last_ts)
+                self.measured += 1
+                self.intervals.append(gap / steps)
+                self.longest = max(self.longest, gap)
+                self._observe_sections(metrics, steps)
+        if self.last_step is None or step >= self.last_step:
+            self.last_step, self.last_ts = step, ts
+
+    def went_back(self, step: int) -> bool:
+        """``step`` is older than this rank's last (it restored an older checkpoint): measure afresh."""
+        return self.last_step is not None and step < self.last_step
+
+    def _observe_sections(self, metrics: dict[str, float], steps: int) -> None:
+        scored = {key[len(SECTION_PREFIX):]: seconds for key, seconds in metrics.items() if key.startswith(SECTION_PREFIX)}
+        if not scored:
+            return
+        self.work.append(sum(scored.values()) / steps)
+        for name, seconds in scored.items():
+            window = self.sections.get(name)
+            if window is None:
+                if len(self.sections) >= MAX_SECTIONS:
+                    continue
+                window = self.sections[name] = deque(maxlen=WINDOW)
+            window.append(seconds / steps)
+
+    def timing(self, rank: int) -> RankTiming:
+        return RankTiming(rank=rank, work_s=statistics.median(self.work) if self.work else None,
+                          sections={name: statistics.median(w) for name, w in self.sections.items() if w})
+
+
+def worker_timing(clocks: dict[int, RankClock]) -> StepTiming | None:
+    """The worker's timing from its ranks' clocks: the slowest rank's median step, the longest gap
+    of any; None until every rank that reports has measured a step."""
+    measured = {rank: clock for rank, clock in clocks.items() if clock.intervals}
+    if not measured or len(measured) < len([c for c in clocks.values() if c.last_step is not None]):
+        return None
+    return StepTiming(
+        steps=min(clock.measured for clock in measured.values()),
+        median_s=max(statistics.median(clock.intervals) for clock in measured.values()),
+        longest_s=max(clock.longest for clock in measured.values()),
+        ranks=tuple(clock.timing(rank) for rank, clock in sorted(measured.items())),
+    )

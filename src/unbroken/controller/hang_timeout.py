@@ -1,0 +1,57 @@
+"""The hang timeout in force for a job: the one it set, or one set from its own step times.
+
+Any fixed default is wrong for some job: 5 minutes wastes minutes of a job
+whose steps take 50 ms, and 30 s declares a healthy job with 40 s steps hung.
+So a job that sets no ``hang_timeout`` is timed by what it does: once every
+worker has measured ``MIN_STEPS`` steps (after the warm-up its agent skips),
+the timeout is the largest of
+
+- ``FLOOR_S``: a stall shorter than a few seconds (a GC pause, a page-cache
+  flush, a slow all-reduce on a busy network) is not worth a restart;
+- ``STEP_MULTIPLE`` x the slowest worker's median step: a step twenty times
+  slower than usual is not a slow step;
+- ``GAP_MULTIPLE`` x the longest gap seen between two reports this attempt:
+  checkpoints and evaluations that happen every so many steps have shown
+  how long they take.
+
+It is recomputed every pass, so it follows the job as it runs. Until the steps
+are measured (startup, the first steps) ``FALLBACK_S`` holds, the old default.
+A job whose rare long pause has not happened yet (an evaluation every 5,000
+steps) can be declared hung by it: such a job reports progress during the
+pause, or sets ``hang_timeout``. NVIDIA's resiliency extension derives its
+timeouts from observed step times the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from unbroken.config.job import HANG_TIMEOUT_FALLBACK_S, JobSpec
+from unbroken.state.records import Worker
+
+FLOOR_S = 3.0
+STEP_MULTIPLE = 20.0
+GAP_MULTIPLE = 2.0
+MIN_STEPS = 10
+FALLBACK_S = HANG_TIMEOUT_FALLBACK_S
+
+
+@dataclass(frozen=True)
+class HangTimeout:
+    seconds: float
+    why: str
+    """For ``job describe`` and the hang's Event: where the number comes from."""
+
+
+def in_force(spec: JobSpec, workers: list[Worker]) -> HangTimeout:
+    """The hang timeout of the attempt whose ``workers`` these are."""
+    if spec.resilience.hang_timeout is not None:
+        return HangTimeout(spec.resilience.hang_timeout, "hang_timeout set by the job")
+    timings = [w.step_timing for w in workers if not w.phase.is_terminal]
+    if not timings or any(t is None or t.steps < MIN_STEPS for t in timings):
+        return HangTimeout(FALLBACK_S, f"from step times once every worker has run {MIN_STEPS} steps; until then the default")
+    median = max(t.median_s for t in timings if t is not None)
+    longest = max(t.longest_s for t in timings if t is not None)
+    seconds = max(FLOOR_S, STEP_MULTIPLE * median, GAP_MULTIPLE * longest)
+    return HangTimeout(round(seconds, 3), f"from step times: max({FLOOR_S:g} s, {STEP_MULTIPLE:g} x median step {median:.3f} s, "
+                                          f"{GAP_MULTIPLE:g} x longest gap {longest:.3f} s)")

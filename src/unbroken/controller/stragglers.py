@@ -1,0 +1,161 @@
+"""Straggler nodes: nodes whose ranks run persistently slower than the job's other nodes.
+
+A synchronous job runs at the pace of its slowest rank, and the wall time of
+a step is the same on every rank (the fast ones wait in the all-reduce). So a
+rank is scored on the time it spends in its own work: the ``ctx.section``\\ s
+it marks, except those that wait on peers. Its **score** is the median work
+time of the ranks on the job's *other* nodes over its own, capped at 1:
+
+- 1.0: as fast as its peers; 0.5: it takes twice as long. NVIDIA's resiliency
+  extension calls this the "relative" score and flags ranks under 0.75.
+- The reference leaves out the rank's own node, so a node whose eight ranks
+  all slow down together does not raise its own reference, and a two-node
+  job still has one.
+- Each rank's work time is already a median over its last 20 steps
+  (``agent/step_clock.py``): a noisy step moves nothing.
+
+A node's score is its worst rank's. A node is a **straggler** once its score
+has stayed under the threshold for ``CONFIRM_STEPS`` job steps (hysteresis:
+a median that dips once does not page anyone), and stops being one after its
+score has stayed above ``threshold + RECOVER_MARGIN`` as long. With no
+sections reported there is nothing to score (a step's wall time cannot tell a
+straggler from its waiting peers), and nothing is ever flagged.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from unbroken.state.records import Worker
+
+CONFIRM_STEPS = 5
+RESTART_COST_S = 30.0
+"""What a restart is taken to cost when weighing a ``replace``: a cold restart elsewhere (pods or
+processes recreated, a checkpoint read); an in-process one costs less, so this errs towards keeping."""
+RECOVER_MARGIN = 0.1
+MIN_MEASURED_STEPS = 5
+"""A worker's timing counts once its ranks have measured this many steps after their warm-up."""
+
+
+@dataclass(frozen=True)
+class NodeScore:
+    node: str
+    score: float
+    rank: int
+    """The node's slowest rank."""
+    section: str | None
+    """That rank's slowest scored section relative to its peers (None: no per-section figures)."""
+    section_score: float | None = None
+
+
+def scores(workers: list[Worker]) -> dict[str, NodeScore]:
+    """Each node's score, for the nodes of ``workers`` (one attempt) whose ranks report scored sections."""
+    work: list[tuple[str, int, float, dict[str, float]]] = []
+    for w in workers:
+        timing = w.step_timing
+        if w.phase.is_terminal or timing is None or timing.steps < MIN_MEASURED_STEPS:
+            continue
+        work.extend((w.node, r.rank, r.work_s, r.sections) for r in timing.ranks if r.work_s is not None and r.work_s > 0)
+    if len({node for node, *_ in work}) < 2:
+        return {}
+    out: dict[str, NodeScore] = {}
+    for node, rank, seconds, sections in work:
+        others = [(s, secs) for n, _, s, secs in work if n != node]
+        reference = statistics.median(s for s, _ in others)
+        score = min(1.0, reference / seconds)
+        section, section_score = _slowest_section(sections, [secs for _, secs in others])
+        if node not in out or score < out[node].score:
+            out[node] = NodeScore(node, round(score, 3), rank, section, section_score)
+    return out
+
+
+def _slowest_section(mine: dict[str, float], others: list[dict[str, float]]) -> tuple[str | None, float | None]:
+    """The section where this rank is furthest behind its peers (the one a report should name)."""
+    worst: tuple[str | None, float | None] = (None, None)
+    for name, seconds in mine.items():
+        peers = [o[name] for o in others if o.get(name)]
+        if not peers or seconds <= 0:
+            continue
+        score = min(1.0, statistics.median(peers) / seconds)
+        if worst[1] is None or score < worst[1]:
+            worst = (name, round(score, 3))
+    return worst
+
+
+@dataclass
+class _Track:
+    low_since: int | None = None
+    """The job step at which the score went (and stayed) under the threshold."""
+    high_since: int | None = None
+    flagged: bool = False
+    shadowed: bool = False
+
+
+@dataclass(frozen=True)
+class Change:
+    node: str
+    straggler: bool
+    """True: it became one; False: it recovered."""
+    score: NodeScore
+
+
+@dataclass
+class StragglerWatch:
+    """Hysteresis over the scores of each (job, attempt)'s nodes. In memory: a new controller
+    starts unflagged and flags again after ``CONFIRM_STEPS``."""
+
+    _tracks: dict[tuple[str, int], dict[str, _Track]] = field(default_factory=dict)
+
+    def observe(self, job: str, attempt: int, step: int | None, node_scores: dict[str, NodeScore], threshold: float) -> list[Change]:
+        """The nodes that became stragglers, or stopped being ones, at job step ``step``."""
+        for key in [k for k in self._tracks if k[0] == job and k[1] != attempt]:
+            del self._tracks[key]  # a new attempt is measured afresh
+        if step is None:
+            return []
+        tracks = self._tracks.setdefault((job, attempt), {})
+        changes = []
+        for node, score in node_scores.items():
+            track = tracks.setdefault(node, _Track())
+            if score.score < threshold:
+                track.high_since = None
+                track.low_since = step if track.low_since is None else track.low_since
+                if not track.flagged and step - track.low_since >= CONFIRM_STEPS:
+                    track.flagged = True
+                    changes.append(Change(node, True, score))
+            elif score.score >= min(0.99, threshold + RECOVER_MARGIN):
+                track.low_since = None
+                track.high_since = step if track.high_since is None else track.high_since
+                if track.flagged and step - track.high_since >= CONFIRM_STEPS:
+                    track.flagged = False
+                    changes.append(Change(node, False, score))
+        return changes
+
+    def stragglers(self, job: str, attempt: int) -> list[str]:
+        return sorted(node for node, track in self._tracks.get((job, attempt), {}).items() if track.flagged)
+
+    def shadowed(self, job: str, attempt: int, node: str) -> bool:
+        """True the first time ``replace`` would have acted on this straggler (its shadow Event is written once)."""
+        track = self._tracks.get((job, attempt), {}).get(node)
+        if track is None or track.shadowed:
+            return False
+        track.shadowed = True
+        return True
+
+    def forget(self, job: str) -> None:
+        for key in [k for k in self._tracks if k[0] == job]:
+            del self._tracks[key]
+
+
+def describe(score: NodeScore) -> str:
+    section = f", slowest section '{score.section}' at {score.section_score:g}" if score.section else ""
+    return f"rank {score.rank} scores {score.score:g}{section}"
+
+
+def worth_replacing(score: float, running_s: float, restart_cost_s: float) -> bool:
+    """Replace when the time the straggler will cost over the job's remaining run exceeds a restart's cost.
+
+    The job runs at ``score`` of its healthy speed, so it loses ``1 - score`` of every second. Its
+    remaining time is unknown; the time it has run so far is the estimate (a job is as likely to be
+    in the first half of its life as the second)."""
+    return running_s * (1.0 - score) > restart_cost_s
