@@ -8,16 +8,22 @@ faults exist on the local backend only.
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
+import subprocess
+import sys
+import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from unbroken import procs
 from unbroken.errors import UsageError
 from unbroken.health.chaos import xid_line
 from unbroken.netns import NodeNet, clear, limit, namespace_exists
-from unbroken.runtime import Runtime
+from unbroken.layout import ClusterLayout
+from unbroken.runtime import Runtime, open_local
 from unbroken.state.records import EventType
 
 
@@ -122,3 +128,97 @@ def slow_link(runtime: Runtime, node: str, rate: str | None) -> str:
     runtime.cluster.add_event("Node", node, "ChaosSlowLink", f"tc tbf rate {rate} on {net.host_veth} and in {net.namespace}",
                               type=EventType.WARNING)
     return f"node {node}: link limited to {rate} (tc tbf, both directions) at {time.strftime('%H:%M:%S')}"
+
+
+SLOW_PERIOD_S = 0.05
+"""One stop/continue cycle of ``slow-node``: short next to a step (tens of ms to seconds), so every
+step is slowed by about the same factor rather than some by a lot and most by nothing."""
+_REFRESH_S = 1.0
+
+
+def slow_node(runtime: Runtime, node: str, factor: float, *, period: float = SLOW_PERIOD_S) -> int:
+    """Slow every process of the jobs' workers on ``node`` by ``factor`` until ``stop_slowing``: a
+    background process stops them (SIGSTOP) for ``1 - 1/factor`` of every ``period`` and lets them run
+    the rest, as a throttled GPU or a noisy neighbour would. Wall-clock waits (a sleep) are not slowed.
+    Returns the slower's pid. Workers started on the node later (a restart) are slowed too."""
+    if not 1.0 < factor <= 20.0:
+        raise UsageError(f"--factor {factor:g} is out of range: a slowdown is more than 1 (1.5: steps take 50% longer) and at most 20")
+    if not 0.005 <= period <= 5.0:
+        raise UsageError(f"--period {period:g} s is out of range (valid: 0.005 to 5 s)")
+    runtime.cluster.get_node(node)  # a clear error for an unknown name
+    runtime.local_backend("chaos slow-node")
+    stop_slowing(runtime, node, quiet=True)
+    pidfile = _slower_pidfile(runtime, node)
+    pidfile.parent.mkdir(parents=True, exist_ok=True)
+    with open(pidfile.with_suffix(".log"), "ab") as log:
+        slower = subprocess.Popen([sys.executable, "-m", "unbroken.chaos", "--dir", str(runtime.layout.root), "--node", node,
+                                   "--factor", repr(factor), "--period", repr(period)],
+                                  stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    pidfile.write_text(str(slower.pid))
+    detail = f"its workers' processes run {1 / factor:.0%} of every {period * 1000:g} ms (x{factor:g} slower)"
+    runtime.cluster.add_event("Node", node, "ChaosSlowNode", detail, type=EventType.WARNING)
+    for job in sorted({w.job for w in runtime.backend.active_workers() if w.node == node}):
+        runtime.cluster.add_event("Job", job, "ChaosSlowNode", f"node {node} slowed: {detail}", type=EventType.WARNING)
+    return slower.pid
+
+
+def stop_slowing(runtime: Runtime, node: str, *, quiet: bool = False) -> bool:
+    """End ``slow_node`` on ``node`` (its processes run at full speed again). False if it was not slowed."""
+    pidfile = _slower_pidfile(runtime, node)
+    try:
+        pid = int(pidfile.read_text())
+    except (FileNotFoundError, ValueError):
+        return False
+    slower = [p for p in procs.tree(pid) if p.pid == pid]
+    procs.signal_all(slower, signal.SIGTERM)
+    procs.wait_gone(slower, 5.0)
+    pidfile.unlink(missing_ok=True)
+    if not quiet:
+        runtime.cluster.add_event("Node", node, "ChaosSlowNodeCleared", "its processes run at full speed again")
+    return bool(slower)
+
+
+def _slower_pidfile(runtime: Runtime, node: str) -> Path:
+    return runtime.layout.node_dir(node) / "chaos-slow.pid"
+
+
+def _duty_cycle(root: Path, node: str, factor: float, period: float) -> None:
+    """The slower's loop. Whatever ends it (SIGTERM, an error), every process it stopped is continued."""
+    runtime = open_local(ClusterLayout.at(root))
+    backend = runtime.local_backend("chaos slow-node")
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    run_s, stop_s = period / factor, period - period / factor
+    victims: list[int] = []
+    refreshed = 0.0
+    try:
+        while not done.is_set():
+            if time.monotonic() - refreshed > _REFRESH_S:
+                _signal(victims, signal.SIGCONT)  # one that left the node must not stay stopped
+                victims = [p.pid for w in backend.active_workers() if w.node == node and w.pid for p in procs.tree(w.pid)]
+                refreshed = time.monotonic()
+            _signal(victims, signal.SIGSTOP)
+            done.wait(stop_s)
+            _signal(victims, signal.SIGCONT)
+            done.wait(run_s)
+    finally:
+        _signal(victims, signal.SIGCONT)
+
+
+def _signal(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+if __name__ == "__main__":  # the slower started by slow_node
+    parser = argparse.ArgumentParser(description="stop/continue a node's worker processes (unbroken chaos slow-node)")
+    parser.add_argument("--dir", type=Path, required=True)
+    parser.add_argument("--node", required=True)
+    parser.add_argument("--factor", type=float, required=True)
+    parser.add_argument("--period", type=float, default=SLOW_PERIOD_S)
+    args = parser.parse_args()
+    _duty_cycle(args.dir, args.node, args.factor, args.period)

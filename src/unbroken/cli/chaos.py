@@ -1,4 +1,4 @@
-"""``unbroken chaos kill-worker|hang-worker|kill-node|kill-controller|xid|slow-link``."""
+"""``unbroken chaos kill-worker|hang-worker|kill-node|kill-controller|xid|slow-link|slow-node``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import typer
 from unbroken import chaos
 from unbroken.cli.common import DirOption, console, open_runtime
 
-app = typer.Typer(help="Inject real faults: signals to real processes, kernel-log lines, slow links.", no_args_is_help=True)
+app = typer.Typer(help="Inject real faults: signals to real processes, kernel-log lines, slow links, slow nodes.", no_args_is_help=True)
 
 JobArg = Annotated[str, typer.Argument(help="Job name")]
 NodeOpt = Annotated[str | None, typer.Option("--node", help="Pick a rank on this node")]
@@ -68,3 +68,19 @@ def slow_link(node: Annotated[str, typer.Argument(help="Node name")],
     if clear == (rate is not None):
         raise UsageError("give a RATE (e.g. 100mbit) or --clear")
     console.print(chaos.slow_link(open_runtime(directory), node, None if clear else rate))
+
+
+@app.command("slow-node")
+def slow_node(node: Annotated[str, typer.Argument(help="Node name")],
+              factor: Annotated[float, typer.Option("--factor", help="How much slower: 2 doubles every step's compute")] = 2.0,
+              period: Annotated[float, typer.Option("--period", help="Seconds per stop/continue cycle")] = chaos.SLOW_PERIOD_S,
+              clear: Annotated[bool, typer.Option("--clear", help="Stop slowing the node")] = False,
+              directory: DirOption = None) -> None:
+    """Make a node a straggler: its jobs' processes are stopped for 1 - 1/FACTOR of every cycle (SIGSTOP/SIGCONT),
+    until --clear. Straggler detection should name it (job describe: StragglerDetected)."""
+    runtime = open_runtime(directory)
+    if clear:
+        console.print(f"node {node}: " + ("full speed again" if chaos.stop_slowing(runtime, node) else "was not slowed"))
+        return
+    pid = chaos.slow_node(runtime, node, factor, period=period)
+    console.print(f"node {node}: slowed x{factor:g} (slower pid {pid}); 'unbroken chaos slow-node {node} --clear' ends it")

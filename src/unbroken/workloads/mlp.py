@@ -91,6 +91,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--step-time", type=float, default=0.0,
                         help="extra seconds per step, standing in for a bigger model's compute")
+    parser.add_argument("--compute-matmuls", type=int, default=0,
+                        help="256x256 matmuls each rank runs per step, in its 'compute' section: a fixed amount of CPU work "
+                             "that a slowed node really takes longer over (a --step-time sleep is wall-clock and is not)")
     parser.add_argument("--output", help="rank 0 writes the final parameters here (torch.save)")
     parser.add_argument("--progress-log", help="rank 0 appends '<step> <unix time> <pid> <attempt>' per step here: the step timeline "
                                                "benchmarks read under any launcher (benchmarks/goodput.py)")
@@ -101,6 +104,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="extra MB of per-rank state in every checkpoint, standing in for a bigger model "
                              "(benchmarks use it to make save and restore cost visible)")
     return parser.parse_args(argv)
+
+
+_COMPUTE = torch.ones(256, 256) / 256
+
+
+def simulated_compute(matmuls: int) -> None:
+    """A fixed amount of CPU work (the same on every rank and step): stands in for a model's compute."""
+    x = _COMPUTE
+    for _ in range(matmuls):
+        x = x @ _COMPUTE
 
 
 def main(argv: list[str]) -> int:
@@ -150,11 +163,20 @@ def train(ctx: unbroken.Context, args: argparse.Namespace) -> int:
     first_step_of_process: int | None = None
     while step < args.steps:
         started = time.monotonic()
-        indices = sampler.next_indices()
-        loss = loss_fn(ddp(data.inputs[indices]), data.labels[indices])
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        # Sections: the agent scores each rank's own work against its peers' to find a straggler node.
+        # backward waits on peers (DDP all-reduces the gradients inside it): reported, not scored.
+        with ctx.section("data"):
+            indices = sampler.next_indices()
+        with ctx.section("forward"):
+            loss = loss_fn(ddp(data.inputs[indices]), data.labels[indices])
+        if args.compute_matmuls:
+            with ctx.section("compute"):
+                simulated_compute(args.compute_matmuls)
+        with ctx.section("backward", waits_on_peers=True):
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+        with ctx.section("optimizer"):
+            optimizer.step()
         step += 1
         first_loss = first_loss if first_loss is not None else loss.item()
         if args.crash_at_step is not None and step == args.crash_at_step and ctx.rank == args.crash_rank:

@@ -1,0 +1,194 @@
+"""Step timing from progress datagrams, the hang timeout it sets, and the straggler scores and
+hysteresis it feeds: plain records, real statistics, no processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from unbroken.agent.progress import ProgressBook
+from unbroken.agent.step_clock import WARMUP_STEPS, WINDOW
+from unbroken.channel import MessageKind, RankMessage
+from unbroken.config.job import JobSpec
+from unbroken.controller import hang_timeout, stragglers
+from unbroken.state.phases import WorkerPhase
+from unbroken.state.records import Desired, RankTiming, StepTiming, Worker
+
+
+def progress(rank: int, step: int, ts: float, *, pid: int | None = None, attempt: int = 0, **sections: float) -> RankMessage:
+    return RankMessage(kind=MessageKind.PROGRESS, job="train", attempt=attempt, rank=rank, local_rank=rank, pid=pid or 100 + rank,
+                       ts=ts, step=step, metrics=sections)
+
+
+def steps(book: ProgressBook, rank: int, count: int, *, every: float, start: float = 0.0, first: int = 1,
+          **sections: float) -> float:
+    for i in range(count):
+        book.apply([progress(rank, first + i, start + i * every, **{f"section:{k}": v for k, v in sections.items()},
+                             **{"wait:backward": every / 2})])
+    return start + count * every
+
+
+def timing_of(book: ProgressBook) -> StepTiming:
+    report = book.current()[0]
+    assert report.step_timing is not None
+    return report.step_timing
+
+
+def test_the_agent_measures_the_median_step_after_the_warmup_and_each_rank_s_scored_sections() -> None:
+    book = ProgressBook()
+    steps(book, 0, 30, every=0.1, compute=0.04, data=0.01)
+    steps(book, 1, 30, every=0.1, compute=0.08, data=0.01)
+    timing = timing_of(book)
+    assert timing.steps == 30 - 1 - WARMUP_STEPS
+    assert timing.median_s == pytest.approx(0.1)
+    by_rank = {r.rank: r for r in timing.ranks}
+    assert by_rank[0].work_s == pytest.approx(0.05)  # compute + data; the backward (waits on peers) is not scored
+    assert by_rank[1].work_s == pytest.approx(0.09)
+    assert by_rank[1].sections == pytest.approx({"compute": 0.08, "data": 0.01})
+
+
+def test_a_noisy_step_does_not_move_the_median_but_the_longest_gap_remembers_it() -> None:
+    book = ProgressBook()
+    end = steps(book, 0, 25, every=0.1, compute=0.05)
+    book.apply([progress(0, 26, end + 4.0, **{"section:compute": 2.0})])  # a checkpoint, a GC pause
+    steps(book, 0, 5, every=0.1, start=end + 4.1, first=27, compute=0.05)
+    timing = timing_of(book)
+    assert timing.median_s == pytest.approx(0.1)
+    assert timing.ranks[0].work_s == pytest.approx(0.05)
+    assert timing.longest_s == pytest.approx(4.1)
+
+
+def test_the_window_forgets_old_steps_and_a_rank_that_restores_is_measured_afresh() -> None:
+    book = ProgressBook()
+    end = steps(book, 0, 40, every=0.1, compute=0.05)
+    end = steps(book, 0, WINDOW, every=0.3, start=end, first=41, compute=0.25)
+    assert timing_of(book).ranks[0].work_s == pytest.approx(0.25)
+    steps(book, 0, 2, every=0.1, start=end, first=10)  # went back to step 10: no interval measured yet
+    assert book.current()[0].step_timing is None
+
+
+def test_no_timing_until_every_reporting_rank_has_measured_steps() -> None:
+    book = ProgressBook()
+    steps(book, 0, 10, every=0.1)
+    steps(book, 1, 2, every=0.1)  # still warming up
+    assert book.current()[0].step_timing is None
+
+
+def test_timing_survives_the_store_s_json_and_a_foreign_value_is_no_timing() -> None:
+    timing = StepTiming(steps=12, median_s=0.1, longest_s=0.5, ranks=(RankTiming(0, 0.05, {"compute": 0.04}),))
+    assert StepTiming.from_json(timing.to_json()) == timing
+    assert StepTiming.from_json({"steps": "many"}) is None
+    assert StepTiming.from_json(["not", "a", "dict"]) is None
+
+
+# -- the hang timeout in force ----------------------------------------------------------------
+
+
+def worker(node: str, timing: StepTiming | None, *, step: int = 100) -> Worker:
+    return Worker(job="train", attempt=0, node=node, node_rank=0, desired=Desired.RUN, phase=WorkerPhase.RUNNING,
+                  rdzv_endpoint="127.0.0.1:1", last_step=step, step_timing=timing)
+
+
+def spec(**resilience: object) -> JobSpec:
+    return JobSpec.model_validate({"name": "train", "command": ["train.py"], "nodes": 2, "resilience": resilience},
+                                  context={"trusted": True})
+
+
+def test_a_job_s_own_hang_timeout_is_used_as_set() -> None:
+    timeout = hang_timeout.in_force(spec(hang_timeout=42), [worker("a", StepTiming(50, 0.05, 0.1))])
+    assert (timeout.seconds, timeout.why) == (42, "hang_timeout set by the job")
+
+
+def test_unset_it_is_the_fallback_until_every_worker_has_measured_enough_steps() -> None:
+    short = StepTiming(hang_timeout.MIN_STEPS - 1, 0.05, 0.1)
+    assert hang_timeout.in_force(spec(), [worker("a", StepTiming(50, 0.05, 0.1)), worker("b", short)]).seconds == hang_timeout.FALLBACK_S
+    assert hang_timeout.in_force(spec(), [worker("a", None)]).seconds == hang_timeout.FALLBACK_S
+
+
+@pytest.mark.parametrize("median, longest, expected", [
+    (0.05, 0.2, hang_timeout.FLOOR_S),  # 50 ms steps: the floor
+    (2.0, 3.0, 40.0),  # 20 x a 2 s step
+    (0.1, 30.0, 60.0),  # a 30 s checkpoint every so many steps: twice it
+])
+def test_unset_it_follows_the_slowest_worker_s_steps_and_the_longest_gap(median: float, longest: float, expected: float) -> None:
+    timeout = hang_timeout.in_force(spec(), [worker("a", StepTiming(50, median, longest)), worker("b", StepTiming(50, median / 2, 0.0))])
+    assert timeout.seconds == pytest.approx(expected)
+    assert "from step times" in timeout.why
+
+
+# -- straggler scores and hysteresis ------------------------------------------------------------
+
+
+def timed(node: str, *work: float, step: int = 100, sections: dict[str, float] | None = None) -> Worker:
+    ranks = tuple(RankTiming(rank=i + 10 * int(node[-1]), work_s=w, sections=sections or {"compute": w}) for i, w in enumerate(work))
+    return worker(node, StepTiming(steps=20, median_s=0.2, longest_s=0.3, ranks=ranks), step=step)
+
+
+def test_a_slow_node_scores_its_peers_median_over_its_own_and_names_its_slow_section() -> None:
+    scores = stragglers.scores([timed("n1", 0.1, 0.1), timed("n2", 0.1, 0.11),
+                                timed("n3", 0.1, 0.2, sections={"data": 0.01, "compute": 0.19})])
+    assert scores["n3"].score == pytest.approx(0.5, abs=0.01)
+    assert scores["n3"].section == "compute" and scores["n3"].section_score == pytest.approx(0.1 / 0.19, abs=0.01)
+    assert scores["n1"].score == 1.0
+
+
+def test_two_nodes_suffice_and_a_node_whose_ranks_all_slow_together_is_still_found() -> None:
+    scores = stragglers.scores([timed("n1", 0.1, 0.1, 0.1, 0.1), timed("n2", 0.15, 0.15, 0.15, 0.15)])
+    assert scores["n2"].score == pytest.approx(0.667, abs=0.01)
+    assert scores["n1"].score == 1.0
+
+
+def test_nothing_is_scored_without_sections_or_with_one_node() -> None:
+    assert stragglers.scores([timed("n1", 0.1, 0.3)]) == {}
+    untimed = [worker("n1", StepTiming(20, 0.2, 0.3, (RankTiming(0),))), worker("n2", StepTiming(20, 0.4, 0.5, (RankTiming(1),)))]
+    assert stragglers.scores(untimed) == {}
+
+
+def test_a_node_is_flagged_after_staying_low_for_the_confirm_steps_and_cleared_after_staying_high() -> None:
+    watch = stragglers.StragglerWatch()
+    slow = {"n2": stragglers.NodeScore("n2", 0.5, 1, "compute")}
+    fine = {"n2": stragglers.NodeScore("n2", 0.97, 1, "compute")}
+    assert watch.observe("train", 0, 100, slow, 0.75) == []
+    assert watch.observe("train", 0, 100 + stragglers.CONFIRM_STEPS - 1, slow, 0.75) == []
+    [change] = watch.observe("train", 0, 100 + stragglers.CONFIRM_STEPS, slow, 0.75)
+    assert (change.node, change.straggler) == ("n2", True)
+    assert watch.stragglers("train", 0) == ["n2"]
+    assert watch.observe("train", 0, 120, slow, 0.75) == []  # reported once
+    assert watch.observe("train", 0, 121, fine, 0.75) == []
+    [back] = watch.observe("train", 0, 121 + stragglers.CONFIRM_STEPS, fine, 0.75)
+    assert back.straggler is False and watch.stragglers("train", 0) == []
+
+
+def test_a_score_that_dips_once_and_recovers_is_never_flagged() -> None:
+    watch = stragglers.StragglerWatch()
+    for step in range(100, 200, 2):  # alternates: low for one report, back above the recovery line the next
+        score = 0.6 if step % 4 == 0 else 0.9
+        assert watch.observe("train", 0, step, {"n2": stragglers.NodeScore("n2", score, 1, None)}, 0.75) == []
+
+
+def test_a_new_attempt_is_measured_afresh() -> None:
+    watch = stragglers.StragglerWatch()
+    slow = {"n2": stragglers.NodeScore("n2", 0.5, 1, None)}
+    watch.observe("train", 0, 100, slow, 0.75)
+    watch.observe("train", 0, 200, slow, 0.75)
+    assert watch.stragglers("train", 0) == ["n2"]
+    assert watch.observe("train", 1, 201, slow, 0.75) == [] and watch.stragglers("train", 1) == []
+
+
+@pytest.mark.parametrize("score, running, replace", [(0.5, 120.0, True), (0.5, 50.0, False), (0.9, 200.0, False), (0.9, 400.0, True)])
+def test_replacing_is_worth_it_when_the_remaining_run_would_lose_more_than_a_restart(score: float, running: float, replace: bool) -> None:
+    assert stragglers.worth_replacing(score, running, 30.0) is replace
+
+
+def test_a_section_name_that_is_not_a_short_word_is_a_clear_error() -> None:
+    from unbroken.train import Context
+
+    ctx = Context.__new__(Context)
+    ctx._sections = {}
+    with pytest.raises(ValueError, match=r"ctx.section\('Data Loader'\): a section name is a short word"):
+        with ctx.section("Data Loader"):
+            pass
+    with ctx.section("data"):
+        pass
+    with ctx.section("allreduce", waits_on_peers=True):
+        pass
+    assert set(ctx._sections) == {"section:data", "wait:allreduce"}
