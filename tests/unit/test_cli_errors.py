@@ -240,7 +240,7 @@ def test_top_level_help_lists_the_groups(tmp_path: Path) -> None:
         ("cluster", ["up", "down", "status"]),
         ("job", ["start", "list", "describe", "logs", "cancel"]),
         ("node", ["list", "describe", "cordon", "uncordon", "reboot", "replace"]),
-        ("chaos", ["kill-worker", "hang-worker", "kill-node", "kill-controller", "xid", "slow-link"]),
+        ("chaos", ["kill-worker", "hang-worker", "kill-node", "kill-controller", "xid", "slow-link", "slow-node"]),
         ("check", ["list", "run", "collective"]),
         ("k8s", ["render", "start"]),
         ("data", ["prepare-text", "imagenet-val"]),

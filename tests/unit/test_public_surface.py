@@ -21,6 +21,7 @@ CLI = {
     "chaos kill-node": ["--dir", "NODE"],
     "chaos kill-worker": ["--dir", "--node", "--rank", "JOB"],
     "chaos slow-link": ["--clear", "--dir", "NODE", "RATE"],
+    "chaos slow-node": ["--clear", "--dir", "--factor", "--period", "NODE"],
     "chaos xid": ["--dir", "--pci", "CODE", "NODE"],
     "check collective": ["--dir", "--iters/-n", "--maxbytes/-e", "--minbytes/-b", "--nodes", "--ops", "--output/-o", "--repeat",
                          "--stepfactor/-f", "--warmup_iters/-w"],
@@ -88,7 +89,7 @@ def test_the_context_a_training_script_gets():
     fields = {f.name for f in dataclasses.fields(unbroken.Context) if not f.name.startswith("_")}
     assert fields == {"rank", "world_size", "local_rank", "job", "node", "attempt", "checkpoint"}
     methods = {name for name, _ in inspect.getmembers(unbroken.Context) if not name.startswith("_")}
-    assert methods == {"progress", "is_main", "run", "keep_live"}
+    assert methods == {"progress", "is_main", "run", "keep_live", "section"}
     assert list(inspect.signature(unbroken.init).parameters) == ["checkpoint_dir", "backend", "init_process_group", "structured_logs"]
 
 

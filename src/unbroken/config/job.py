@@ -89,6 +89,10 @@ class ResilienceSpec(_Strict):
     straggler_threshold: float = Field(default=0.75, gt=0, lt=1)
     """A rank is slow while its score (its peers' median time in scored sections over
     its own) is below this; NVIDIA's resiliency extension uses 0.75 too."""
+    straggler_restart_cost: float = Field(default=30.0, gt=0)
+    """Seconds a restart is taken to cost this job when ``replace`` weighs taking a straggler out (a cold
+    restart elsewhere: processes or pods recreated, a checkpoint read). Replace only pays when the time
+    the straggler would cost over the job's remaining run (estimated as the time it has run) is larger."""
     warm_imports: list[str] = Field(default_factory=list)
     """Modules the spares' forkserver imports besides torch (the script's heavy imports:
     ``transformers``, your model package). Never the script itself: importing runs it."""

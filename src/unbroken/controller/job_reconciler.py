@@ -135,14 +135,15 @@ class JobReconciler:
         started = [w.first_progress_at for w in workers if w.first_progress_at is not None]
         running = now - min(started) if started else 0.0
         scored = stragglers.scores(workers)
+        cost = spec.resilience.straggler_restart_cost
         for name in self.stragglers.stragglers(job.name, job.attempt):
             node, score = nodes.get(name), scored.get(name)
             if node is None or score is None or node.state is not NodeState.SCHEDULABLE:
                 continue
-            if not spares or not stragglers.worth_replacing(score.score, running, stragglers.RESTART_COST_S):
+            if not spares or not stragglers.worth_replacing(score.score, running, cost):
                 continue  # looked at again next pass: a spare frees up, the job runs long enough
             why = (f"straggler in job {job.name}: {stragglers.describe(score)}; expected loss over the job's remaining "
-                   f"run ({running:.0f} s x {1 - score.score:.2f}) exceeds a restart (~{stragglers.RESTART_COST_S:g} s); "
+                   f"run ({running:.0f} s x {1 - score.score:.2f}) exceeds a restart (~{cost:g} s); "
                    f"spare {spares[0]} free")
             if spec.resilience.straggler_policy is StragglerPolicy.SHADOW:
                 if self.stragglers.shadowed(job.name, job.attempt, name):

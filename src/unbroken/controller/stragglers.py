@@ -30,9 +30,6 @@ from dataclasses import dataclass, field
 from unbroken.state.records import Worker
 
 CONFIRM_STEPS = 5
-RESTART_COST_S = 30.0
-"""What a restart is taken to cost when weighing a ``replace``: a cold restart elsewhere (pods or
-processes recreated, a checkpoint read); an in-process one costs less, so this errs towards keeping."""
 RECOVER_MARGIN = 0.1
 MIN_MEASURED_STEPS = 5
 """A worker's timing counts once its ranks have measured this many steps after their warm-up."""
