@@ -25,6 +25,7 @@ from unbroken.netns import NodeNet, clear, limit, namespace_exists
 from unbroken.layout import ClusterLayout
 from unbroken.runtime import Runtime, open_local
 from unbroken.state.records import EventType
+from unbroken.waiting import wait_until
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,10 @@ def slow_node(runtime: Runtime, node: str, factor: float, *, period: float = SLO
                                    "--factor", repr(factor), "--period", repr(period)],
                                   stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     pidfile.write_text(str(slower.pid))
+    # Back only once the first cycle ran, so that "slowed at" (the event's time) is when it began.
+    wait_until(lambda: _started_file(pidfile).exists() or slower.poll() is not None, 30, f"the slower of {node} to start")
+    if slower.poll() is not None:
+        raise UsageError(f"the slower of node {node} exited with code {slower.returncode}; see {pidfile.with_suffix('.log')}")
     detail = f"its workers' processes run {1 / factor:.0%} of every {period * 1000:g} ms (x{factor:g} slower)"
     runtime.cluster.add_event("Node", node, "ChaosSlowNode", detail, type=EventType.WARNING)
     for job in sorted({w.job for w in runtime.backend.active_workers() if w.node == node}):
@@ -173,6 +178,7 @@ def stop_slowing(runtime: Runtime, node: str, *, quiet: bool = False) -> bool:
     procs.signal_all(slower, signal.SIGTERM)
     procs.wait_gone(slower, 5.0)
     pidfile.unlink(missing_ok=True)
+    _started_file(pidfile).unlink(missing_ok=True)
     if not quiet:
         runtime.cluster.add_event("Node", node, "ChaosSlowNodeCleared", "its processes run at full speed again")
     return bool(slower)
@@ -180,6 +186,10 @@ def stop_slowing(runtime: Runtime, node: str, *, quiet: bool = False) -> bool:
 
 def _slower_pidfile(runtime: Runtime, node: str) -> Path:
     return runtime.layout.node_dir(node) / "chaos-slow.pid"
+
+
+def _started_file(pidfile: Path) -> Path:
+    return pidfile.with_suffix(".started")
 
 
 def _duty_cycle(root: Path, node: str, factor: float, period: float) -> None:
@@ -192,6 +202,7 @@ def _duty_cycle(root: Path, node: str, factor: float, period: float) -> None:
     run_s, stop_s = period / factor, period - period / factor
     victims: list[int] = []
     refreshed = 0.0
+    started = _started_file(_slower_pidfile(runtime, node))
     try:
         while not done.is_set():
             if time.monotonic() - refreshed > _REFRESH_S:
@@ -199,6 +210,7 @@ def _duty_cycle(root: Path, node: str, factor: float, period: float) -> None:
                 victims = [p.pid for w in backend.active_workers() if w.node == node and w.pid for p in procs.tree(w.pid)]
                 refreshed = time.monotonic()
             _signal(victims, signal.SIGSTOP)
+            started.touch()
             done.wait(stop_s)
             _signal(victims, signal.SIGCONT)
             done.wait(run_s)

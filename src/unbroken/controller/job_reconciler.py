@@ -97,19 +97,22 @@ class JobReconciler:
         self._note_resume(job, workers)
         self._note_cause(job, workers)
         if job.phase is JobPhase.RUNNING and decision.action is Action.WAIT:
-            self._watch_stragglers(now, job, spec, workers, nodes, free)
+            if self._watch_stragglers(now, job, spec, workers, nodes, free):
+                # a straggler was taken out (``nodes`` holds its new state): restart now, naming it as the
+                # cause, rather than a pass later on its peers' broken connections
+                decision = job_decisions.decide(now, job, spec, workers, nodes, free, silent_after=self.silent_after)
         elif job.phase.is_terminal or decision.action is not Action.WAIT:
             self.stragglers.forget(job.name)
         self._apply(now, job, decision, nodes)
         return decision
 
     def _watch_stragglers(self, now: float, job: Job, spec: JobSpec, workers: list[Worker], nodes: dict[str, Node],
-                          free: list[str]) -> None:
+                          free: list[str]) -> bool:
         """Score the attempt's nodes; an Event when one becomes (or stops being) a straggler, and under
-        ``replace`` the node taken out when a spare is free and it is worth a restart."""
+        ``replace`` the node taken out when a spare is free and it is worth a restart (True)."""
         policy = spec.resilience.straggler_policy
         if policy is StragglerPolicy.OFF:
-            return
+            return False
         steps = [w.last_step for w in workers if not w.phase.is_terminal]
         step = min(s for s in steps if s is not None) if steps and None not in steps else None
         for change in self.stragglers.observe(job.name, job.attempt, step, stragglers.scores(workers),
@@ -126,16 +129,18 @@ class JobReconciler:
                                  f"nodes (threshold {spec.resilience.straggler_threshold:g}) at step {step}; policy "
                                  f"{policy.value}", type=EventType.WARNING)
         if policy in (StragglerPolicy.REPLACE, StragglerPolicy.SHADOW):
-            self._replace_stragglers(now, job, spec, workers, nodes, free)
+            return self._replace_stragglers(now, job, spec, workers, nodes, free)
+        return False
 
     def _replace_stragglers(self, now: float, job: Job, spec: JobSpec, workers: list[Worker], nodes: dict[str, Node],
-                            free: list[str]) -> None:
+                            free: list[str]) -> bool:
         own = {w.node for w in workers}
         spares = [n for n in free if n not in own]
         started = [w.first_progress_at for w in workers if w.first_progress_at is not None]
         running = now - min(started) if started else 0.0
         scored = stragglers.scores(workers)
         cost = spec.resilience.straggler_restart_cost
+        replaced = False
         for name in self.stragglers.stragglers(job.name, job.attempt):
             node, score = nodes.get(name), scored.get(name)
             if node is None or score is None or node.state is not NodeState.SCHEDULABLE:
@@ -150,13 +155,15 @@ class JobReconciler:
                     self.store.add_event("Job", job.name, "StragglerReplaceShadow", f"would take out node {name} now: {why}")
                 continue
             try:
-                self.store.update_node(name, NodeUpdate(state=NodeState.PENDING_REPLACEMENT, fault_type=STRAGGLER,
-                                                        fault_reason=why[:200]), expect_version=node.version)
+                nodes[name] = self.store.update_node(name, NodeUpdate(state=NodeState.PENDING_REPLACEMENT, fault_type=STRAGGLER,
+                                                                      fault_reason=why[:200]), expect_version=node.version)
             except StaleUpdate:
                 continue  # changed under us: the next pass looks again
+            replaced = True
             self.store.add_event("Node", name, STRAGGLER, why, type=EventType.WARNING)
             self.store.add_event("Job", job.name, "StragglerReplaced", f"node {name} taken out: {why}", type=EventType.WARNING)
             spares.pop(0)
+        return replaced
 
     def _noticed_growth(self, job: Job, spec: JobSpec, workers: list[Worker], free: list[str]) -> int | None:
         key = (job.name, job.attempt)
