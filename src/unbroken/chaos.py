@@ -134,7 +134,6 @@ def slow_link(runtime: Runtime, node: str, rate: str | None) -> str:
 SLOW_PERIOD_S = 0.05
 """One stop/continue cycle of ``slow-node``: short next to a step (tens of ms to seconds), so every
 step is slowed by about the same factor rather than some by a lot and most by nothing."""
-_REFRESH_S = 1.0
 
 
 def slow_node(runtime: Runtime, node: str, factor: float, *, period: float = SLOW_PERIOD_S) -> int:
@@ -193,37 +192,18 @@ def _started_file(pidfile: Path) -> Path:
 
 
 def _duty_cycle(root: Path, node: str, factor: float, period: float) -> None:
-    """The slower's loop. Whatever ends it (SIGTERM, an error), every process it stopped is continued."""
+    """The slower's loop over the node's workers' processes, refreshed every second (a restart's new ones too)."""
     runtime = open_local(ClusterLayout.at(root))
     backend = runtime.local_backend("chaos slow-node")
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
-    run_s, stop_s = period / factor, period - period / factor
-    victims: list[int] = []
-    refreshed = 0.0
     started = _started_file(_slower_pidfile(runtime, node))
-    try:
-        while not done.is_set():
-            if time.monotonic() - refreshed > _REFRESH_S:
-                _signal(victims, signal.SIGCONT)  # one that left the node must not stay stopped
-                victims = [p.pid for w in backend.active_workers() if w.node == node and w.pid for p in procs.tree(w.pid)]
-                refreshed = time.monotonic()
-            _signal(victims, signal.SIGSTOP)
-            started.touch()
-            done.wait(stop_s)
-            _signal(victims, signal.SIGCONT)
-            done.wait(run_s)
-    finally:
-        _signal(victims, signal.SIGCONT)
 
+    def victims() -> list[int]:
+        return [p.pid for w in backend.active_workers() if w.node == node and w.pid for p in procs.tree(w.pid)]
 
-def _signal(pids: list[int], sig: signal.Signals) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
+    procs.duty_cycle(victims, factor, period, done, started=started.touch)
 
 
 if __name__ == "__main__":  # the slower started by slow_node

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -112,3 +114,35 @@ def cluster_processes(cluster_dir: Path) -> list[psutil.Process]:
             continue
     return found
 
+
+
+def duty_cycle(victims: Callable[[], list[int]], factor: float, period: float, done: threading.Event, *,
+               started: Callable[[], None] | None = None, refresh: float = 1.0) -> None:
+    """Until ``done``: stop the processes ``victims()`` names (SIGSTOP) for ``1 - 1/factor`` of every
+    ``period``, let them run the rest, re-reading ``victims()`` every ``refresh`` seconds. They run
+    ``factor`` times slower for CPU work. Whatever ends it, every process it stopped is continued."""
+    run_s, stop_s = period / factor, period - period / factor
+    pids: list[int] = []
+    refreshed = -refresh
+    try:
+        while not done.is_set():
+            if time.monotonic() - refreshed >= refresh:
+                _send(pids, signal.SIGCONT)  # one that is no longer a victim must not stay stopped
+                pids, refreshed = victims(), time.monotonic()
+            _send(pids, signal.SIGSTOP)
+            if started is not None:
+                started()
+                started = None
+            done.wait(stop_s)
+            _send(pids, signal.SIGCONT)
+            done.wait(run_s)
+    finally:
+        _send(pids, signal.SIGCONT)
+
+
+def _send(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
