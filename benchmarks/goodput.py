@@ -8,7 +8,8 @@ in turn: kill-worker (SIGKILL rank 3), hang-worker (SIGSTOP rank 3), kill-node (
 The systems:
 
 * **unbroken**: a 3-node local cluster (one spare, automatic node recovery), auto-resume with
-  a budget larger than the faults, hang_timeout 10 s. Xid 79 is written to the node's kernel
+  a budget larger than the faults, hang_timeout 10 s (``--hang-timeout auto``: none set, so
+  unbroken sets it from the job's own step times). Xid 79 is written to the node's kernel
   log (``chaos xid``): the agent takes the node out and the job moves.
 * **unbroken+warm**: the same with ``resilience.warm_spares: 1``: restarts take a torchrun
   (and ranks) that imported torch before the fault.
@@ -43,7 +44,7 @@ Every system's rank 0 writes its step timeline (``--progress-log``), read the sa
   (placement) and startup.
 
     .venv/bin/python benchmarks/goodput.py [--minutes 10] [--mtbf-seconds 120] [--seed 1]
-        [--unbroken-checkpoint tiers|file] [--json]
+        [--unbroken-checkpoint tiers|file] [--hang-timeout 10|auto] [--json]
 """
 
 from __future__ import annotations
@@ -224,7 +225,7 @@ def checkpoint_spec(kind: str, root: Path) -> dict[str, Any]:
 
 
 def run_unbroken(faults: list[Fault], minutes: float, root: Path, *, warm: bool = False, in_process: bool = False,
-                 checkpoint: str = "tiers") -> Outcome:
+                 checkpoint: str = "tiers", hang_timeout: float | None = HANG_TIMEOUT) -> Outcome:
     system = "unbroken" + ("+warm" if warm else "") + ("+inproc" if in_process else "")
     root = root / system
     root.mkdir()
@@ -236,7 +237,7 @@ def run_unbroken(faults: list[Fault], minutes: float, root: Path, *, warm: bool 
         local_cluster.wait_ready(runtime, 120)
         spec = JobSpec.model_validate({
             "name": "goodput", "nodes": 2, "procs_per_node": 2, "command": workload(timeline_path),
-            "resilience": {"auto_resume": True, "max_retry": 1000, "hang_timeout": HANG_TIMEOUT, "require_deep_health_passed": False,
+            "resilience": {"auto_resume": True, "max_retry": 1000, "hang_timeout": hang_timeout, "require_deep_health_passed": False,
                            "warm_spares": 1 if warm else 0, "in_process_restart": in_process},
             "checkpoint": checkpoint_spec(checkpoint, root),
         })
@@ -343,8 +344,12 @@ def main() -> int:
     parser.add_argument("--unbroken-checkpoint", choices=("tiers", "file"), default="tiers",
                         help="how the unbroken systems checkpoint: through unbroken's tiers (memory, peer replica, "
                              "persistent) or the baselines' file per save")
+    parser.add_argument("--hang-timeout", default=str(HANG_TIMEOUT),
+                        help="the unbroken jobs' hang_timeout in seconds, or 'auto': none set, so unbroken sets it from the "
+                             "job's step times (controller/hang_timeout.py)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = parser.parse_args()
+    hang_timeout = None if args.hang_timeout == "auto" else float(args.hang_timeout)
     faults = schedule(args.minutes, args.mtbf_seconds, args.seed)
     systems = args.systems.split(",")
     print(f"{len(faults)} faults in {args.minutes:g} min: " + ", ".join(f"{f.kind}@{f.at:.0f}s" for f in faults), file=sys.stderr)
@@ -356,15 +361,15 @@ def main() -> int:
             if system.split("+")[0] == "unbroken":
                 extras = system.split("+")[1:]
                 outcomes.append(run_unbroken(faults, args.minutes, root, warm="warm" in extras, in_process="inproc" in extras,
-                                             checkpoint=args.unbroken_checkpoint))
+                                             checkpoint=args.unbroken_checkpoint, hang_timeout=hang_timeout))
             else:
                 outcomes.append(run_torchrun(system, faults, args.minutes, root, retry_loop=system == "retry-loop"))
     results = [o.to_dict() for o in outcomes]
     if args.json:
-        print(json.dumps({"minutes": args.minutes, "mtbf_seconds": args.mtbf_seconds, "seed": args.seed,
+        print(json.dumps({"minutes": args.minutes, "mtbf_seconds": args.mtbf_seconds, "seed": args.seed, "hang_timeout": args.hang_timeout,
                           "unbroken_checkpoint": args.unbroken_checkpoint, "results": results}))
         return 0
-    print(f"goodput over {args.minutes:g} min, mtbf {args.mtbf_seconds:g} s, seed {args.seed}, "
+    print(f"goodput over {args.minutes:g} min, mtbf {args.mtbf_seconds:g} s, seed {args.seed}, hang_timeout {args.hang_timeout}, "
           f"unbroken checkpoints: {args.unbroken_checkpoint}: "
           + ", ".join(f"{f.kind}@{f.at:.0f}s" for f in faults) + "\n")
     print("| system | goodput | recover p50 (s) | recover p95 (s) | unrecovered | badput (s) |")
