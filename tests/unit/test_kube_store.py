@@ -19,6 +19,7 @@ import pytest
 from unbroken.errors import ConfigError, NotFoundError
 from unbroken.backends.kubernetes import annotations, names
 from unbroken.backends.kubernetes.annotations import AnnotationError
+from unbroken.config.job import StragglerPolicy
 from unbroken.backends.kubernetes.client import api_client
 from unbroken.backends.kubernetes.leader import LeaderLease
 from unbroken.backends.kubernetes.store import KubernetesStore, condition_reason
@@ -236,6 +237,11 @@ def test_annotation_parsing() -> None:
     assert isinstance(caught.value, ConfigError)
     assert 'enable-job-auto-resume: "ja" is not a boolean' in str(caught.value)
     assert '"-1" is out of range (valid: 0 to 1000)' in str(caught.value)
+    assert annotations.parse({names.AUTO_RESUME: "true"}).straggler_policy is StragglerPolicy.REPORT  # type: ignore[union-attr]
+    chosen = annotations.parse({names.AUTO_RESUME: "true", names.STRAGGLER_POLICY: "replace"})
+    assert chosen is not None and chosen.straggler_policy is StragglerPolicy.REPLACE
+    with pytest.raises(AnnotationError, match=r'straggler-policy: "evict" is not a straggler policy \(valid: report, shadow, replace, off\)'):
+        annotations.parse({names.AUTO_RESUME: "true", names.STRAGGLER_POLICY: "evict"})
 
 
 def test_condition_reasons() -> None:

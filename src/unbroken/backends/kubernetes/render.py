@@ -112,6 +112,8 @@ def job_annotations(spec: JobSpec, placement: Placement) -> dict[str, str]:
         names.STARTUP_TIMEOUT: f"{resilience.startup_timeout:g}",
         names.REQUIRE_DEEP_HEALTH: "true" if deep else "false",
     }
+    if "straggler_policy" in resilience.model_fields_set:
+        annotations[names.STRAGGLER_POLICY] = resilience.straggler_policy.value
     if resilience.hang_timeout is not None:  # unset: the operator sets it from the job's step times
         annotations[names.HANG_TIMEOUT] = f"{resilience.hang_timeout:g}"
     if (tiers := tiers_json(spec)) is not None:

@@ -641,7 +641,7 @@ class KubernetesStore:
                 auto_resume=True, max_retry=settings.max_retry, restart_policy=RestartPolicy.ON_FAILURE,
                 hang_timeout=settings.hang_timeout,
                 startup_timeout=settings.startup_timeout or NO_HANG_TIMEOUT,
-                require_deep_health_passed=settings.require_deep_health_passed,
+                require_deep_health_passed=settings.require_deep_health_passed, straggler_policy=settings.straggler_policy,
             ).model_dump(),
             "checkpoint": ({} if settings.checkpoint_tiers is None else
                            settings.checkpoint_tiers.model_dump(exclude_none=True)),
