@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 import uuid
@@ -41,6 +42,7 @@ from controlplane.cluster import ControlPlane
 from controlplane.kubelet import ProcessKubelet, pod_processes
 from helpers import run_cli
 from processes import stop_process
+from unbroken import procs
 from unbroken.backends.kubernetes import names
 from unbroken.backends.kubernetes.client import api_client
 from unbroken.backends.kubernetes.catalog import KubernetesCatalog
@@ -821,6 +823,55 @@ def test_self_reboot_the_agent_reboots_its_node_which_joins_again_through_deep_c
     finally:
         for proc in agents.values():
             stop_process(proc, sig=signal.SIGKILL)
+
+
+def test_a_straggler_node_is_named_on_the_workload_then_taken_out_labelled_and_conditioned_and_the_job_moves(
+        cluster: Cluster, agents: Agents, tmp_path: Path) -> None:
+    """Issue 25 on the real control plane: the worker's node is slowed 3x for real (its pod's processes stopped for
+    two thirds of every 50 ms); its agent's step timing reaches the operator with the heartbeats; a StragglerDetected
+    Event lands on the PyTorchJob; under ``straggler-policy: replace`` the node is taken out (label, fault type,
+    condition, remediator) and the job restarts on the third node."""
+    cluster.start_operator()
+    body = pytorchjob("slowpoke", tmp_path / "ckpt", steps=100_000, step_time=0.0, report_progress=True,
+                      annotations={**auto_resume(2), names.STRAGGLER_POLICY: "replace", names.STRAGGLER_RESTART_COST: "1"})
+    for replica in body["spec"]["pytorchReplicaSpecs"].values():
+        replica["template"]["spec"]["containers"][0]["command"] += ["--compute-matmuls", "40"]
+        replica["template"]["spec"]["terminationGracePeriodSeconds"] = 5
+    name = submit(cluster, body)
+    rank_process(cluster, f"{name}-worker-0")
+    victim = cluster.core.read_namespaced_pod(f"{name}-worker-0", JOBS).spec.node_name
+    wait_until(lambda: "JobScheduled" in cluster.reasons(name) or cluster.annotations(name).get(names.JOB_PHASE) == "Running",
+               60, "the job running")
+    pod_pid = cluster.kubelet.pid_of(JOBS, f"{name}-worker-0")
+    assert pod_pid is not None
+    done = threading.Event()
+    slower = threading.Thread(target=procs.duty_cycle, args=(lambda: [p.pid for p in procs.tree(pod_pid)], 3.0, 0.05, done))
+    slower.start()
+    try:
+        detected = wait_until(lambda: next((m for _, r, m in cluster.events(name) if r == "StragglerDetected"), None), 90,
+                              "a StragglerDetected Event on the PyTorchJob")
+        assert f"node {victim} is a straggler" in detected and "'compute'" in detected, detected
+        replaced = wait_until(lambda: next((m for _, r, m in cluster.events(name) if r == "StragglerReplaced"), None), 60,
+                              "the straggler taken out")
+        assert f"node {victim} taken out" in replaced, replaced
+    finally:
+        done.set()
+        slower.join()
+    node = cluster.core.read_node(victim)
+    assert node.metadata.labels[names.NODE_HEALTH_STATUS] == "UnschedulablePendingReplacement"
+    assert node.metadata.labels[names.FAULT_TYPES] == "Straggler"
+    wait_until(lambda: any(c.type == names.CONDITION_TYPE and c.status == "False" and c.reason == "Straggler"
+                           for c in cluster.core.read_node(victim).status.conditions or []), 10, "UnbrokenHealthy=False, reason Straggler")
+    wait_until(lambda: f"Replace {victim}" in cluster.remediations.read_text(), 30, "the remediator called")
+    wait_until(lambda: cluster.annotations(name).get(names.RESTART_COUNT) == "1", 30, "restart-count 1")
+    restarting = next(m for _, r, m in cluster.events(name) if r == "JobRestarting")
+    assert f"node {victim} is UnschedulablePendingReplacement: straggler in job" in restarting, restarting
+
+    def moved() -> bool:
+        pods = cluster.pods(name)
+        return len(pods) == 2 and all((p.metadata.annotations or {}).get(names.ATTEMPT) == "1" and p.status.phase == "Running"
+                                      and p.spec.node_name != victim for p in pods)
+    wait_until(moved, 120, "attempt 1 running off the straggler")
 
 
 def test_a_hung_rank_restarts_the_job_after_its_hang_timeout(cluster: Cluster, agents: Agents, tmp_path: Path) -> None:

@@ -35,6 +35,10 @@ HANG_TIMEOUT_FALLBACK_S = 300.0
 slow checkpoint or evaluation step)."""
 
 
+STRAGGLER_RESTART_COST_S = 30.0
+"""A cold restart elsewhere (processes or pods recreated, a checkpoint read), as ``replace`` weighs it by default."""
+
+
 class StragglerPolicy(StrEnum):
     """What unbroken does about a straggler node (docs/stragglers.md)."""
 
@@ -89,7 +93,7 @@ class ResilienceSpec(_Strict):
     straggler_threshold: float = Field(default=0.75, gt=0, lt=1)
     """A rank is slow while its score (its peers' median time in scored sections over
     its own) is below this; NVIDIA's resiliency extension uses 0.75 too."""
-    straggler_restart_cost: float = Field(default=30.0, gt=0)
+    straggler_restart_cost: float = Field(default=STRAGGLER_RESTART_COST_S, gt=0)
     """Seconds a restart is taken to cost this job when ``replace`` weighs taking a straggler out (a cold
     restart elsewhere: processes or pods recreated, a checkpoint read). Replace only pays when the time
     the straggler would cost over the job's remaining run (estimated as the time it has run) is larger."""

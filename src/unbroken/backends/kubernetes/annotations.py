@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from unbroken.config.checkpoint import TierPolicy
-from unbroken.config.job import StragglerPolicy
+from unbroken.config.job import STRAGGLER_RESTART_COST_S, StragglerPolicy
 from unbroken.errors import ConfigError
 from unbroken.backends.kubernetes import names
 
@@ -46,6 +46,7 @@ class AutoResume:
     hang_timeout: float | None = None
     """None: set from the ranks' step times (ranks without ``unbroken.init()`` report none: no hang detection)."""
     straggler_policy: StragglerPolicy = StragglerPolicy.REPORT
+    straggler_restart_cost: float = STRAGGLER_RESTART_COST_S
     require_deep_health_passed: bool = False
     startup_timeout: float | None = None
     """None: a rank that never reports its first step is not timed out (only its exit is seen).
@@ -78,6 +79,7 @@ def parse(annotations: Mapping[str, str] | None) -> AutoResume | None:
     if deep not in _TRUE | _FALSE:
         problems.append(f'annotation {names.REQUIRE_DEEP_HEALTH}: "{deep}" is not a boolean (valid: "true" or "false")')
     tiers = _tiers(annotations, problems=problems)
+    restart_cost = _number(annotations, names.STRAGGLER_RESTART_COST, problems=problems)
     stragglers = annotations.get(names.STRAGGLER_POLICY, StragglerPolicy.REPORT.value).strip()
     if stragglers not in {p.value for p in StragglerPolicy}:
         problems.append(f'annotation {names.STRAGGLER_POLICY}: "{stragglers}" is not a straggler policy '
@@ -85,7 +87,8 @@ def parse(annotations: Mapping[str, str] | None) -> AutoResume | None:
     if problems:
         raise AnnotationError(problems)
     return AutoResume(max_retry=max_retry, hang_timeout=hang, require_deep_health_passed=deep in _TRUE,
-                      startup_timeout=startup, checkpoint_tiers=tiers, straggler_policy=StragglerPolicy(stragglers))
+                      startup_timeout=startup, checkpoint_tiers=tiers, straggler_policy=StragglerPolicy(stragglers),
+                      straggler_restart_cost=restart_cost or STRAGGLER_RESTART_COST_S)
 
 
 def _tiers(annotations: Mapping[str, str], *, problems: list[str]) -> TierPolicy | None:

@@ -114,6 +114,8 @@ def job_annotations(spec: JobSpec, placement: Placement) -> dict[str, str]:
     }
     if "straggler_policy" in resilience.model_fields_set:
         annotations[names.STRAGGLER_POLICY] = resilience.straggler_policy.value
+    if "straggler_restart_cost" in resilience.model_fields_set:
+        annotations[names.STRAGGLER_RESTART_COST] = f"{resilience.straggler_restart_cost:g}"
     if resilience.hang_timeout is not None:  # unset: the operator sets it from the job's step times
         annotations[names.HANG_TIMEOUT] = f"{resilience.hang_timeout:g}"
     if (tiers := tiers_json(spec)) is not None:

@@ -642,6 +642,7 @@ class KubernetesStore:
                 hang_timeout=settings.hang_timeout,
                 startup_timeout=settings.startup_timeout or NO_HANG_TIMEOUT,
                 require_deep_health_passed=settings.require_deep_health_passed, straggler_policy=settings.straggler_policy,
+                straggler_restart_cost=settings.straggler_restart_cost,
             ).model_dump(),
             "checkpoint": ({} if settings.checkpoint_tiers is None else
                            settings.checkpoint_tiers.model_dump(exclude_none=True)),
