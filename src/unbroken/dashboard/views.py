@@ -8,10 +8,11 @@ from typing import Any
 
 from unbroken import jobs as job_ops
 from unbroken import report
+from unbroken.controller import hang_timeout, stragglers
 from unbroken.controller.fault_kinds import FaultKind, classify
 from unbroken.runtime import Runtime
 from unbroken.state.phases import NodeState
-from unbroken.state.records import CheckpointTier, Event, StepStatus
+from unbroken.state.records import CheckpointTier, Event, Job, StepStatus
 
 EVENTS_SHOWN = 200
 
@@ -105,7 +106,25 @@ def timeline(runtime: Runtime, name: str, now: float) -> dict[str, Any]:
                              "to_t": attempt.first_step_at or now, "steps": previous.last_step - restored})
     return {"job": job_row(runtime, name, now), "history": history(events), "samples": samples, "markers": markers, "lost": lost,
             "steps_lost": summary.steps_lost, "recoveries": [r.total_s for r in summary.recoveries], "now": now,
-            "created_at": job.created_at}
+            "created_at": job.created_at, **step_times(runtime, job)}
+
+
+def step_times(runtime: Runtime, job: Job) -> dict[str, Any]:
+    """The current attempt's step time and straggler score per node, and the hang timeout in force."""
+    spec = job.spec()
+    workers = [] if job.phase.is_terminal else runtime.backend.observe_attempt(job.name, job.attempt)
+    scores = stragglers.scores(workers)
+    rows = []
+    for w in sorted(workers, key=lambda w: w.node_rank):
+        score = scores.get(w.node)
+        rows.append({"node": w.node, "median_step_s": None if w.step_timing is None else round(w.step_timing.median_s, 4),
+                     "score": None if score is None else score.score, "rank": None if score is None else score.rank,
+                     "section": None if score is None else score.section,
+                     "slow": score is not None and score.score < spec.resilience.straggler_threshold})
+    timeout = hang_timeout.in_force(spec, workers)
+    return {"step_times": rows, "straggler_threshold": spec.resilience.straggler_threshold,
+            "straggler_policy": spec.resilience.straggler_policy.value,
+            "hang_timeout": {"seconds": timeout.seconds, "why": timeout.why}}
 
 
 _PHASE_OF_EVENT = {"JobScheduled": "Running", "JobRestarting": "Restarting", "JobResumed": "Resumed",

@@ -119,6 +119,19 @@ function renderPlot(svg, t) {
   svg.innerHTML = parts.join("");
 }
 
+function renderStepTimes(t) {
+  // straggler scores: the node's slowest rank's work against the job's other nodes (docs/stragglers.md)
+  table($("step-times"), [
+    ["node", (r) => `<a href="/nodes/${esc(r.node)}">${esc(r.node)}</a>`],
+    ["median step", (r) => (r.median_step_s === null ? "-" : `${(r.median_step_s * 1000).toFixed(1)} ms`)],
+    ["straggler score", (r) => (r.score === null ? "-" : r.score.toFixed(2))],
+    ["slowest rank", (r) => (r.rank === null ? "-" : r.rank)],
+    ["slowest section", (r) => esc(r.section || "-")],
+  ], t.step_times, (r) => (r.slow ? "slow" : ""));
+  $("step-time-note").textContent = `straggler policy ${t.straggler_policy}, threshold ${t.straggler_threshold}; ` +
+    `hang timeout ${t.hang_timeout.seconds} s (${t.hang_timeout.why})`;
+}
+
 function render(data) {
   const s = data.snapshot;
   if (page === "overview") {
@@ -139,6 +152,7 @@ function render(data) {
     $("history").innerHTML = t.history.map((h) => `<li class="step-${esc(h.phase)}" title="${esc(h.message)}">` +
       `${badge(`phase-${h.phase}`, h.phase)} <time>${time(h.t)}</time></li>`).join("");
     renderPlot($("plot"), t);
+    renderStepTimes(t);
     renderEvents(s.events, (e) => e.kind === "Job" && e.name === j.name);
   } else if (page === "node" && data.node) {
     const n = data.node, retired = n.state === "Retired";
