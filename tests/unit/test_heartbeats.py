@@ -7,6 +7,7 @@ import socket
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import kubernetes
@@ -16,7 +17,7 @@ from unbroken.backends.kubernetes import heartbeats, names
 from unbroken.backends.kubernetes.client import api_client
 from unbroken.backends.kubernetes.heartbeats import Beat, HeartbeatBoard, HeartbeatSender
 from unbroken.backends.kubernetes.store import KubernetesStore
-from unbroken.state.records import RankInfo, WorkerProgress
+from unbroken.state.records import RankInfo, RankTiming, StepTiming, WorkerProgress
 from unbroken.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -77,6 +78,18 @@ def test_a_beat_too_large_for_a_datagram_goes_without_its_progress(board: Heartb
     sender_to(board).send(many)
     heard = wait_until(lambda: board.heard("gpu-1"), 5, "the beat to arrive")
     assert heard.progress == ()
+
+
+def test_a_beat_carries_step_timing_and_sheds_it_before_its_progress(board: HeartbeatBoard) -> None:
+    timing = StepTiming(steps=30, median_s=0.1, longest_s=0.4, ranks=(RankTiming(0, 0.05, {"compute": 0.04}),))
+    timed = replace(REPORT, step_timing=timing)
+    assert sender_to(board).send([timed])
+    assert wait_until(lambda: board.heard("gpu-1"), 5, "the beat").progress == (timed,)
+    # 256 ranks with 16 sections each do not fit a datagram: the timing goes, the progress stays
+    wide = StepTiming(steps=30, median_s=0.1, longest_s=0.4,
+                      ranks=tuple(RankTiming(r, 0.05, {f"section-{s:02d}": 0.01 for s in range(16)}) for r in range(256)))
+    assert sender_to(board, node="gpu-2").send([replace(REPORT, step_timing=wide)])
+    assert wait_until(lambda: board.heard("gpu-2"), 5, "the big beat").progress == (REPORT,)
 
 
 def test_a_beat_to_nowhere_is_not_an_error() -> None:

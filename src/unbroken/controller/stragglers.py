@@ -8,9 +8,9 @@ time of the ranks on the job's *other* nodes over its own, capped at 1:
 
 - 1.0: as fast as its peers; 0.5: it takes twice as long. NVIDIA's resiliency
   extension calls this the "relative" score and flags ranks under 0.75.
-- The reference leaves out the rank's own node, so a node whose eight ranks
-  all slow down together does not raise its own reference, and a two-node
-  job still has one.
+- The reference is the median over the job's other nodes of each node's median
+  rank: it leaves out the rank's own node, so a node whose eight ranks all slow
+  down together does not raise its own reference, and a two-node job still has one.
 - Each rank's work time is already a median over its last 20 steps
   (``agent/step_clock.py``): a noisy step moves nothing.
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from unbroken.state.records import Worker
+from unbroken.state.records import RankTiming, Worker
 
 CONFIRM_STEPS = 5
 RECOVER_MARGIN = 0.1
@@ -47,37 +47,66 @@ class NodeScore:
 
 
 def scores(workers: list[Worker]) -> dict[str, NodeScore]:
-    """Each node's score, for the nodes of ``workers`` (one attempt) whose ranks report scored sections."""
-    work: list[tuple[str, int, float, dict[str, float]]] = []
+    """Each node's score, for the nodes of ``workers`` (one attempt) whose ranks report scored sections.
+
+    O(ranks + nodes log nodes) per job: at 2,048 nodes of 8 ranks a pass scores 16,384 ranks in
+    milliseconds. A node is represented by the median of its ranks' work (its reference for others)
+    and by its slowest rank (its own score)."""
+    by_node: dict[str, list[RankTiming]] = {}
     for w in workers:
         timing = w.step_timing
         if w.phase.is_terminal or timing is None or timing.steps < MIN_MEASURED_STEPS:
             continue
-        work.extend((w.node, r.rank, r.work_s, r.sections) for r in timing.ranks if r.work_s is not None and r.work_s > 0)
-    if len({node for node, *_ in work}) < 2:
+        timed = [r for r in timing.ranks if r.work_s is not None and r.work_s > 0]
+        if timed:
+            by_node.setdefault(w.node, []).extend(timed)
+    if len(by_node) < 2:
         return {}
+    nodes = sorted(by_node)
+    references = leave_one_out_medians([statistics.median(r.work_s or 0.0 for r in by_node[n]) for n in nodes])
+    sections = _section_references(by_node, nodes)
     out: dict[str, NodeScore] = {}
-    for node, rank, seconds, sections in work:
-        others = [(s, secs) for n, _, s, secs in work if n != node]
-        reference = statistics.median(s for s, _ in others)
-        score = min(1.0, reference / seconds)
-        section, section_score = _slowest_section(sections, [secs for _, secs in others])
-        if node not in out or score < out[node].score:
-            out[node] = NodeScore(node, round(score, 3), rank, section, section_score)
+    for node, reference in zip(nodes, references, strict=True):
+        slowest = max(by_node[node], key=lambda r: r.work_s or 0.0)
+        worst: tuple[str | None, float | None] = (None, None)
+        for name, seconds in slowest.sections.items():
+            peers = sections.get(name, {}).get(node)
+            if peers is not None and seconds > 0 and (worst[1] is None or peers / seconds < worst[1]):
+                worst = (name, peers / seconds)
+        out[node] = NodeScore(node, round(min(1.0, reference / (slowest.work_s or 1.0)), 3), slowest.rank, worst[0],
+                              None if worst[1] is None else round(min(1.0, worst[1]), 3))
     return out
 
 
-def _slowest_section(mine: dict[str, float], others: list[dict[str, float]]) -> tuple[str | None, float | None]:
-    """The section where this rank is furthest behind its peers (the one a report should name)."""
-    worst: tuple[str | None, float | None] = (None, None)
-    for name, seconds in mine.items():
-        peers = [o[name] for o in others if o.get(name)]
-        if not peers or seconds <= 0:
-            continue
-        score = min(1.0, statistics.median(peers) / seconds)
-        if worst[1] is None or score < worst[1]:
-            worst = (name, round(score, 3))
-    return worst
+def _section_references(by_node: dict[str, list[RankTiming]], nodes: list[str]) -> dict[str, dict[str, float]]:
+    """For each section: node -> the median over the other nodes of their ranks' median time in it."""
+    names = {name for ranks in by_node.values() for r in ranks for name in r.sections}
+    out: dict[str, dict[str, float]] = {}
+    for name in names:
+        having = [(n, statistics.median(times)) for n in nodes if (times := [r.sections[name] for r in by_node[n] if r.sections.get(name)])]
+        if len(having) >= 2:
+            out[name] = dict(zip((n for n, _ in having), leave_one_out_medians([t for _, t in having]), strict=True))
+    return out
+
+
+def leave_one_out_medians(values: list[float]) -> list[float]:
+    """For each value, the median of all the others: one sort, then O(1) each (at least two values)."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranked = [values[i] for i in order]
+    position = {index: rank for rank, index in enumerate(order)}
+    rest = len(values) - 1
+
+    def kth(k: int, removed: int) -> float:  # the k-th smallest of the others
+        return ranked[k if k < removed else k + 1]
+
+    out = []
+    for i in range(len(values)):
+        removed = position[i]
+        if rest % 2:
+            out.append(kth(rest // 2, removed))
+        else:
+            out.append((kth(rest // 2 - 1, removed) + kth(rest // 2, removed)) / 2)
+    return out
 
 
 @dataclass

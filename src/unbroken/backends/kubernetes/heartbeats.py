@@ -38,7 +38,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import kubernetes
@@ -91,6 +91,10 @@ def encode(key: bytes, beat: Beat) -> bytes:
     body = json.dumps({"node": beat.node, "sender": beat.sender, "seq": beat.seq, "sent_at": beat.sent_at,
                        "progress": [progress_to_json(p) for p in beat.progress], "leaving": beat.leaving}, separators=(",", ":")).encode()
     if len(body) + _DIGEST > MAX_DATAGRAM:
+        # Too big: the step timing goes first (advice), then the progress (the Lease carries it every 10 s).
+        if any(p.step_timing is not None for p in beat.progress):
+            untimed = tuple(replace(p, step_timing=None) for p in beat.progress)
+            return encode(key, Beat(beat.node, beat.sender, beat.seq, beat.sent_at, untimed, leaving=beat.leaving))
         return encode(key, Beat(beat.node, beat.sender, beat.seq, beat.sent_at, leaving=beat.leaving))
     return hmac.digest(key, body, "sha256") + body
 
