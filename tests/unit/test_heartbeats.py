@@ -81,13 +81,15 @@ def test_a_beat_too_large_for_a_datagram_goes_without_its_progress(board: Heartb
 
 
 def test_a_beat_carries_step_timing_and_sheds_it_before_its_progress(board: HeartbeatBoard) -> None:
-    timing = StepTiming(steps=30, median_s=0.1, longest_s=0.4, ranks=(RankTiming(0, 0.05, {"compute": 0.04}),))
+    timing = StepTiming(steps=30, median_s=0.1, longest_s=0.4, work_s=0.05, sections={"compute": 0.04},
+                        slowest=RankTiming(0, 0.05, {"compute": 0.04}))
     timed = replace(REPORT, step_timing=timing)
     assert sender_to(board).send([timed])
     assert wait_until(lambda: board.heard("gpu-1"), 5, "the beat").progress == (timed,)
-    # 256 ranks with 16 sections each do not fit a datagram: the timing goes, the progress stays
-    wide = StepTiming(steps=30, median_s=0.1, longest_s=0.4,
-                      ranks=tuple(RankTiming(r, 0.05, {f"section-{s:02d}": 0.01 for s in range(16)}) for r in range(256)))
+    # a timing too big for a datagram (a foreign agent's: ours sums its ranks up in a few hundred bytes)
+    # goes; the progress stays
+    wide = StepTiming(steps=30, median_s=0.1, longest_s=0.4, work_s=0.05, sections={f"section-{s:05d}": 0.01 for s in range(4000)},
+                      slowest=RankTiming(0, 0.05))
     assert sender_to(board, node="gpu-2").send([replace(REPORT, step_timing=wide)])
     assert wait_until(lambda: board.heard("gpu-2"), 5, "the big beat").progress == (REPORT,)
 

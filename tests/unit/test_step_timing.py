@@ -3,10 +3,12 @@ hysteresis it feeds: plain records, real statistics, no processes."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from unbroken.agent.progress import ProgressBook
-from unbroken.agent.step_clock import WARMUP_STEPS, WINDOW
+from unbroken.agent.step_clock import WARMUP_STEPS, WINDOW, RankClock, worker_timing
 from unbroken.channel import MessageKind, RankMessage
 from unbroken.config.job import JobSpec
 from unbroken.controller import hang_timeout, stragglers
@@ -40,10 +42,11 @@ def test_the_agent_measures_the_median_step_after_the_warmup_and_each_rank_s_sco
     timing = timing_of(book)
     assert timing.steps == 30 - 1 - WARMUP_STEPS
     assert timing.median_s == pytest.approx(0.1)
-    by_rank = {r.rank: r for r in timing.ranks}
-    assert by_rank[0].work_s == pytest.approx(0.05)  # compute + data; the backward (waits on peers) is not scored
-    assert by_rank[1].work_s == pytest.approx(0.09)
-    assert by_rank[1].sections == pytest.approx({"compute": 0.08, "data": 0.01})
+    # compute + data; the backward (waits on peers) is not scored
+    assert timing.slowest is not None and timing.slowest.rank == 1 and timing.slowest.work_s == pytest.approx(0.09)
+    assert timing.slowest.sections == pytest.approx({"compute": 0.08, "data": 0.01})
+    assert timing.work_s == pytest.approx(0.07)  # the median of the node's ranks (0.05 and 0.09)
+    assert timing.sections == pytest.approx({"compute": 0.06, "data": 0.01})
 
 
 def test_a_noisy_step_does_not_move_the_median_but_the_longest_gap_remembers_it() -> None:
@@ -53,7 +56,7 @@ def test_a_noisy_step_does_not_move_the_median_but_the_longest_gap_remembers_it(
     steps(book, 0, 5, every=0.1, start=end + 4.1, first=27, compute=0.05)
     timing = timing_of(book)
     assert timing.median_s == pytest.approx(0.1)
-    assert timing.ranks[0].work_s == pytest.approx(0.05)
+    assert timing.work_s == pytest.approx(0.05)
     assert timing.longest_s == pytest.approx(4.1)
 
 
@@ -61,7 +64,7 @@ def test_the_window_forgets_old_steps_and_a_rank_that_restores_is_measured_afres
     book = ProgressBook()
     end = steps(book, 0, 40, every=0.1, compute=0.05)
     end = steps(book, 0, WINDOW, every=0.3, start=end, first=41, compute=0.25)
-    assert timing_of(book).ranks[0].work_s == pytest.approx(0.25)
+    assert timing_of(book).work_s == pytest.approx(0.25)
     steps(book, 0, 2, every=0.1, start=end, first=10)  # went back to step 10: no interval measured yet
     assert book.current()[0].step_timing is None
 
@@ -74,8 +77,10 @@ def test_no_timing_until_every_reporting_rank_has_measured_steps() -> None:
 
 
 def test_timing_survives_the_store_s_json_and_a_foreign_value_is_no_timing() -> None:
-    timing = StepTiming(steps=12, median_s=0.1, longest_s=0.5, ranks=(RankTiming(0, 0.05, {"compute": 0.04}),))
+    timing = StepTiming(steps=12, median_s=0.1, longest_s=0.5, work_s=0.05, sections={"compute": 0.04},
+                        slowest=RankTiming(3, 0.06, {"compute": 0.05}))
     assert StepTiming.from_json(timing.to_json()) == timing
+    assert StepTiming.from_json(StepTiming(12, 0.1, 0.5).to_json()) == StepTiming(12, 0.1, 0.5)
     assert StepTiming.from_json({"steps": "many"}) is None
     assert StepTiming.from_json(["not", "a", "dict"]) is None
 
@@ -119,8 +124,16 @@ def test_unset_it_follows_the_slowest_worker_s_steps_and_the_longest_gap(median:
 
 
 def timed(node: str, *work: float, step: int = 100, sections: dict[str, float] | None = None) -> Worker:
-    ranks = tuple(RankTiming(rank=i + 10 * int(node[-1]), work_s=w, sections=sections or {"compute": w}) for i, w in enumerate(work))
-    return worker(node, StepTiming(steps=20, median_s=0.2, longest_s=0.3, ranks=ranks), step=step)
+    """A worker whose ranks' work is ``work`` (one section, ``compute``, unless given), summed up as its agent does."""
+    clocks = {}
+    for i, seconds in enumerate(work):
+        clock = RankClock()
+        for s in range(WARMUP_STEPS + 3):
+            clock.observe(s + 1, s * 0.2, {f"section:{k}": v for k, v in (sections or {"compute": seconds}).items()})
+        clocks[i + 10 * int(node[-1])] = clock
+    timing = worker_timing(clocks)
+    assert timing is not None
+    return worker(node, replace(timing, steps=20), step=step)
 
 
 def test_a_slow_node_scores_its_peers_median_over_its_own_and_names_its_slow_section() -> None:
@@ -157,7 +170,7 @@ def test_scoring_two_thousand_nodes_of_eight_ranks_takes_no_time_to_speak_of() -
 
 def test_nothing_is_scored_without_sections_or_with_one_node() -> None:
     assert stragglers.scores([timed("n1", 0.1, 0.3)]) == {}
-    untimed = [worker("n1", StepTiming(20, 0.2, 0.3, (RankTiming(0),))), worker("n2", StepTiming(20, 0.4, 0.5, (RankTiming(1),)))]
+    untimed = [worker("n1", StepTiming(20, 0.2, 0.3)), worker("n2", StepTiming(20, 0.4, 0.5))]
     assert stragglers.scores(untimed) == {}
 
 

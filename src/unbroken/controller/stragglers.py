@@ -24,10 +24,9 @@ straggler from its waiting peers), and nothing is ever flagged.
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass, field
 
-from unbroken.state.records import RankTiming, Worker
+from unbroken.state.records import StepTiming, Worker
 
 CONFIRM_STEPS = 5
 RECOVER_MARGIN = 0.1
@@ -49,41 +48,40 @@ class NodeScore:
 def scores(workers: list[Worker]) -> dict[str, NodeScore]:
     """Each node's score, for the nodes of ``workers`` (one attempt) whose ranks report scored sections.
 
-    O(ranks + nodes log nodes) per job: at 2,048 nodes of 8 ranks a pass scores 16,384 ranks in
-    milliseconds. A node is represented by the median of its ranks' work (its reference for others)
-    and by its slowest rank (its own score)."""
-    by_node: dict[str, list[RankTiming]] = {}
+    O(nodes log nodes) per job: each agent sends its node's summary (the median rank's work and
+    sections, the slowest rank's), so 2,048 nodes of 8 ranks score in milliseconds."""
+    timed: dict[str, StepTiming] = {}
     for w in workers:
         timing = w.step_timing
         if w.phase.is_terminal or timing is None or timing.steps < MIN_MEASURED_STEPS:
             continue
-        timed = [r for r in timing.ranks if r.work_s is not None and r.work_s > 0]
-        if timed:
-            by_node.setdefault(w.node, []).extend(timed)
-    if len(by_node) < 2:
+        if timing.work_s and timing.slowest is not None and timing.slowest.work_s:
+            timed.setdefault(w.node, timing)
+    if len(timed) < 2:
         return {}
-    nodes = sorted(by_node)
-    references = leave_one_out_medians([statistics.median(r.work_s or 0.0 for r in by_node[n]) for n in nodes])
-    sections = _section_references(by_node, nodes)
+    nodes = sorted(timed)
+    references = leave_one_out_medians([timed[n].work_s or 0.0 for n in nodes])
+    sections = _section_references(timed, nodes)
     out: dict[str, NodeScore] = {}
     for node, reference in zip(nodes, references, strict=True):
-        slowest = max(by_node[node], key=lambda r: r.work_s or 0.0)
+        slowest = timed[node].slowest
+        assert slowest is not None and slowest.work_s  # filtered above
         worst: tuple[str | None, float | None] = (None, None)
         for name, seconds in slowest.sections.items():
             peers = sections.get(name, {}).get(node)
             if peers is not None and seconds > 0 and (worst[1] is None or peers / seconds < worst[1]):
                 worst = (name, peers / seconds)
-        out[node] = NodeScore(node, round(min(1.0, reference / (slowest.work_s or 1.0)), 3), slowest.rank, worst[0],
+        out[node] = NodeScore(node, round(min(1.0, reference / slowest.work_s), 3), slowest.rank, worst[0],
                               None if worst[1] is None else round(min(1.0, worst[1]), 3))
     return out
 
 
-def _section_references(by_node: dict[str, list[RankTiming]], nodes: list[str]) -> dict[str, dict[str, float]]:
-    """For each section: node -> the median over the other nodes of their ranks' median time in it."""
-    names = {name for ranks in by_node.values() for r in ranks for name in r.sections}
+def _section_references(timed: dict[str, StepTiming], nodes: list[str]) -> dict[str, dict[str, float]]:
+    """For each section: node -> the median over the other nodes of their median rank's time in it."""
+    names = {name for timing in timed.values() for name in timing.sections}
     out: dict[str, dict[str, float]] = {}
     for name in names:
-        having = [(n, statistics.median(times)) for n in nodes if (times := [r.sections[name] for r in by_node[n] if r.sections.get(name)])]
+        having = [(n, seconds) for n in nodes if (seconds := timed[n].sections.get(name))]
         if len(having) >= 2:
             out[name] = dict(zip((n for n, _ in having), leave_one_out_medians([t for _, t in having]), strict=True))
     return out

@@ -103,7 +103,8 @@ class RankTiming:
 
 @dataclass(frozen=True)
 class StepTiming:
-    """A worker's step times over its recent steps (the first steps of a process excluded)."""
+    """A worker's step times over its recent steps (the first steps of a process excluded), summed up
+    by its agent: the same few figures whether the node runs one rank or 64, so a heartbeat stays small."""
 
     steps: int
     """Step intervals measured so far this attempt."""
@@ -111,23 +112,40 @@ class StepTiming:
     """Median wall seconds between two steps over the recent window (slowest rank)."""
     longest_s: float
     """Longest wall gap between two progress reports of a rank this attempt: a checkpoint, an evaluation."""
-    ranks: tuple[RankTiming, ...] = ()
+    work_s: float | None = None
+    """The median over the worker's ranks of their work per step: what the job's other nodes are scored against."""
+    sections: dict[str, float] = field(default_factory=dict)
+    """Per scored section, the median over the worker's ranks."""
+    slowest: RankTiming | None = None
+    """The rank with the most work per step, with its sections: the node's straggler score is its."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"steps": self.steps, "median_s": round(self.median_s, 6), "longest_s": round(self.longest_s, 6),
-                "ranks": [{"rank": r.rank, "work_s": None if r.work_s is None else round(r.work_s, 6),
-                           "sections": {k: round(v, 6) for k, v in r.sections.items()}} for r in self.ranks]}
+        def rounded(sections: dict[str, float]) -> dict[str, float]:
+            return {k: round(v, 6) for k, v in sections.items()}
+
+        out: dict[str, Any] = {"steps": self.steps, "median_s": round(self.median_s, 6), "longest_s": round(self.longest_s, 6)}
+        if self.work_s is not None:
+            out["work_s"] = round(self.work_s, 6)
+            out["sections"] = rounded(self.sections)
+        if self.slowest is not None and self.slowest.work_s is not None:
+            out["slowest"] = {"rank": self.slowest.rank, "work_s": round(self.slowest.work_s, 6), "sections": rounded(self.slowest.sections)}
+        return out
 
     @classmethod
     def from_json(cls, raw: Any) -> StepTiming | None:
         """The timing in ``raw``, or None if it is not one (an older or foreign writer): timing is advice."""
         try:
-            ranks = tuple(RankTiming(rank=int(r["rank"]), work_s=None if r.get("work_s") is None else float(r["work_s"]),
-                                     sections={str(k): float(v) for k, v in (r.get("sections") or {}).items()})
-                          for r in raw.get("ranks") or ())
-            return cls(steps=int(raw["steps"]), median_s=float(raw["median_s"]), longest_s=float(raw["longest_s"]), ranks=ranks)
+            slowest = raw.get("slowest")
+            return cls(steps=int(raw["steps"]), median_s=float(raw["median_s"]), longest_s=float(raw["longest_s"]),
+                       work_s=None if raw.get("work_s") is None else float(raw["work_s"]), sections=_seconds(raw.get("sections")),
+                       slowest=None if slowest is None else RankTiming(rank=int(slowest["rank"]), work_s=float(slowest["work_s"]),
+                                                                       sections=_seconds(slowest.get("sections"))))
         except (AttributeError, KeyError, TypeError, ValueError):
             return None
+
+
+def _seconds(raw: Any) -> dict[str, float]:
+    return {str(k): float(v) for k, v in (raw or {}).items()}
 
 
 @dataclass(frozen=True)
