@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 _PR_SET_PDEATHSIG = 1
+_SECTION_KEYS: dict[tuple[str, bool], str] = {}
+"""Section names already checked, to their metric key: a step's sections cost two clock reads, not a regex."""
 
 
 @dataclass
@@ -108,10 +110,12 @@ class Context:
         for the slow one, so its time is reported but not scored. ``name``: a short word
         (``[a-z][a-z0-9_-]{0,31}``), the same on every rank.
         """
-        if not SECTION_NAME.fullmatch(name):
-            raise ValueError(f"ctx.section({name!r}): a section name is a short word matching {SECTION_NAME.pattern}, "
-                             f"e.g. 'data', 'forward', 'allreduce'")
-        key = (WAIT_PREFIX if waits_on_peers else SECTION_PREFIX) + name
+        key = _SECTION_KEYS.get((name, waits_on_peers))
+        if key is None:
+            if not SECTION_NAME.fullmatch(name):
+                raise ValueError(f"ctx.section({name!r}): a section name is a short word matching {SECTION_NAME.pattern}, "
+                                 f"e.g. 'data', 'forward', 'allreduce'")
+            key = _SECTION_KEYS[(name, waits_on_peers)] = (WAIT_PREFIX if waits_on_peers else SECTION_PREFIX) + name
         started = time.perf_counter()
         try:
             yield
