@@ -223,3 +223,12 @@ def test_a_section_name_that_is_not_a_short_word_is_a_clear_error() -> None:
     with ctx.section("allreduce", waits_on_peers=True):
         pass
     assert set(ctx._sections) == {"section:data", "wait:allreduce"}
+
+
+def test_a_new_attempt_keeps_the_last_measured_timeout_until_its_own_steps_are_measured() -> None:
+    measured = hang_timeout.in_force(spec(), [worker("a", StepTiming(50, 0.05, 0.1))])
+    assert measured.measured and measured.seconds == hang_timeout.FLOOR_S
+    fresh = [worker("a", StepTiming(2, 0.05, 0.1))]
+    carried = hang_timeout.in_force(spec(), fresh, previous=measured)
+    assert carried.seconds == hang_timeout.FLOOR_S and "earlier attempt" in carried.why
+    assert hang_timeout.in_force(spec(), fresh).seconds == hang_timeout.FALLBACK_S

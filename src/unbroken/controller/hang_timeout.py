@@ -41,17 +41,23 @@ class HangTimeout:
     seconds: float
     why: str
     """For ``job describe`` and the hang's Event: where the number comes from."""
+    measured: bool = False
+    """Set from step times (the job's previous attempt may use it until its own are measured)."""
 
 
-def in_force(spec: JobSpec, workers: list[Worker]) -> HangTimeout:
-    """The hang timeout of the attempt whose ``workers`` these are."""
+def in_force(spec: JobSpec, workers: list[Worker], *, previous: HangTimeout | None = None) -> HangTimeout:
+    """The hang timeout of the attempt whose ``workers`` these are. ``previous``: the last one measured
+    for this job (an earlier attempt's), which holds until this attempt's steps are measured: a job
+    restarted after a hang that hangs again is not given the 5-minute default."""
     if spec.resilience.hang_timeout is not None:
         return HangTimeout(spec.resilience.hang_timeout, "hang_timeout set by the job")
     timings = [w.step_timing for w in workers if not w.phase.is_terminal]
     if not timings or any(t is None or t.steps < MIN_STEPS for t in timings):
+        if previous is not None and previous.measured:
+            return HangTimeout(previous.seconds, "from the step times of an earlier attempt, until this one's are measured")
         return HangTimeout(FALLBACK_S, f"from step times once every worker has run {MIN_STEPS} steps; until then the default")
     median = max(t.median_s for t in timings if t is not None)
     longest = max(t.longest_s for t in timings if t is not None)
     seconds = max(FLOOR_S, STEP_MULTIPLE * median, GAP_MULTIPLE * longest)
     return HangTimeout(round(seconds, 3), f"from step times: max({FLOOR_S:g} s, {STEP_MULTIPLE:g} x median step {median:.3f} s, "
-                                          f"{GAP_MULTIPLE:g} x longest gap {longest:.3f} s)")
+                                          f"{GAP_MULTIPLE:g} x longest gap {longest:.3f} s)", measured=True)

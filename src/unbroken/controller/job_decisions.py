@@ -13,6 +13,7 @@ from enum import StrEnum
 from unbroken import symptoms
 from unbroken.config.job import JobSpec, RestartPolicy
 from unbroken.controller import hang_timeout
+from unbroken.controller.hang_timeout import HangTimeout
 from unbroken.state.phases import DeepHealthStatus, JobPhase, NodeState, WorkerPhase
 from unbroken.state.records import Desired, Job, Node, Worker
 
@@ -49,7 +50,7 @@ class Failure:
 
 def decide(
     now: float, job: Job, spec: JobSpec, workers: list[Worker], nodes: dict[str, Node], free: list[str],
-    *, silent_after: float = 1.5, grow_after: int | None = None,
+    *, silent_after: float = 1.5, grow_after: int | None = None, hang: HangTimeout | None = None,
 ) -> Decision:
     """``workers`` are the current attempt's; ``free`` the eligible idle nodes in preference order.
 
@@ -57,7 +58,9 @@ def decide(
     suspect in failure reasons (it is not declared lost until NodeLostAfterSeconds).
     ``grow_after``: for an elastic job below its size with nodes free, the saved step seen when
     that was first noticed (-1: none yet); it grows once a newer checkpoint is saved.
+    ``hang``: the hang timeout in force (default: from ``workers`` alone, ``hang_timeout.in_force``).
     """
+    hang = hang or hang_timeout.in_force(spec, workers)
     if job.phase.is_terminal:
         return Decision(Action.WAIT, "terminal")
     if job.cancel_requested:
@@ -77,12 +80,12 @@ def decide(
             return Decision(Action.WAIT, f"stopping attempt {job.attempt} on {', '.join(w.node for w in stopping)}")
         return _place(spec, free, "waiting to restart")
     # Running
-    failure = detect_failure(now, spec, workers, nodes)
+    failure = detect_failure(now, spec, workers, nodes, hang)
     if failure is not None:
         failure = _with_suspects(now, failure, workers, nodes, silent_after)
         if can_restart(job, spec, failure):
             reason = f"{failure.reason}; restart {restarts_used(job) + 1} of {spec.resilience.max_retry}"
-            hold = holdable(now, spec, workers, nodes, silent_after)
+            hold = holdable(now, spec, workers, nodes, silent_after, hang)
             if hold:
                 reason += f"; in-process: the ranks on {', '.join(hold)} stay"
             return Decision(Action.RESTART, reason, hold=hold)
@@ -127,13 +130,14 @@ def _place_without_the_unanswered(now: float, spec: JobSpec, workers: list[Worke
                                      f"{HELD_PEERS_GRACE_SECONDS:g} s of its peers (its node may be lost)", nodes=placed.nodes)
 
 
-def holdable(now: float, spec: JobSpec, workers: list[Worker], nodes: dict[str, Node], silent_after: float) -> tuple[str, ...]:
+def holdable(now: float, spec: JobSpec, workers: list[Worker], nodes: dict[str, Node], silent_after: float,
+             hang: HangTimeout | None = None) -> tuple[str, ...]:
     """For a job with in-process restarts, the nodes whose workers can stay for the next attempt:
     running, on a Schedulable node whose agent answers (the next attempt is placed on no other), and stepping until the fault (in a hang every rank is silent, stuck
     in a collective it cannot leave, so none is held: that restart is a full one)."""
     if not spec.resilience.in_process_restart:
         return ()
-    recent = hang_timeout.in_force(spec, workers).seconds
+    recent = (hang or hang_timeout.in_force(spec, workers)).seconds
     return tuple(w.node for w in workers
                  if w.phase in (WorkerPhase.RUNNING, WorkerPhase.INTERRUPTED)
                  and (n := nodes.get(w.node)) is not None and n.state is NodeState.SCHEDULABLE and not _silent(now, n, silent_after)
@@ -204,7 +208,8 @@ def restart_cause(failed_attempt: list[Worker], restart_reason: str) -> Worker |
     return causes[0] if causes else None
 
 
-def detect_failure(now: float, spec: JobSpec, workers: list[Worker], nodes: dict[str, Node]) -> Failure | None:
+def detect_failure(now: float, spec: JobSpec, workers: list[Worker], nodes: dict[str, Node],
+                   hang: HangTimeout | None = None) -> Failure | None:
     """First reason this attempt cannot finish, in order: worker exit (the root cause among
     several), ranks that left their process group (in-process restarts), lost node, hang."""
     failed = sorted((w for w in workers if w.phase is WorkerPhase.FAILED), key=_root_cause_first)
@@ -223,8 +228,7 @@ def detect_failure(now: float, spec: JobSpec, workers: list[Worker], nodes: dict
             detail = f": {node.fault_reason}" if node and node.fault_reason else ""
             state = node.state.value if node else "missing"
             return Failure(f"node {w.node} is {state}{detail}", True)
-    timeout = hang_timeout.in_force(spec, workers)
-    hang = timeout.seconds
+    timeout = hang or hang_timeout.in_force(spec, workers)
     for w in workers:
         if w.phase is not WorkerPhase.RUNNING:
             continue
@@ -233,10 +237,10 @@ def detect_failure(now: float, spec: JobSpec, workers: list[Worker], nodes: dict
             # restarting, cut off) the ranks' silence is not known to grow, so it is not a hang.
             reported = nodes[w.node].heartbeat_at if w.node in nodes else None
             silent = min(now, reported or now) - w.last_progress_at
-            if silent > hang:
+            if silent > timeout.seconds:
                 return Failure(
                     f"hang: no progress from a rank on {w.node} for {silent:.1f} s "
-                    f"(hang_timeout {hang:g} s {timeout.why}, last step {w.last_step})", True,
+                    f"(hang_timeout {timeout.seconds:g} s {timeout.why}, last step {w.last_step})", True,
                 )
         elif w.ranks and w.started_at is not None and now - w.started_at > spec.resilience.startup_timeout:
             # Only ranks that said hello (they called unbroken.init()) are expected to

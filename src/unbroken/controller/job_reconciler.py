@@ -13,7 +13,7 @@ import logging
 
 from unbroken.backends.base import Backend
 from unbroken.config.job import JobSpec, StragglerPolicy
-from unbroken.controller import job_decisions, stragglers
+from unbroken.controller import hang_timeout, job_decisions, stragglers
 from unbroken.controller.job_decisions import Action, Decision
 from unbroken.errors import StoreUnavailable, UnbrokenError
 from unbroken.state.phases import JobPhase, NodeState
@@ -38,6 +38,8 @@ class JobReconciler:
         self._warned: dict[str, str] = {}
         """job -> the last reconcile failure warned about in an Event (memory only: a new controller warns once again)."""
         self.stragglers = stragglers.StragglerWatch()
+        self._hang_timeouts: dict[str, hang_timeout.HangTimeout] = {}
+        """job -> its last hang timeout measured from step times (memory only: a new controller measures again)."""
         self._grow_noticed: dict[tuple[str, int], int] = {}
         """(job, attempt) of an elastic job that could grow → the step it had saved when first seen
         so; it grows after a newer one. Memory only: a new controller notices again, one checkpoint later."""
@@ -88,8 +90,11 @@ class JobReconciler:
         if spec.resilience.in_process_restart and job.phase is JobPhase.RESTARTING:
             # the last attempt's nodes first: their agents hold its workers, which the next attempt adopts
             free.sort(key=lambda name: name not in job.nodes)
+        hang = hang_timeout.in_force(spec, workers, previous=self._hang_timeouts.get(job.name))
+        if hang.measured:
+            self._hang_timeouts[job.name] = hang
         decision = job_decisions.decide(now, job, spec, workers, nodes, free, silent_after=self.silent_after,
-                                        grow_after=self._noticed_growth(job, spec, workers, free))
+                                        grow_after=self._noticed_growth(job, spec, workers, free), hang=hang)
         if decision.action is not Action.WAIT:
             log.info("job %s: %s: %s", job.name, decision.action.value, decision.reason, extra={"job": job.name})
         # A resume the attempt reported goes before what this pass decides: when an attempt's
@@ -100,9 +105,11 @@ class JobReconciler:
             if self._watch_stragglers(now, job, spec, workers, nodes, free):
                 # a straggler was taken out (``nodes`` holds its new state): restart now, naming it as the
                 # cause, rather than a pass later on its peers' broken connections
-                decision = job_decisions.decide(now, job, spec, workers, nodes, free, silent_after=self.silent_after)
-        elif job.phase.is_terminal or decision.action is not Action.WAIT:
-            self.stragglers.forget(job.name)
+                decision = job_decisions.decide(now, job, spec, workers, nodes, free, silent_after=self.silent_after, hang=hang)
+        elif decision.action is not Action.WAIT:
+            self.stragglers.forget(job.name)  # a new attempt is scored afresh
+        if decision.action in (Action.FAIL, Action.SUCCEED, Action.CANCEL):
+            self._hang_timeouts.pop(job.name, None)
         self._apply(now, job, decision, nodes)
         return decision
 
