@@ -232,3 +232,14 @@ def test_a_new_attempt_keeps_the_last_measured_timeout_until_its_own_steps_are_m
     carried = hang_timeout.in_force(spec(), fresh, previous=measured)
     assert carried.seconds == hang_timeout.FLOOR_S and "earlier attempt" in carried.why
     assert hang_timeout.in_force(spec(), fresh).seconds == hang_timeout.FALLBACK_S
+
+
+def test_the_startup_timeout_follows_the_slowest_startup_seen_unless_the_job_sets_one() -> None:
+    started = [replace(worker("a", None), started_at=100.0, first_progress_at=130.0),
+               replace(worker("b", None), started_at=100.0, first_progress_at=112.0)]
+    assert hang_timeout.observed_startup(started) == 30.0
+    assert hang_timeout.observed_startup([*started, replace(worker("c", None), started_at=100.0)]) is None  # c still starting
+    assert hang_timeout.startup_in_force(spec(), None).seconds == 600.0
+    assert hang_timeout.startup_in_force(spec(), 30.0).seconds == 90.0
+    assert hang_timeout.startup_in_force(spec(), 5.0).seconds == hang_timeout.STARTUP_FLOOR_S
+    assert hang_timeout.startup_in_force(spec(startup_timeout=42), 30.0).seconds == 42

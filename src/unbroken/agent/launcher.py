@@ -19,7 +19,7 @@ from unbroken import procs, rank_registry, symptoms
 from unbroken.ports import free_port
 from unbroken.agent import warm_spare
 from unbroken.agent.spare_pool import Spare
-from unbroken.config.job import HANG_TIMEOUT_FALLBACK_S, JobSpec
+from unbroken.config.job import HANG_TIMEOUT_FALLBACK_S, STARTUP_TIMEOUT_FALLBACK_S, JobSpec
 from unbroken.launch_env import GroupPlacement, LaunchEnv
 from unbroken.state.records import Worker
 
@@ -60,7 +60,7 @@ def torchrun_args(spec: JobSpec, worker: Worker, log_dir: Path, local_addr: str 
         "--nproc-per-node", str(spec.procs_per_node),
         "--rdzv-backend", "static",
         "--rdzv-id", f"{worker.job}-attempt-{worker.attempt}",
-        "--rdzv-conf", f"timeout={int(spec.resilience.startup_timeout)}",
+        "--rdzv-conf", f"timeout={int(spec.resilience.startup_timeout or STARTUP_TIMEOUT_FALLBACK_S)}",
         # unbroken owns restarts (on healthy nodes, with a retry budget), not torchrun.
         "--max-restarts", "0",
         "--monitor-interval", "0.2",

@@ -30,6 +30,8 @@ class RestartPolicy(StrEnum):
     NEVER = "Never"
 
 
+STARTUP_TIMEOUT_FALLBACK_S = 600.0
+"""The startup timeout of a job that sets none, until one of its attempts' startup is seen."""
 HANG_TIMEOUT_FALLBACK_S = 300.0
 """The hang timeout of a job that sets none, until its step times are measured (5 minutes covers a
 slow checkpoint or evaluation step)."""
@@ -68,9 +70,11 @@ class ResilienceSpec(_Strict):
     multiple of the median step and of the longest gap seen, never under a few seconds), 5
     minutes until then. Set it for a job with rare long pauses that report no progress (an
     evaluation every few thousand steps)."""
-    startup_timeout: float = Field(default=600.0, gt=0)
+    startup_timeout: float | None = Field(default=None, gt=0)
     """Seconds from launch to a rank's first ``ctx.progress``: imports, rendezvous,
-    restore. Longer than ``hang_timeout`` because a cold start is slower than a step."""
+    restore. Longer than ``hang_timeout`` because a cold start is slower than a step.
+    Unset: 10 minutes until an attempt's startup has been seen, then 3 x the slowest
+    seen, never under a minute (``controller/hang_timeout.py``)."""
     require_deep_health_passed: bool = True
     """Only place the job on nodes whose deep-health-check-status is Passed."""
     warm_spares: int = Field(default=0, ge=0, le=4)

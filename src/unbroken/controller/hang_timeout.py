@@ -14,7 +14,9 @@ the timeout is the largest of
   checkpoints and evaluations that happen every so many steps have shown
   how long they take.
 
-It is recomputed every pass, so it follows the job as it runs. Until the steps
+It is recomputed every pass, so it follows the job as it runs. The startup
+timeout (launch to the first step) likewise: once an attempt's startup has been
+seen, ``STARTUP_MULTIPLE`` x the slowest seen, never under ``STARTUP_FLOOR_S``. Until the steps
 are measured (startup, the first steps) ``FALLBACK_S`` holds, the old default.
 A job whose rare long pause has not happened yet (an evaluation every 5,000
 steps) can be declared hung by it: such a job reports progress during the
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from unbroken.config.job import HANG_TIMEOUT_FALLBACK_S, JobSpec
+from unbroken.config.job import HANG_TIMEOUT_FALLBACK_S, STARTUP_TIMEOUT_FALLBACK_S, JobSpec
 from unbroken.state.records import Worker
 
 FLOOR_S = 3.0
@@ -34,6 +36,8 @@ STEP_MULTIPLE = 20.0
 GAP_MULTIPLE = 2.0
 MIN_STEPS = 10
 FALLBACK_S = HANG_TIMEOUT_FALLBACK_S
+STARTUP_FLOOR_S = 60.0
+STARTUP_MULTIPLE = 3.0
 
 
 @dataclass(frozen=True)
@@ -61,3 +65,21 @@ def in_force(spec: JobSpec, workers: list[Worker], *, previous: HangTimeout | No
     seconds = max(FLOOR_S, STEP_MULTIPLE * median, GAP_MULTIPLE * longest)
     return HangTimeout(round(seconds, 3), f"from step times: max({FLOOR_S:g} s, {STEP_MULTIPLE:g} x median step {median:.3f} s, "
                                           f"{GAP_MULTIPLE:g} x longest gap {longest:.3f} s)", measured=True)
+
+
+def observed_startup(workers: list[Worker]) -> float | None:
+    """Launch to first step of the attempt's slowest worker, once every worker has stepped."""
+    if not workers or any(w.started_at is None or w.first_progress_at is None for w in workers):
+        return None
+    return max((w.first_progress_at or 0.0) - (w.started_at or 0.0) for w in workers)
+
+
+def startup_in_force(spec: JobSpec, observed: float | None) -> HangTimeout:
+    """The startup timeout: the job's, or from the slowest startup seen among its attempts."""
+    if spec.resilience.startup_timeout is not None:
+        return HangTimeout(spec.resilience.startup_timeout, "startup_timeout set by the job")
+    if observed is None:
+        return HangTimeout(STARTUP_TIMEOUT_FALLBACK_S, "the default, until an attempt's startup is seen")
+    seconds = max(STARTUP_FLOOR_S, STARTUP_MULTIPLE * observed)
+    return HangTimeout(round(seconds, 3), f"max({STARTUP_FLOOR_S:g} s, {STARTUP_MULTIPLE:g} x the slowest startup seen, {observed:.1f} s)",
+                       measured=True)

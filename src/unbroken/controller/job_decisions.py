@@ -51,6 +51,7 @@ class Failure:
 def decide(
     now: float, job: Job, spec: JobSpec, workers: list[Worker], nodes: dict[str, Node], free: list[str],
     *, silent_after: float = 1.5, grow_after: int | None = None, hang: HangTimeout | None = None,
+    startup: HangTimeout | None = None,
 ) -> Decision:
     """``workers`` are the current attempt's; ``free`` the eligible idle nodes in preference order.
 
@@ -58,7 +59,7 @@ def decide(
     suspect in failure reasons (it is not declared lost until NodeLostAfterSeconds).
     ``grow_after``: for an elastic job below its size with nodes free, the saved step seen when
     that was first noticed (-1: none yet); it grows once a newer checkpoint is saved.
-    ``hang``: the hang timeout in force (default: from ``workers`` alone, ``hang_timeout.in_force``).
+    ``hang``, ``startup``: the hang and startup timeouts in force (default: from ``workers`` and the spec alone).
     """
     hang = hang or hang_timeout.in_force(spec, workers)
     if job.phase.is_terminal:
@@ -80,7 +81,7 @@ def decide(
             return Decision(Action.WAIT, f"stopping attempt {job.attempt} on {', '.join(w.node for w in stopping)}")
         return _place(spec, free, "waiting to restart")
     # Running
-    failure = detect_failure(now, spec, workers, nodes, hang)
+    failure = detect_failure(now, spec, workers, nodes, hang, startup)
     if failure is not None:
         failure = _with_suspects(now, failure, workers, nodes, silent_after)
         if can_restart(job, spec, failure):
@@ -209,7 +210,7 @@ def restart_cause(failed_attempt: list[Worker], restart_reason: str) -> Worker |
 
 
 def detect_failure(now: float, spec: JobSpec, workers: list[Worker], nodes: dict[str, Node],
-                   hang: HangTimeout | None = None) -> Failure | None:
+                   hang: HangTimeout | None = None, startup: HangTimeout | None = None) -> Failure | None:
     """First reason this attempt cannot finish, in order: worker exit (the root cause among
     several), ranks that left their process group (in-process restarts), lost node, hang."""
     failed = sorted((w for w in workers if w.phase is WorkerPhase.FAILED), key=_root_cause_first)
@@ -229,6 +230,7 @@ def detect_failure(now: float, spec: JobSpec, workers: list[Worker], nodes: dict
             state = node.state.value if node else "missing"
             return Failure(f"node {w.node} is {state}{detail}", True)
     timeout = hang or hang_timeout.in_force(spec, workers)
+    starting = startup or hang_timeout.startup_in_force(spec, None)
     for w in workers:
         if w.phase is not WorkerPhase.RUNNING:
             continue
@@ -242,12 +244,12 @@ def detect_failure(now: float, spec: JobSpec, workers: list[Worker], nodes: dict
                     f"hang: no progress from a rank on {w.node} for {silent:.1f} s "
                     f"(hang_timeout {timeout.seconds:g} s {timeout.why}, last step {w.last_step})", True,
                 )
-        elif w.ranks and w.started_at is not None and now - w.started_at > spec.resilience.startup_timeout:
+        elif w.ranks and w.started_at is not None and now - w.started_at > starting.seconds:
             # Only ranks that said hello (they called unbroken.init()) are expected to
             # report progress; a script without the API is watched for exits only.
             return Failure(
                 f"hang: no rank on {w.node} reported progress within startup_timeout "
-                f"{spec.resilience.startup_timeout:g} s", True,
+                f"{starting.seconds:g} s ({starting.why})", True,
             )
     return None
 

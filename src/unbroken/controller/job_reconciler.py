@@ -40,6 +40,8 @@ class JobReconciler:
         self.stragglers = stragglers.StragglerWatch()
         self._hang_timeouts: dict[str, hang_timeout.HangTimeout] = {}
         """job -> its last hang timeout measured from step times (memory only: a new controller measures again)."""
+        self._startups: dict[str, float] = {}
+        """job -> the slowest launch-to-first-step seen among its attempts (memory only, as above)."""
         self._grow_noticed: dict[tuple[str, int], int] = {}
         """(job, attempt) of an elastic job that could grow → the step it had saved when first seen
         so; it grows after a newer one. Memory only: a new controller notices again, one checkpoint later."""
@@ -93,8 +95,12 @@ class JobReconciler:
         hang = hang_timeout.in_force(spec, workers, previous=self._hang_timeouts.get(job.name))
         if hang.measured:
             self._hang_timeouts[job.name] = hang
+        seen = hang_timeout.observed_startup(workers)
+        if seen is not None and seen > self._startups.get(job.name, 0.0):
+            self._startups[job.name] = seen
+        startup = hang_timeout.startup_in_force(spec, self._startups.get(job.name))
         decision = job_decisions.decide(now, job, spec, workers, nodes, free, silent_after=self.silent_after,
-                                        grow_after=self._noticed_growth(job, spec, workers, free), hang=hang)
+                                        grow_after=self._noticed_growth(job, spec, workers, free), hang=hang, startup=startup)
         if decision.action is not Action.WAIT:
             log.info("job %s: %s: %s", job.name, decision.action.value, decision.reason, extra={"job": job.name})
         # A resume the attempt reported goes before what this pass decides: when an attempt's
@@ -105,11 +111,13 @@ class JobReconciler:
             if self._watch_stragglers(now, job, spec, workers, nodes, free):
                 # a straggler was taken out (``nodes`` holds its new state): restart now, naming it as the
                 # cause, rather than a pass later on its peers' broken connections
-                decision = job_decisions.decide(now, job, spec, workers, nodes, free, silent_after=self.silent_after, hang=hang)
+                decision = job_decisions.decide(now, job, spec, workers, nodes, free, silent_after=self.silent_after, hang=hang,
+                                                startup=startup)
         elif decision.action is not Action.WAIT:
             self.stragglers.forget(job.name)  # a new attempt is scored afresh
         if decision.action in (Action.FAIL, Action.SUCCEED, Action.CANCEL):
             self._hang_timeouts.pop(job.name, None)
+            self._startups.pop(job.name, None)
         self._apply(now, job, decision, nodes)
         return decision
 

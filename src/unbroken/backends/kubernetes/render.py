@@ -53,7 +53,7 @@ from kubeflow.training.models import KubeflowOrgV1PyTorchJob, KubeflowOrgV1PyTor
 from kubeflow_trainer_api import models as trainer
 
 from unbroken import launch_env
-from unbroken.config.job import JobSpec
+from unbroken.config.job import STARTUP_TIMEOUT_FALLBACK_S, JobSpec
 from unbroken.errors import UsageError
 from unbroken.backends.kubernetes import names
 from unbroken.backends.kubernetes import rank_env
@@ -109,7 +109,7 @@ def job_annotations(spec: JobSpec, placement: Placement) -> dict[str, str]:
     annotations = {
         names.AUTO_RESUME: "true" if resilience.auto_resume else "false",
         names.MAX_RETRY: str(resilience.max_retry),
-        names.STARTUP_TIMEOUT: f"{resilience.startup_timeout:g}",
+        names.STARTUP_TIMEOUT: f"{resilience.startup_timeout or STARTUP_TIMEOUT_FALLBACK_S:g}",
         names.REQUIRE_DEEP_HEALTH: "true" if deep else "false",
     }
     if "straggler_policy" in resilience.model_fields_set:
