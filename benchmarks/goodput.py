@@ -9,7 +9,8 @@ The systems:
 
 * **unbroken**: a 3-node local cluster (one spare, automatic node recovery), auto-resume with
   a budget larger than the faults, hang_timeout 10 s (``--hang-timeout auto``: none set, so
-  unbroken sets it from the job's own step times). Xid 79 is written to the node's kernel
+  unbroken sets it from the job's own step times; a ``+autohang`` suffix does that for one system,
+  so both run side by side). Xid 79 is written to the node's kernel
   log (``chaos xid``): the agent takes the node out and the job moves.
 * **unbroken+warm**: the same with ``resilience.warm_spares: 1``: restarts take a torchrun
   (and ranks) that imported torch before the fault.
@@ -226,7 +227,7 @@ def checkpoint_spec(kind: str, root: Path) -> dict[str, Any]:
 
 def run_unbroken(faults: list[Fault], minutes: float, root: Path, *, warm: bool = False, in_process: bool = False,
                  checkpoint: str = "tiers", hang_timeout: float | None = HANG_TIMEOUT) -> Outcome:
-    system = "unbroken" + ("+warm" if warm else "") + ("+inproc" if in_process else "")
+    system = "unbroken" + ("+warm" if warm else "") + ("+inproc" if in_process else "") + ("+autohang" if hang_timeout is None else "")
     root = root / system
     root.mkdir()
     layout = ClusterLayout.at(root / "cluster")
@@ -361,7 +362,8 @@ def main() -> int:
             if system.split("+")[0] == "unbroken":
                 extras = system.split("+")[1:]
                 outcomes.append(run_unbroken(faults, args.minutes, root, warm="warm" in extras, in_process="inproc" in extras,
-                                             checkpoint=args.unbroken_checkpoint, hang_timeout=hang_timeout))
+                                             checkpoint=args.unbroken_checkpoint,
+                                             hang_timeout=None if "autohang" in extras else hang_timeout))
             else:
                 outcomes.append(run_torchrun(system, faults, args.minutes, root, retry_loop=system == "retry-loop"))
     results = [o.to_dict() for o in outcomes]
