@@ -59,6 +59,7 @@ CHECKPOINT_EVERY = 20
 STEP_TIME = 0.05
 FAULT_AT_STEP = 65
 HANG_TIMEOUT = 5.0
+HANG_TIMEOUT_SET: float | None = HANG_TIMEOUT  # --hang-timeout auto: None (unbroken sets it from the job's step times)
 GIVE_UP_AFTER = 60.0
 
 
@@ -117,7 +118,7 @@ def run_unbroken(fault: str, root: Path, variant: str) -> Result:
         local_cluster.wait_ready(runtime, 120)
         spec = JobSpec.model_validate({
             "name": "bench", "nodes": 2, "procs_per_node": 2, "command": workload_args(),
-            "resilience": {"auto_resume": True, "max_retry": 3, "hang_timeout": HANG_TIMEOUT, "warm_spares": 1 if warm else 0,
+            "resilience": {"auto_resume": True, "max_retry": 3, "hang_timeout": HANG_TIMEOUT_SET, "warm_spares": 1 if warm else 0,
                            "in_process_restart": in_process},
             "checkpoint": {"memory": {"keep": 2, "replicas": 1}} if checkpoint == "tiered" else {},
         })
@@ -251,7 +252,7 @@ def _free_port() -> int:
 
 
 def main() -> int:
-    global STATE_MB, CHECKPOINT_EVERY
+    global STATE_MB, CHECKPOINT_EVERY, HANG_TIMEOUT_SET
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--faults", default="kill-worker,hang-worker,kill-node")
@@ -263,7 +264,10 @@ def main() -> int:
     parser.add_argument("--checkpoint-every", type=int, default=CHECKPOINT_EVERY,
                         help="steps between the workload's saves (1: every step, to the memory tier with 'tiered')")
     parser.add_argument("--no-torchrun", action="store_true", help="skip the plain torchrun runs")
+    parser.add_argument("--hang-timeout", default=str(HANG_TIMEOUT),
+                        help="the unbroken job's hang_timeout in seconds, or 'auto': none set (from its step times)")
     args = parser.parse_args()
+    HANG_TIMEOUT_SET = None if args.hang_timeout == "auto" else float(args.hang_timeout)
     STATE_MB, CHECKPOINT_EVERY = args.state_mb, args.checkpoint_every
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="unbroken-bench-") as tmp:
@@ -277,7 +281,7 @@ def main() -> int:
                     results.append(result)
                     print(f"# {result.system:<18} {fault:<12} recover {result.recover_s} s  {result.note}", file=sys.stderr, flush=True)
     if args.json:
-        print(json.dumps({"step_time_s": STEP_TIME, "hang_timeout_s": HANG_TIMEOUT, "state_mb": STATE_MB,
+        print(json.dumps({"step_time_s": STEP_TIME, "hang_timeout_s": HANG_TIMEOUT_SET, "state_mb": STATE_MB,
                           "results": [asdict(r) for r in results]}))
         return 0
     fmt = lambda v: "-" if v is None else str(v)  # noqa: E731
