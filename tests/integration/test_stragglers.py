@@ -76,8 +76,10 @@ def test_a_slowed_node_is_named_a_straggler_and_recovers_while_a_noisy_healthy_r
     cluster3.cli("job", "cancel", "slow")
 
 
-def test_with_replace_a_straggler_node_is_taken_out_and_the_job_moves_to_the_spare(cluster3: Cluster, tmp_path: Path) -> None:
-    victim = start_job(cluster3, tmp_path, "mover", straggler_policy="replace", straggler_restart_cost=1)
+def test_with_replace_a_straggler_node_is_taken_out_and_the_job_moves_to_the_spare_in_process(cluster3: Cluster, tmp_path: Path) -> None:
+    """With in-process restarts the healthy node's rank stays in its process and the spare's new rank takes its
+    state from it: the move loses at most the step in flight."""
+    victim = start_job(cluster3, tmp_path, "mover", straggler_policy="replace", straggler_restart_cost=1, in_process_restart=True)
     spare = ({"node-1", "node-2", "node-3"} - {w.node for w in cluster3.workers("mover")}).pop()
     cluster3.cli("chaos", "slow-node", victim, "--factor", "3")
     message = wait_until(lambda: event(cluster3, "mover", "StragglerReplaced"), 120, "the StragglerReplaced event")
@@ -92,6 +94,9 @@ def test_with_replace_a_straggler_node_is_taken_out_and_the_job_moves_to_the_spa
     restarting = event(cluster3, "mover", "JobRestarting") or ""
     assert f"node {victim} is UnschedulablePendingReplacement: straggler in job mover" in restarting, restarting
     assert job.phase.value == "Running"
+    resumed = wait_until(lambda: event(cluster3, "mover", "JobResumed"), 60, "the JobResumed event")
+    lost = int(resumed.split("; ")[1].split(" steps lost")[0])
+    assert lost <= 1, resumed
     cluster3.cli("chaos", "slow-node", victim, "--clear")
     cluster3.cli("job", "cancel", "mover")
 
