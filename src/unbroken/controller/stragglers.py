@@ -15,9 +15,10 @@ time of the ranks on the job's *other* nodes over its own, capped at 1:
   (``agent/step_clock.py``): a noisy step moves nothing.
 
 A node's score is its worst rank's. A node is a **straggler** once its score
-has stayed under the threshold for ``CONFIRM_STEPS`` job steps (hysteresis:
-a median that dips once does not page anyone), and stops being one after its
-score has stayed above ``threshold + RECOVER_MARGIN`` as long. With no
+has stayed under the threshold, report after report, for ``CONFIRM_STEPS`` job
+steps and ``CONFIRM_REPORTS`` reports (hysteresis: a median that dips once does
+not page anyone), and stops being one after its score has stayed above
+``threshold + RECOVER_MARGIN`` as long. With no
 sections reported there is nothing to score (a step's wall time cannot tell a
 straggler from its waiting peers), and nothing is ever flagged.
 """
@@ -29,6 +30,10 @@ from dataclasses import dataclass, field
 from unbroken.state.records import StepTiming, Worker
 
 CONFIRM_STEPS = 5
+CONFIRM_REPORTS = 3
+"""Reports in a row (about a second apart: the agents' rhythm) a score must stay under the threshold, or
+above it plus the margin, to flag or clear a node: a CPU scheduler's imbalance on a shared machine lasts
+a second or two, a slow GPU or a noisy neighbour stays."""
 RECOVER_MARGIN = 0.1
 MIN_MEASURED_STEPS = 5
 """A worker's timing counts once its ranks have measured this many steps after their warm-up."""
@@ -111,7 +116,12 @@ def leave_one_out_medians(values: list[float]) -> list[float]:
 class _Track:
     low_since: int | None = None
     """The job step at which the score went (and stayed) under the threshold."""
+    low_reports: int = 0
+    """Reports in a row under the threshold."""
     high_since: int | None = None
+    high_reports: int = 0
+    seen_at: int | None = None
+    """The job step of the last report looked at (a pass with no new report changes nothing)."""
     flagged: bool = False
     shadowed: bool = False
 
@@ -141,18 +151,23 @@ class StragglerWatch:
         changes = []
         for node, score in node_scores.items():
             track = tracks.setdefault(node, _Track())
-            if score.score < threshold:
-                track.high_since = None
-                track.low_since = step if track.low_since is None else track.low_since
-                if not track.flagged and step - track.low_since >= CONFIRM_STEPS:
-                    track.flagged = True
-                    changes.append(Change(node, True, score))
-            elif score.score >= min(0.99, threshold + RECOVER_MARGIN):
-                track.low_since = None
-                track.high_since = step if track.high_since is None else track.high_since
-                if track.flagged and step - track.high_since >= CONFIRM_STEPS:
-                    track.flagged = False
-                    changes.append(Change(node, False, score))
+            if step == track.seen_at:
+                continue  # no new report since the last pass
+            track.seen_at = step
+            # Enter only while continuously below the threshold; leave only while continuously above it
+            # plus the margin. A score between the two keeps the state and resets both clocks.
+            low = score.score < threshold
+            high = score.score >= min(0.99, threshold + RECOVER_MARGIN)
+            track.low_since, track.low_reports = (track.low_since if track.low_since is not None else step,
+                                                  track.low_reports + 1) if low else (None, 0)
+            track.high_since, track.high_reports = (track.high_since if track.high_since is not None else step,
+                                                    track.high_reports + 1) if high else (None, 0)
+            if low and not track.flagged and step - (track.low_since or step) >= CONFIRM_STEPS and track.low_reports >= CONFIRM_REPORTS:
+                track.flagged = True
+                changes.append(Change(node, True, score))
+            elif high and track.flagged and step - (track.high_since or step) >= CONFIRM_STEPS and track.high_reports >= CONFIRM_REPORTS:
+                track.flagged = False
+                changes.append(Change(node, False, score))
         return changes
 
     def stragglers(self, job: str, attempt: int) -> list[str]:
