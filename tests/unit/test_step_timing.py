@@ -174,33 +174,36 @@ def test_nothing_is_scored_without_sections_or_with_one_node() -> None:
     assert stragglers.scores(untimed) == {}
 
 
-def test_a_node_is_flagged_after_staying_low_for_the_confirm_steps_and_cleared_after_staying_high() -> None:
+def test_a_node_is_flagged_after_staying_low_for_the_confirm_steps_and_reports_and_cleared_after_staying_high() -> None:
     watch = stragglers.StragglerWatch()
     slow = {"n2": stragglers.NodeScore("n2", 0.5, 1, "compute")}
     fine = {"n2": stragglers.NodeScore("n2", 0.97, 1, "compute")}
     assert watch.observe("train", 0, 100, slow, 0.75) == []
-    assert watch.observe("train", 0, 100 + stragglers.CONFIRM_STEPS - 1, slow, 0.75) == []
-    [change] = watch.observe("train", 0, 100 + stragglers.CONFIRM_STEPS, slow, 0.75)
+    assert watch.observe("train", 0, 100, slow, 0.75) == []  # the same report again: a pass with no news
+    assert watch.observe("train", 0, 110, slow, 0.75) == []  # 10 steps, but only 2 reports
+    [change] = watch.observe("train", 0, 111, slow, 0.75)
     assert (change.node, change.straggler) == ("n2", True)
     assert watch.stragglers("train", 0) == ["n2"]
     assert watch.observe("train", 0, 120, slow, 0.75) == []  # reported once
     assert watch.observe("train", 0, 121, fine, 0.75) == []
+    assert watch.observe("train", 0, 122, fine, 0.75) == []
+    assert watch.observe("train", 0, 123, fine, 0.75) == []  # 3 reports, but 2 steps
     [back] = watch.observe("train", 0, 121 + stragglers.CONFIRM_STEPS, fine, 0.75)
     assert back.straggler is False and watch.stragglers("train", 0) == []
 
 
-def test_a_score_that_dips_once_and_recovers_is_never_flagged() -> None:
+def test_a_score_that_dips_and_recovers_or_hovers_at_the_line_is_never_flagged() -> None:
     watch = stragglers.StragglerWatch()
-    for step in range(100, 200, 2):  # alternates: low for one report, back above the recovery line the next
-        score = 0.6 if step % 4 == 0 else 0.9
+    for step in range(100, 300, 2):  # under the threshold for two reports, then between it and the recovery line
+        score = 0.6 if step % 6 else 0.8
         assert watch.observe("train", 0, step, {"n2": stragglers.NodeScore("n2", score, 1, None)}, 0.75) == []
 
 
 def test_a_new_attempt_is_measured_afresh() -> None:
     watch = stragglers.StragglerWatch()
     slow = {"n2": stragglers.NodeScore("n2", 0.5, 1, None)}
-    watch.observe("train", 0, 100, slow, 0.75)
-    watch.observe("train", 0, 200, slow, 0.75)
+    for step in (100, 150, 200):
+        watch.observe("train", 0, step, slow, 0.75)
     assert watch.stragglers("train", 0) == ["n2"]
     assert watch.observe("train", 1, 201, slow, 0.75) == [] and watch.stragglers("train", 1) == []
 
