@@ -16,8 +16,9 @@ time of the ranks on the job's *other* nodes over its own, capped at 1:
 
 A node's score is its worst rank's. A node is a **straggler** once its score
 has stayed under the threshold, report after report, for ``CONFIRM_STEPS`` job
-steps and ``CONFIRM_REPORTS`` reports (hysteresis: a median that dips once does
-not page anyone), and stops being one after its score has stayed above
+steps and ``CONFIRM_REPORTS`` reports, and its shortfall summed over them has
+reached ``EVIDENCE`` (a CUSUM: a deep dip is flagged fast, a shallow one only if
+it lasts); it stops being one after its score has stayed above
 ``threshold + RECOVER_MARGIN`` as long. With no
 sections reported there is nothing to score (a step's wall time cannot tell a
 straggler from its waiting peers), and nothing is ever flagged.
@@ -30,10 +31,14 @@ from dataclasses import dataclass, field
 from unbroken.state.records import StepTiming, Worker
 
 CONFIRM_STEPS = 5
-CONFIRM_REPORTS = 3
+CONFIRM_REPORTS = 2
 """Reports in a row (about a second apart: the agents' rhythm) a score must stay under the threshold, or
-above it plus the margin, to flag or clear a node: a CPU scheduler's imbalance on a shared machine lasts
-a second or two, a slow GPU or a noisy neighbour stays."""
+above it plus the margin, to flag or clear a node."""
+EVIDENCE = 0.15
+"""How far under the threshold, summed over the reports in a row, flags a node (a CUSUM): a node at
+half speed (0.5 against 0.75) is flagged on its second report, one at 1.5x (0.67) on its second, one
+that hovers just under the line (0.74) only after 15 s of it. A CPU scheduler's imbalance on a
+shared machine dips a score a little for a second or two; a slow GPU or a noisy neighbour stays."""
 RECOVER_MARGIN = 0.1
 MIN_MEASURED_STEPS = 5
 """A worker's timing counts once its ranks have measured this many steps after their warm-up."""
@@ -118,6 +123,8 @@ class _Track:
     """The job step at which the score went (and stayed) under the threshold."""
     low_reports: int = 0
     """Reports in a row under the threshold."""
+    evidence: float = 0.0
+    """How far under the threshold those reports were, summed."""
     high_since: int | None = None
     high_reports: int = 0
     seen_at: int | None = None
@@ -160,9 +167,11 @@ class StragglerWatch:
             high = score.score >= min(0.99, threshold + RECOVER_MARGIN)
             track.low_since, track.low_reports = (track.low_since if track.low_since is not None else step,
                                                   track.low_reports + 1) if low else (None, 0)
+            track.evidence = track.evidence + (threshold - score.score) if low else 0.0
             track.high_since, track.high_reports = (track.high_since if track.high_since is not None else step,
                                                     track.high_reports + 1) if high else (None, 0)
-            if low and not track.flagged and step - (track.low_since or step) >= CONFIRM_STEPS and track.low_reports >= CONFIRM_REPORTS:
+            if (low and not track.flagged and step - (track.low_since or step) >= CONFIRM_STEPS and track.low_reports >= CONFIRM_REPORTS
+                    and track.evidence >= EVIDENCE):
                 track.flagged = True
                 changes.append(Change(node, True, score))
             elif high and track.flagged and step - (track.high_since or step) >= CONFIRM_STEPS and track.high_reports >= CONFIRM_REPORTS:
