@@ -180,8 +180,8 @@ def test_a_node_is_flagged_after_staying_low_for_the_confirm_steps_and_reports_a
     fine = {"n2": stragglers.NodeScore("n2", 0.97, 1, "compute")}
     assert watch.observe("train", 0, 100, slow, 0.75) == []
     assert watch.observe("train", 0, 100, slow, 0.75) == []  # the same report again: a pass with no news
-    assert watch.observe("train", 0, 110, slow, 0.75) == []  # 10 steps, but only 2 reports
-    [change] = watch.observe("train", 0, 111, slow, 0.75)
+    assert watch.observe("train", 0, 102, slow, 0.75) == []  # 2 reports, but 2 steps
+    [change] = watch.observe("train", 0, 105, slow, 0.75)
     assert (change.node, change.straggler) == ("n2", True)
     assert watch.stragglers("train", 0) == ["n2"]
     assert watch.observe("train", 0, 120, slow, 0.75) == []  # reported once
@@ -197,6 +197,16 @@ def test_a_score_that_dips_and_recovers_or_hovers_at_the_line_is_never_flagged()
     for step in range(100, 300, 2):  # under the threshold for two reports, then between it and the recovery line
         score = 0.6 if step % 6 else 0.8
         assert watch.observe("train", 0, step, {"n2": stragglers.NodeScore("n2", score, 1, None)}, 0.75) == []
+
+
+def test_a_shallow_dip_must_last_while_a_deep_one_is_flagged_at_once() -> None:
+    """The shortfall under the threshold is summed over the reports in a row (a CUSUM): 0.74 for 14
+    reports is a scheduler's noise; 0.67 (a node at 1.5x) is flagged on its second report."""
+    watch = stragglers.StragglerWatch()
+    shallow, deep = stragglers.NodeScore("n1", 0.74, 1, None), stragglers.NodeScore("n2", 0.67, 2, None)
+    flagged = {step: [c.node for c in watch.observe("train", 0, step, {"n1": shallow, "n2": deep}, 0.75)] for step in range(100, 300, 10)}
+    assert flagged[110] == ["n2"]
+    assert [step for step, nodes in flagged.items() if "n1" in nodes] == [100 + 10 * 14]  # 15 reports x 0.01 = 0.15
 
 
 def test_a_new_attempt_is_measured_afresh() -> None:
