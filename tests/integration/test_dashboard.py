@@ -91,7 +91,7 @@ def test_job_page_follows_a_fault_live_and_a_node_page_turns_red(make_cluster, t
         assert page.text_content("#restarts") == "0 of 3"
         assert page.locator("#plot polyline.attempt[data-attempt='0']").count() == 1
         # step time by node: both nodes scored from the MLP's sections (docs/stragglers.md), and the hang timeout in force
-        page.wait_for_function("""(() => { const cells = [...document.querySelectorAll('#step-times tr td:nth-child(3)')];
+        page.wait_for_function(r"""(() => { const cells = [...document.querySelectorAll('#step-times tr td:nth-child(3)')];
                                   return cells.length === 2 && cells.every(td => /^[01]\.\d\d$/.test(td.textContent)); })()""")
         assert "hang timeout 60 s (hang_timeout set by the job)" in (page.text_content("#step-time-note") or "")
 
