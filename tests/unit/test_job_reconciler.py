@@ -15,7 +15,7 @@ from unbroken.controller.job_reconciler import JobReconciler
 from unbroken.layout import ClusterLayout
 from unbroken.runtime import Runtime, create_local
 from unbroken.state.phases import DeepHealthStatus, JobPhase, NodeState, WorkerPhase
-from unbroken.state.records import Desired, Node
+from unbroken.state.records import Desired, Node, RankTiming, StepTiming, WorkerProgress
 from unbroken.state.updates import JobUpdate, WorkerUpdate
 
 
@@ -137,3 +137,61 @@ def test_a_restart_decided_on_a_lost_peer_names_its_cause_once_that_reports(runt
     causes = runtime.cluster.list_events(object_kind="Job", object_name="c", reason="JobRestartCause")
     assert [e.message for e in causes] == [
         "attempt 0: the failure behind restart 1: worker on node-2: rank 3 (local rank 1) exited with signal 9 (SIGKILL)"]
+
+
+def run_with_a_slow_node(runtime: Runtime, policy: str, *, until: str | None = None) -> float:
+    """A 2-node job on node-1 and node-2 (node-3 spare) whose node-2 reports twice node-1's work per step,
+    through the store as its agent would, over enough passes for the straggler rule (or until the pass
+    that writes an ``until`` Event); returns the last pass's time."""
+    table = runtime.worker_table
+    assert table is not None
+    now = time.time()
+    add_nodes(runtime, "node-1", "node-2", "node-3", now=now)
+    submit(runtime, "slow", 2, auto_resume=True, straggler_policy=policy, straggler_restart_cost=1)
+    passes = reconciler(runtime)
+    passes.reconcile_all(now)
+    for w in runtime.backend.observe_attempt("slow", 0):
+        table.update_worker(w.id, WorkerUpdate(phase=WorkerPhase.RUNNING))
+    for i, step in enumerate((100, 110, 120, 130), start=1):
+        at = now + i
+        for node, work in (("node-1", 0.1), ("node-2", 0.2), ("node-3", None)):
+            progress = [] if work is None else [WorkerProgress(
+                job="slow", attempt=0, first_step=1, first_progress_at=now - 100, last_step=step, last_progress_at=at,
+                step_timing=StepTiming(steps=30, median_s=0.25, longest_s=0.3, work_s=work, sections={"compute": work},
+                                       slowest=RankTiming(int(node[-1]), work, {"compute": work})))]
+            runtime.cluster.renew_lease(node, at=at, progress=progress)
+        passes.reconcile_all(at)
+        if until is not None and job_events(runtime, until):
+            return at
+    return now + 4
+
+
+def job_events(runtime: Runtime, reason: str) -> list[str]:
+    return [e.message for e in runtime.cluster.list_events(object_kind="Job", object_name="slow", reason=reason)]
+
+
+def test_report_names_the_straggler_once_and_leaves_it_be(runtime: Runtime) -> None:
+    run_with_a_slow_node(runtime, "report")
+    [detected] = job_events(runtime, "StragglerDetected")
+    assert detected.startswith("node node-2 is a straggler: rank 2 scores 0.5, slowest section 'compute' at 0.5") and "policy report" in detected
+    assert runtime.cluster.get_node("node-2").state is NodeState.SCHEDULABLE
+    assert runtime.cluster.get_job("slow").phase is JobPhase.RUNNING
+
+
+def test_shadow_says_once_what_replace_would_do_and_does_nothing(runtime: Runtime) -> None:
+    run_with_a_slow_node(runtime, "shadow")
+    [shadow] = job_events(runtime, "StragglerReplaceShadow")
+    assert shadow.startswith("would take out node node-2 now: straggler in job slow: rank 2 scores 0.5") and "spare node-3 free" in shadow
+    assert runtime.cluster.get_node("node-2").state is NodeState.SCHEDULABLE
+    assert runtime.cluster.get_job("slow").phase is JobPhase.RUNNING
+
+
+def test_replace_takes_the_straggler_out_and_restarts_the_job_in_the_same_pass_naming_it(runtime: Runtime) -> None:
+    run_with_a_slow_node(runtime, "replace", until="StragglerReplaced")
+    node = runtime.cluster.get_node("node-2")
+    assert (node.state, node.fault_type) == (NodeState.PENDING_REPLACEMENT, "Straggler")
+    [replaced] = job_events(runtime, "StragglerReplaced")
+    assert "node node-2 taken out" in replaced and "spare node-3 free" in replaced
+    job = runtime.cluster.get_job("slow")
+    assert job.phase is JobPhase.RESTARTING
+    assert (job.reason or "").startswith("node node-2 is UnschedulablePendingReplacement: straggler in job slow"), job.reason
