@@ -137,7 +137,9 @@ class ProgressBook:
         """A rank of the worker has reported a training step (its startup is over)."""
         with self._lock:
             progress = self._workers.get((job, attempt))
-            return progress is not None and progress.report(job, attempt).first_step is not None
+            # not report(): this runs on the agent's worker loop, and a report computes the step timing
+            return progress is not None and progress.first_step is not None and any(
+                r.ts is not None and r.step is not None for r in progress.ranks.values())
 
     def take(self, job: str, attempt: int) -> WorkerProgress | None:
         """The worker's report and its end in this book (it finished)."""

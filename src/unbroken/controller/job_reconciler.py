@@ -130,7 +130,8 @@ class JobReconciler:
             return False
         steps = [w.last_step for w in workers if not w.phase.is_terminal]
         step = min(s for s in steps if s is not None) if steps and None not in steps else None
-        for change in self.stragglers.observe(job.name, job.attempt, step, stragglers.scores(workers),
+        scored = stragglers.scores(workers)
+        for change in self.stragglers.observe(job.name, job.attempt, step, scored,
                                               spec.resilience.straggler_threshold):
             score = change.score
             if not change.straggler:
@@ -144,16 +145,15 @@ class JobReconciler:
                                  f"nodes (threshold {spec.resilience.straggler_threshold:g}) at step {step}; policy "
                                  f"{policy.value}", type=EventType.WARNING)
         if policy in (StragglerPolicy.REPLACE, StragglerPolicy.SHADOW):
-            return self._replace_stragglers(now, job, spec, workers, nodes, free)
+            return self._replace_stragglers(now, job, spec, workers, nodes, free, scored)
         return False
 
     def _replace_stragglers(self, now: float, job: Job, spec: JobSpec, workers: list[Worker], nodes: dict[str, Node],
-                            free: list[str]) -> bool:
+                            free: list[str], scored: dict[str, stragglers.NodeScore]) -> bool:
         own = {w.node for w in workers}
         spares = [n for n in free if n not in own]
         started = [w.first_progress_at for w in workers if w.first_progress_at is not None]
         running = now - min(started) if started else 0.0
-        scored = stragglers.scores(workers)
         cost = spec.resilience.straggler_restart_cost
         replaced = False
         for name in self.stragglers.stragglers(job.name, job.attempt):
