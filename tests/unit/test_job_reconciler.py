@@ -170,18 +170,17 @@ def job_events(runtime: Runtime, reason: str) -> list[str]:
     return [e.message for e in runtime.cluster.list_events(object_kind="Job", object_name="slow", reason=reason)]
 
 
-def test_report_names_the_straggler_once_and_leaves_it_be(runtime: Runtime) -> None:
-    run_with_a_slow_node(runtime, "report")
-    [detected] = job_events(runtime, "StragglerDetected")
-    assert detected.startswith("node node-2 is a straggler: rank 2 scores 0.5, slowest section 'compute' at 0.5") and "policy report" in detected
-    assert runtime.cluster.get_node("node-2").state is NodeState.SCHEDULABLE
-    assert runtime.cluster.get_job("slow").phase is JobPhase.RUNNING
-
-
-def test_shadow_says_once_what_replace_would_do_and_does_nothing(runtime: Runtime) -> None:
-    run_with_a_slow_node(runtime, "shadow")
-    [shadow] = job_events(runtime, "StragglerReplaceShadow")
-    assert shadow.startswith("would take out node node-2 now: straggler in job slow: rank 2 scores 0.5") and "spare node-3 free" in shadow
+@pytest.mark.parametrize("policy, reason, opening", [
+    ("report", "StragglerDetected", "node node-2 is a straggler: rank 2 scores 0.5, slowest section 'compute' at 0.5"),
+    ("shadow", "StragglerReplaceShadow", "would take out node node-2 now: straggler in job slow: rank 2 scores 0.5"),
+])
+def test_report_and_shadow_say_so_once_and_leave_the_node_be(runtime: Runtime, policy: str, reason: str, opening: str) -> None:
+    run_with_a_slow_node(runtime, policy)
+    [message] = job_events(runtime, reason)
+    assert message.startswith(opening), message
+    assert f"policy {policy}" in job_events(runtime, "StragglerDetected")[0]
+    if policy == "shadow":
+        assert "spare node-3 free" in message
     assert runtime.cluster.get_node("node-2").state is NodeState.SCHEDULABLE
     assert runtime.cluster.get_job("slow").phase is JobPhase.RUNNING
 
