@@ -11,10 +11,15 @@ For each system, on a fresh control plane (etcd and kube-apiserver from tests/co
 * S saves: every rank saves step s, and the save is done when the catalog shows step s committed in
   memory with a replica of every rank; then the agents settle (their held copy records written).
 
-Systems: ``unbroken`` (this tree: one ConfigMap of copies per node, an agent's copy records of about a
-second written as one patch, reads from watch caches) and ``baseline`` (commit ``BASELINE_COMMIT``:
-one ConfigMap per step, one patch per copy, a LIST of the job's ConfigMaps and one of the Nodes per
-pass), the same driver run on each's sources (``git archive``).
+Systems, the same driver run on each's sources (``git archive``):
+
+* ``unbroken`` (this tree): one ConfigMap of copies per node; peers push a step as soon as they
+  recorded it, and an agent holds its copy records (a second, and while a push to it is under way up to
+  5 s more) so that a save's own copies and the replicas it holds are one patch; reads from watch caches;
+* ``two-writes`` (commit ``TWO_WRITES_COMMIT``, the design before this one): the same, but replication
+  waits for the step's commit, so the replicas a node holds are a second patch per save;
+* ``baseline`` (commit ``BASELINE_COMMIT``): one ConfigMap per step, one patch per copy, a LIST of the
+  job's ConfigMaps and one of the Nodes per pass.
 
 Reported per system, from the API server's own ``apiserver_request_total`` and ``apiserver_response_sizes``:
 writes per node per save (goal ≤ 1), LIST requests and bytes read per second while saving, and the
@@ -46,6 +51,9 @@ import baseline  # benchmarks/baseline.py, beside this script
 ROOT = Path(__file__).resolve().parents[1]
 BASELINE_COMMIT = "d1eb2d6"
 """The last commit with one ConfigMap per step holding a key per copy, written one copy at a time."""
+TWO_WRITES_COMMIT = "032ea40"
+"""The last commit whose agents replicated a step only once it was committed: two writes per node per save."""
+COMMITS = {"baseline": BASELINE_COMMIT, "two-writes": TWO_WRITES_COMMIT}
 NAMESPACE = "unbroken-system"
 JOB = "team-a/llama"
 PASS_SECONDS = 0.5
@@ -69,10 +77,6 @@ class Result:
     """Agent passes achieved (the goal is 2 a second): below it, this machine could not keep up."""
     failed: str | None = None
     """Why the run stopped short (a save not committed in time), None when every save was."""
-
-
-def baseline_sources() -> Path:
-    return baseline.sources(BASELINE_COMMIT)
 
 
 # -- the worker: one system, in a process whose sys.path has that system's sources ------------------------
@@ -227,7 +231,7 @@ def worker(system: str, nodes: int, ranks: int, saves: int) -> Result:
 
 def run_system(system: str, args: argparse.Namespace) -> Result:
     env = dict(os.environ)
-    src = ROOT / "src" if system == "unbroken" else baseline_sources()
+    src = ROOT / "src" if system == "unbroken" else baseline.sources(COMMITS[system])
     env["PYTHONPATH"] = os.pathsep.join([str(src), str(ROOT / "tests")])
     out = subprocess.run([sys.executable, __file__, "--worker", system, "--nodes", str(args.nodes), "--ranks-per-node",
                           str(args.ranks_per_node), "--saves", str(args.saves)], env=env, check=True, stdout=subprocess.PIPE)
@@ -243,9 +247,11 @@ def table(results: list[Result]) -> str:
                                  f"{r.lists_per_s:.0f}", f"{r.read_mb_s:.1f}", f"{r.commit_p50_s:.1f}", f"{r.commit_max_s:.1f}",
                                  f"{r.passes_per_node_s:.2f}", r.failed or ""]))
     by = {r.system: r for r in results}
-    if "unbroken" in by and "baseline" in by and by["unbroken"].writes_per_node_per_save:
-        lines += ["", f"baseline writes {by['baseline'].writes_per_node_per_save / by['unbroken'].writes_per_node_per_save:.1f}x "
-                      f"unbroken's per node per save; reads {by['baseline'].read_mb_s / max(by['unbroken'].read_mb_s, 1e-3):.1f}x"]
+    ours = by.get("unbroken")
+    for other in (by[name] for name in COMMITS if name in by):
+        if ours is not None and ours.writes_per_node_per_save:
+            lines += ["", f"{other.system} writes {other.writes_per_node_per_save / ours.writes_per_node_per_save:.1f}x "
+                          f"unbroken's per node per save; reads {other.read_mb_s / max(ours.read_mb_s, 1e-3):.1f}x"]
     return "\n".join(lines)
 
 
@@ -255,14 +261,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=125, help="agents (default: %(default)s)")
     parser.add_argument("--ranks-per-node", type=int, default=8, help="(default: %(default)s: 1,000 ranks at 125 nodes)")
     parser.add_argument("--saves", type=int, default=5, help="saves measured, after one warm-up save (default: %(default)s)")
-    parser.add_argument("--systems", default="unbroken,baseline", help="(default: %(default)s)")
+    parser.add_argument("--systems", default="unbroken,two-writes,baseline", help="(default: %(default)s)")
     parser.add_argument("--json", action="store_true", help='print {"results": [...]} instead of a table')
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(asdict(worker(args.worker, args.nodes, args.ranks_per_node, args.saves))))
         return 0
-    results = [run_system(system, args) for system in args.systems.split(",")]
+    systems = args.systems.split(",")
+    unknown = [name for name in systems if name != "unbroken" and name not in COMMITS]
+    if unknown:
+        parser.error(f"--systems: unknown {', '.join(unknown)}; choose from unbroken, {', '.join(COMMITS)}")
+    results = [run_system(system, args) for system in systems]
     print(json.dumps({"results": [asdict(r) for r in results]}, indent=2) if args.json else table(results))
     return 0
 

@@ -168,6 +168,24 @@ def test_a_step_configmap_of_the_layout_before_is_deleted_with_its_last_row(cata
     assert configmaps(catalog) == []
 
 
+def test_retiring_a_steps_last_row_is_one_write_and_a_row_beside_another_tiers_keeps_its_configmap(
+        k8s: ControlPlane, catalog: KubernetesCatalog) -> None:
+    """Every save retires a step: its memory row, the ConfigMap's only key, goes with the ConfigMap in one delete."""
+    catalog.put_checkpoint_step(a_step(10, status=StepStatus.COMMITTED, committed_at=2.0))
+    catalog.put_checkpoint_step(a_step(20, status=StepStatus.COMMITTED, committed_at=2.0))
+    catalog.put_checkpoint_step(a_step(20, CheckpointTier.PERSISTENT))
+    before = k8s.requests_answered(CONFIGMAP_WRITES, "configmaps")
+    catalog.delete_checkpoint_step(JOB, 10, CheckpointTier.MEMORY)
+    assert k8s.requests_answered(CONFIGMAP_WRITES, "configmaps") - before == 1
+    assert configmaps(catalog) == [configmap_name(JOB, 20)]
+    catalog.delete_checkpoint_step(JOB, 20, CheckpointTier.MEMORY)
+    assert [(s.step, s.tier) for s in catalog.list_checkpoint_steps(JOB)] == [(20, CheckpointTier.PERSISTENT)], \
+        "the persistent row stays"
+    before = k8s.requests_answered(CONFIGMAP_WRITES, "configmaps")
+    catalog.delete_checkpoint_step(JOB, 10, CheckpointTier.MEMORY)
+    assert k8s.requests_answered(CONFIGMAP_WRITES, "configmaps") == before, "a step retired already: a read, no write"
+
+
 def test_a_following_catalog_reads_from_its_watch_its_own_writes_at_once_and_others_as_they_land(
         k8s: ControlPlane, kubeconfig: Path, namespace: str) -> None:
     from unbroken.waiting import wait_until

@@ -9,6 +9,7 @@ Each test plays both sides: ranks (``TieredCheckpointer``) and node agents
 from __future__ import annotations
 
 import contextlib
+import http.client
 import mmap
 import os
 import random
@@ -35,7 +36,7 @@ from unbroken.checkpoint import service as service_module
 from unbroken.checkpoint import shard, shm
 from unbroken.checkpoint.manifest import ShardInfo
 from unbroken.checkpoint.credentials import Credentials
-from unbroken.checkpoint.peer import AuthError, PeerClient, ShardServer
+from unbroken.checkpoint.peer import SHARD_HEADER, AuthError, PeerClient, ShardServer
 from unbroken.checkpoint.persistent import PersistentStore
 from unbroken.checkpoint.service import CheckpointService
 from unbroken.checkpoint.tiered import TieredCheckpointer
@@ -945,7 +946,7 @@ def test_a_pushed_step_keeps_its_own_slot_until_it_survives_losing_either_node(m
         if step == 1:
             rig.settle(lambda: 1 not in rig.steps(MEMORY) or len(rig.copies(REPLICA, 1)) == 2, "step 1 replicated both ways")
     node_1, node_2 = rig.services["node-1"], rig.services["node-2"]
-    node_2.reconcile()  # records rank 1's step 2; rank 0's is not recorded yet: no commit, no push
+    node_2.reconcile()  # records rank 1's step 2 and pushes it (before its commit: rank 0's is not recorded yet)
     node_1.reconcile()  # records rank 0's, commits step 2 and pushes rank 0's shard to node-2
     rig.wait_idle()
     assert rig.held(2, node="node-2", rank=0).info.step == 2
@@ -997,3 +998,75 @@ def test_the_newest_fully_replicated_step_outlives_retention_while_replication_l
     assert [s.step for s in catalog.memory][-1] == 1 and catalog.memory_step(1).copies[0][0].node == "node-2"
     restored = resumed.restore()
     assert restored is not None and restored.step == 1 and restored.source == "replica on node-2"
+
+
+# -- one catalog write per node per save ----------------------------------------------------------
+
+
+def hold_writes(rig: Rig, *, delay: float, replica_wait: float) -> None:
+    """Give every agent's catalog the write holds of one whose writes cost (KubernetesCatalog's ConfigMap patches)."""
+    for service in rig.services.values():
+        service.catalog.copy_write_delay = delay  # type: ignore[misc]
+        service.catalog.replica_write_wait = replica_wait  # type: ignore[misc]
+
+
+def test_a_nodes_own_copy_of_a_save_and_the_replica_it_holds_of_it_land_in_one_write(make_rig) -> None:
+    """Peers push a step as soon as they recorded it, not after its commit, so an agent that holds
+    its records a moment writes its own copies of a save and the replicas it holds of it together:
+    one catalog write per node per save. Before, the replicas could only follow the commit, which
+    waits for every node's own copies: a second write."""
+    rig = make_rig({"keep": 2, "replicas": 1})
+    hold_writes(rig, delay=1.0, replica_wait=5.0)
+    ranks = {"node-1": 0, "node-2": 1}
+    for node, rank in ranks.items():
+        ck = rig.checkpointer(node=node, rank=rank, world_size=2)
+        ck.save(1, small_state(1, rank))
+        ck.wait()
+    seen: dict[str, set[tuple[bool, bool]]] = {node: set() for node in ranks}
+
+    def both_in_catalog() -> bool:
+        for node, rank in ranks.items():
+            own = (1, rank, node) in rig.copies(MEMORY, 1)
+            held = (1, 1 - rank, node) in rig.copies(REPLICA, 1)
+            seen[node].add((own, held))
+        return all((True, True) in states for states in seen.values()) and 1 in rig.steps(MEMORY)
+
+    rig.settle(both_in_catalog, "both nodes' copies and replicas of step 1 in the catalog, step 1 committed")
+    for node, states in seen.items():
+        assert states <= {(False, False), (True, True)}, f"{node}: own copy and held replica landed apart: {states}"
+
+
+def test_a_stalled_push_holds_a_nodes_copy_records_no_longer_than_the_replica_wait(make_rig, tmp_path: Path) -> None:
+    """A peer that starts a push and stops sending (a hung host, a cut link) delays the node's own
+    copy records by ``replica_write_wait`` at most; the connection stops counting when it closes."""
+    rig = make_rig({"keep": 2, "replicas": 1})
+    hold_writes(rig, delay=0.0, replica_wait=1.0)
+    node_2 = rig.services["node-2"]
+    assert node_2.server is not None
+    path, info = shard_file(tmp_path, small_state(1), step=1)
+    host, _, port = node_2.server.address.rpartition(":")
+    stalled = http.client.HTTPSConnection(host, int(port), timeout=5, context=rig.credentials.client_context())
+    try:
+        stalled.putrequest("PUT", "/v1/jobs/j/replicas/1/0")
+        stalled.putheader("Content-Length", str(info.size))
+        stalled.putheader(SHARD_HEADER, info.model_dump_json())
+        stalled.endheaders()
+        stalled.send(path.read_bytes()[:16])  # and nothing more
+        wait_until(lambda: node_2.server.receiving() == {"j"}, 5, "node-2 to see the push begin")  # type: ignore[union-attr]
+        ck = rig.checkpointer(node="node-2", rank=1, world_size=2)
+        ck.save(1, small_state(1, 1))
+        ck.wait()
+        recorded_from = time.monotonic()
+        node_2.reconcile()
+        assert rig.copies(MEMORY, 1) == [], "held while a peer pushes"
+
+        def written() -> bool:
+            node_2.reconcile()
+            return rig.copies(MEMORY, 1) == [(1, 1, "node-2")]
+
+        wait_until(written, 10, "node-2's own copy written despite the stalled push", interval=0.05)
+        assert time.monotonic() - recorded_from >= 1.0, "written before the replica wait was over"
+        assert node_2.server.receiving() == {"j"}, "the push still stalls: the wait, not its end, let the write go"
+    finally:
+        stalled.close()
+    wait_until(lambda: not node_2.server.receiving(), 10, "a closed push to stop counting")  # type: ignore[union-attr]

@@ -19,9 +19,9 @@ The steps of a pass, for one job:
    attempt's rows and copies;
 3. **commit in memory** a step whose every rank has a copy from one attempt (the
    row is the memory tier's commit marker);
-4. **replicate** this node's shards of the newest committed step to the ring peers
-   (first those of a newer step than the one that survives a node loss, if other
-   nodes have begun replicating it);
+4. **replicate** this node's shards of the newest step it recorded, committed or not,
+   to the ring peers (first those of a newer committed step than the one that survives
+   a node loss, if other nodes have begun replicating it);
 5. **drain** to the persistent tier: open a drain when the policy says a step is
    due (one at a time: a slow tier skips steps, never queues them), upload this
    node's shards of a draining step, and try to commit it once every rank's
@@ -203,7 +203,7 @@ def plan(view: JobView, here: NodeView) -> list[Action]:
     copies = _record(view, here, steps, copies, actions)
     _commit_memory(view, here, steps, copies, actions)
     committed = committed_steps(steps, MEMORY)
-    if not ended and policy.memory.replicas and not here.replicator_busy and committed:
+    if not ended and policy.memory.replicas and not here.replicator_busy:
         peers = here.ring[: policy.memory.replicas]
         todo = _to_replicate(view, here, committed, copies)
         if todo and peers:
@@ -344,13 +344,24 @@ def _drain(view: JobView, here: NodeView, steps: list[CheckpointStep], committed
 def _to_replicate(view: JobView, here: NodeView, committed: list[CheckpointStep], copies: list[ShardCopy]) -> tuple[LocalShard, ...]:
     """This node's shards to push next: of a step other nodes have begun replicating, newer than
     the one that survives a node loss now, if its own slots still hold it (completing it makes
-    a newer such step); else of the newest committed step. Replication skips steps when it falls
-    behind, and nodes that skipped different steps would otherwise rarely complete one."""
+    a newer such step); else of the newest step this node has recorded its own copies of,
+    committed or not. Replication skips steps when it falls behind, and nodes that skipped
+    different steps would otherwise rarely complete one.
+
+    A step is pushed before its commit, as soon as this node recorded it: the peer then records
+    the replicas with its own copies of the same save, in one catalog write (service.py), and the
+    step survives losing a node sooner. Only this attempt's recorded copies are pushed, so what
+    fencing kept out of the catalog is never replicated; a step that never commits costs its
+    bytes on the wire, and its replicas go with retention like any other."""
     safe = _newest_surviving_a_node_loss(committed, copies)
     begun = {(c.step, c.attempt) for c in copies if c.tier is REPLICA}
-    rows = [r for r in committed if (r.step, r.attempt) in begun and (safe is None or r.step > safe)] + committed[:1]
-    for row in rows:
-        todo = tuple(s for s in view.shards if not s.held and (s.info.step, s.info.attempt) == (row.step, row.attempt)
+    newest = committed[0].step if committed else -1
+    recorded = sorted({(c.step, c.attempt) for c in copies if c.tier is MEMORY and c.node == here.node
+                       and c.attempt == view.job.attempt and c.step > newest}, reverse=True)
+    rows = ([(r.step, r.attempt) for r in committed if (r.step, r.attempt) in begun and (safe is None or r.step > safe)]
+            + recorded[:1] + [(r.step, r.attempt) for r in committed[:1]])
+    for step, attempt in rows:
+        todo = tuple(s for s in view.shards if not s.held and (s.info.step, s.info.attempt) == (step, attempt)
                      and s.key not in here.replicated)
         if todo:
             return todo

@@ -85,12 +85,17 @@ class _CopyChanges:
             self.forget.add(key)
             self.forget_since = now if self.forget_since is None else self.forget_since
 
-    def due(self, now: float, catalog: CheckpointCatalog) -> bool:
-        """New copies once they are ``copy_write_delay`` old; forgotten ones alone only after
-        ``forget_write_delay``: until then they ride with the next save's write (a copy record of a
-        retired step misleads no one: its step row is gone, and readers read the rows first)."""
-        return ((self.put_since is not None and now - self.put_since >= catalog.copy_write_delay)
-                or (self.forget_since is not None and now - self.forget_since >= catalog.forget_write_delay))
+    def due(self, now: float, catalog: CheckpointCatalog, *, receiving: bool = False) -> bool:
+        """New copies once they are ``copy_write_delay`` old, or while a peer is pushing replicas here
+        (``receiving``) once they are ``replica_write_wait`` older still: a save's own copies and the replicas
+        this node holds of it go out as one write. Forgotten ones alone only after ``forget_write_delay``:
+        until then they ride with the next save's write (a copy record of a retired step misleads no one:
+        its step row is gone, and readers read the rows first)."""
+        if self.put_since is not None:
+            held = now - self.put_since
+            if held >= catalog.copy_write_delay and (not receiving or held >= catalog.copy_write_delay + catalog.replica_write_wait):
+                return True
+        return self.forget_since is not None and now - self.forget_since >= catalog.forget_write_delay
 
     def applied_to(self, copies: list[ShardCopy]) -> list[ShardCopy]:
         """What the catalog will hold once these are written: the plan decides on that, not on the catalog's lag."""
@@ -175,6 +180,9 @@ class CheckpointService:
     def reconcile(self) -> None:
         nodes = self.cluster.list_nodes()
         servers = self.catalog.shard_servers()
+        # Before the scan: a push that ends after it is not in this pass's records, so its job's held
+        # records wait for the next pass rather than go out a moment before the replicas it brings.
+        receiving = self.server.receiving() if self.server is not None else frozenset()
         found = shm.scan(self.root)
         present = {s.path for s in found}
         for path in [p for p in self._known if p not in present]:
@@ -203,7 +211,7 @@ class CheckpointService:
             )
             for action in plan.plan(view, here):
                 self._do(view, action)
-        self._flush_copies()
+        self._flush_copies(receiving=receiving)
 
     def _copies(self, job: str) -> list[ShardCopy]:
         copies = self.catalog.list_shard_copies(job)
@@ -213,14 +221,15 @@ class CheckpointService:
     def _change_copies(self, job: str) -> _CopyChanges:
         return self._copy_changes.setdefault(job, _CopyChanges())
 
-    def _flush_copies(self, *, force: bool = False, job: str | None = None) -> None:
-        """Write the held copy records of every job (of ``job``) that are due (``_CopyChanges.due``): one
-        ``update_shard_copies`` each. A write that fails keeps them for the next pass."""
+    def _flush_copies(self, *, force: bool = False, job: str | None = None, receiving: frozenset[str] = frozenset()) -> None:
+        """Write the held copy records of every job (of ``job``) that are due (``_CopyChanges.due``; a job in
+        ``receiving`` has replicas on their way here): one ``update_shard_copies`` each. A write that fails
+        keeps them for the next pass."""
         now = time.monotonic()
         for name, changes in list(self._copy_changes.items()):
             if job is not None and name != job:
                 continue
-            if not force and not changes.due(now, self.catalog):
+            if not force and not changes.due(now, self.catalog, receiving=name in receiving):
                 continue
             self.catalog.update_shard_copies(name, put=list(changes.put.values()), forget=sorted(changes.forget))
             del self._copy_changes[name]
@@ -276,35 +285,46 @@ class CheckpointService:
     # -- replication ----------------------------------------------------------------
 
     def _push(self, shards: tuple[plan.LocalShard, ...], peers: tuple[tuple[str, str], ...]) -> None:
-        for shard in shards:
-            info = shard.info
-            read = shm.SharedRead(shm.StoredShard(shard.path, info, shard.held)).__enter__()
-            pushed = False
-            try:
-                for name, address in peers:
-                    if not read.ok:
-                        break  # rewritten since: a newer step supersedes it
-                    try:
+        """Send ``shards`` to each peer, all on one connection per peer: the peer reads them as one push
+        (``ShardServer.receiving``) and records them with its own copies of the save, in one write."""
+        reads = [(shard, shm.SharedRead(shm.StoredShard(shard.path, shard.info, shard.held)).__enter__()) for shard in shards]
+        pushed: set[plan.ShardKey] = set()
+        try:
+            for name, address in peers:
+                client: PeerClient | None = None
+                try:
+                    for shard, read in reads:
+                        if not read.ok:
+                            continue  # rewritten since: a newer step supersedes it
+                        info = shard.info
                         started = time.monotonic()
-                        with PeerClient(address, self.credentials) as client:
+                        try:
+                            client = client or PeerClient(address, self.credentials)
                             client.put(shard.path, info)
-                    except Exception as exc:  # noqa: BLE001 - a peer going away must not stop the agent
-                        log.warning("replicating step %d rank %d to %s failed: %s", info.step, info.rank, name, exc,
-                                    extra={"node": self.node, "job": info.job, "peer": name})
-                        continue
-                    pushed = True
-                    if self.metrics is not None:
-                        self.metrics.checkpoint_bytes.labels("replica").inc(info.size)
-                    self._durable("replica", info.saved_at)
-                    log.info("replicated step %d rank %d to %s", info.step, info.rank, name,
-                             extra={"node": self.node, "job": info.job, "peer": name, "bytes": info.size,
-                                    "seconds": round(time.monotonic() - started, 3)})
-            finally:
-                if pushed and not shard.held:
+                        except Exception as exc:  # noqa: BLE001 - a peer going away must not stop the agent
+                            log.warning("replicating step %d rank %d to %s failed: %s", info.step, info.rank, name, exc,
+                                        extra={"node": self.node, "job": info.job, "peer": name})
+                            if client is not None:
+                                client.__exit__(None, None, None)
+                            client = None  # the next shard tries a fresh connection
+                            continue
+                        pushed.add(shard.key)
+                        if self.metrics is not None:
+                            self.metrics.checkpoint_bytes.labels("replica").inc(info.size)
+                        self._durable("replica", info.saved_at)
+                        log.info("replicated step %d rank %d to %s", info.step, info.rank, name,
+                                 extra={"node": self.node, "job": info.job, "peer": name, "bytes": info.size,
+                                        "seconds": round(time.monotonic() - started, 3)})
+                finally:
+                    if client is not None:
+                        client.__exit__(None, None, None)
+        finally:
+            for shard, read in reads:
+                if shard.key in pushed and not shard.held:
                     self._hold_pushed(shard, read)
                 else:
                     read.__exit__(None, None, None)
-            self._replicated.add(shard.key)
+                self._replicated.add(shard.key)
 
     # -- the persistent tier ----------------------------------------------------------
 

@@ -37,6 +37,9 @@ class CheckpointCatalog(Protocol):
     what a write costs the catalog's home."""
     forget_write_delay: float
     """How long forgotten copies alone may wait for the next write (they ride with the next save's)."""
+    replica_write_wait: float
+    """How much longer than ``copy_write_delay`` an agent may hold its copy changes while a peer pushes it
+    replicas, so that a save's own copies and held replicas are one write (0: no wait)."""
 
     # shard copies
     def put_shard_copy(self, copy: ShardCopy) -> None: ...

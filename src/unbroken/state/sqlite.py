@@ -161,6 +161,7 @@ class SqliteStore:
 
     copy_write_delay = 0.0
     forget_write_delay = 0.0
+    replica_write_wait = 0.0
     """A local write is a transaction on this machine: every pass's copies go in at once."""
 
     def __init__(self, path: Path, *, create: bool = False) -> None:

@@ -10,19 +10,21 @@ The ConfigMaps live in the operator's namespace, labelled ``unbroken.dev/checkpo
 (the job's digest) and annotated with the job's name.
 
 **What a save costs.** A node's agent records its copies (its own shards and the replicas it
-holds), and forgets those it deleted, in its own ConfigMap: one merge patch per pass at most,
-and the agent holds new records for ``COPY_WRITE_DELAY_SECONDS`` so that what its passes find of
-one save goes out as one write, with the copies the save before retired
-(``FORGET_WRITE_DELAY_SECONDS``; checkpoint/service.py). That is one write per node per save
-for its own copies and one for the replicas it holds, whatever the ranks per node (replication
-waits for the step's commit, so the replicas come a second or more after the own copies);
-measured 2.2 at 8 ranks per node where a ConfigMap per step, a key per copy, took 27 and could
-not hold a 1,024-rank step at all (over the API's 1 MiB: docs/benchmarks.md). Step rows are a
-few writes per save for the whole job: the agents race for them through insert-if-absent and
-compare-and-swap, which read the ConfigMap and send its ``resourceVersion`` with the patch, so
-a write that raced another is refused (409) and decided again on the fresh object. A
-ConfigMap left with no key is deleted under the same precondition, so a key added meanwhile
-is never lost with it.
+holds), and forgets those it deleted, in its own ConfigMap: one merge patch per pass at most.
+The agent holds new records for ``COPY_WRITE_DELAY_SECONDS``, and while a peer is pushing it
+replicas for up to ``REPLICA_WRITE_WAIT_SECONDS`` more (peers push a step as soon as its shards are
+recorded, not after its commit), so that a save's own copies, the replicas it brings, and the copies
+the save before retired (``FORGET_WRITE_DELAY_SECONDS``) go out as one write: one write per node per
+save, whatever the ranks per node. A replica that takes longer than the wait comes in a second write.
+The price: a step is committed in memory up to that much later (the commit waits for every node's
+copies). The job's step row is two writes per save (the commit creates the step's ConfigMap, the
+retirement deletes it), made by one agent each; measured in docs/benchmarks.md beside a ConfigMap per
+step with a key per copy, which took 27 writes per node per save at 8 ranks per node and could not
+hold a 1,024-rank step at all (over the API's 1 MiB). The agents race for step rows through
+insert-if-absent and compare-and-swap, which read the ConfigMap and send its ``resourceVersion`` with
+the patch, so a write that raced another is refused (409) and decided again on the fresh object. A
+ConfigMap left with no key is deleted under the same precondition, so a key added meanwhile is never
+lost with it.
 
 **What reading costs.** A catalog that :meth:`~KubernetesCatalog.follow` s (the agents') keeps
 the catalog's ConfigMaps, and the Nodes' shard-server annotations, in watch caches
@@ -60,6 +62,9 @@ CONFLICT_RETRIES = 20
 COPY_WRITE_DELAY_SECONDS = 1.0
 """How long an agent may hold its copy changes to send them as one write (see the module's docstring): a
 memory step is committed up to this much later than the last copy landed."""
+REPLICA_WRITE_WAIT_SECONDS = 5.0
+"""How much longer an agent holds its copy records while a peer pushes it replicas: the replicas of a save that
+replicates within about this much come in the same write as the node's own copies."""
 FORGET_WRITE_DELAY_SECONDS = 120.0
 """How long a node's forgotten copies alone may wait: with saves more often than this, the copies a save
 retires go out with the next save's write."""
@@ -113,6 +118,7 @@ def _kind(obj: dict[str, Any]) -> str:
 class KubernetesCatalog:
     copy_write_delay = COPY_WRITE_DELAY_SECONDS
     forget_write_delay = FORGET_WRITE_DELAY_SECONDS
+    replica_write_wait = REPLICA_WRITE_WAIT_SECONDS
 
     def __init__(self, api: kubernetes.client.ApiClient, namespace: str) -> None:
         self.core = kubernetes.client.CoreV1Api(api)
@@ -208,15 +214,20 @@ class KubernetesCatalog:
         keys = (obj.get("data") or {}).keys()
         if any(key.startswith(_STEP_KEY) for key in keys) if _kind(obj) == "step" else keys:
             return
+        self._delete_at_version(job, name, obj)
+
+    def _delete_at_version(self, job: str, name: str, obj: dict[str, Any]) -> bool:
+        """Delete the ConfigMap only if it is still ``obj``'s version: False if it changed or went away."""
         self._listed.pop(job, None)
         options = kubernetes.client.V1DeleteOptions(preconditions=kubernetes.client.V1Preconditions(
             resource_version=obj["metadata"]["resourceVersion"]))
         try:
             call(lambda: self.core.delete_namespaced_config_map(name, self.namespace, body=options))
         except (NotFoundError, ApiConflict):
-            return  # gone already, or a key was added since: keep it
+            return False  # gone already, or a key was added since: keep it
         if self._configmaps is not None:
             self._configmaps.discard(self.namespace, name)
+        return True
 
     def _compare_and_write(self, job: str, step: int, decide: Callable[[dict[str, str]], dict[str, str | None] | None]) -> bool:
         """``decide(data)`` → the keys to write, or None to give up; retried on a changed ConfigMap."""
@@ -322,10 +333,15 @@ class KubernetesCatalog:
     def delete_checkpoint_step(self, job: str, step: int, tier: CheckpointTier) -> None:
         name = configmap_name(job, step)
         obj = self._read(name)
-        if obj is None or _step_key(tier) not in (obj.get("data") or {}):
-            if obj is not None:
-                self._delete_if_empty(job, name, obj)  # e.g. only keys of the layout before are left
+        if obj is None:
+            return
+        rows = {key for key in (obj.get("data") or {}) if key.startswith(_STEP_KEY)}
+        if _step_key(tier) not in rows:
+            if not rows:
+                self._delete_at_version(job, name, obj)  # e.g. only keys of the layout before are left
             return  # every agent retires old steps: the first one's write is the only one needed
+        if rows == {_step_key(tier)} and self._delete_at_version(job, name, obj):
+            return  # the step's last row goes with its ConfigMap: one write, not a patch and then a delete
         written = self._write(job, name, "step", {_step_key(tier): None})
         self._delete_if_empty(job, name, written)
 
