@@ -26,7 +26,9 @@ stopped is a false loss, counted in the phase it happened in.
 What this does not simulate: kubelets (their own ~0.1 writes/node/s of Node
 Leases and status), training pods, the checkpoint catalog. The simulated
 agents share this process: where it cannot keep up with the renewals due,
-``renewals_kept_up`` says so.
+``renewals_kept_up`` says so, and ``beat_round_max_s`` how far apart its beats
+of one node came at worst; ``udp_rcvbuf_drops`` counts the datagrams the kernel
+dropped because the operator did not read them in time.
 
     .venv/bin/python benchmarks/scale.py --nodes 1000              # one size, both systems
     .venv/bin/python benchmarks/scale.py --sizes 100,500,1000,2000 --baseline-sizes 100,500 --json
@@ -101,6 +103,12 @@ class Row:
     operator_rss_mb: float
     etcd_db_mb: float
     renewals_kept_up: float
+    beat_round_max_s: float | None = None
+    """The simulator's slowest round of datagrams to every node (a node's beats are this much further apart
+    than 1 s): past a few seconds the simulator, not the operator, makes nodes silent."""
+    udp_rcvbuf_drops: int | None = None
+    """Datagrams the kernel dropped for a full receive buffer during the run (``/proc/net/snmp``, the machine's
+    only UDP traffic being the heartbeats): beats the operator did not read in time."""
     notes: list[str] = field(default_factory=list)
 
 
@@ -123,6 +131,7 @@ class SimulatedAgents:
         self.in_flight: set[str] = set()
         self.lock = threading.Lock()
         self.due = self.done = 0
+        self.beat_rounds: list[float] = []
         self.senders: dict[str, HeartbeatSender] = {}
         if system == "unbroken":
             key = heartbeats.ensure_key(api, NAMESPACE)
@@ -144,9 +153,11 @@ class SimulatedAgents:
         while not self.stopping.wait(1.0):
             if self.paused.is_set():
                 continue
+            started = time.monotonic()
             for node, sender in self.senders.items():
                 if self.alive[node]:
                     sender.send(())
+            self.beat_rounds.append(time.monotonic() - started)
 
     def _renewals(self) -> None:
         while not self.stopping.wait(0.05):
@@ -282,6 +293,13 @@ def install(plane: ControlPlane) -> None:
                   "data": {"cluster.yaml": (ROOT / "deploy/base/config/cluster.yaml").read_text()}}])
 
 
+def udp_rcvbuf_errors() -> int:
+    """The machine's UDP datagrams dropped so far for a full receive buffer (``Udp: RcvbufErrors``)."""
+    lines = [line.split() for line in Path("/proc/net/snmp").read_text().splitlines() if line.startswith("Udp:")]
+    header, values = lines[0], lines[1]
+    return int(values[header.index("RcvbufErrors")])
+
+
 def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -307,6 +325,7 @@ def run_one(system: str, count: int, losses: int, workdir: Path, say: Any) -> Ro
             say(f"{system} N={count}: steady {STEADY_S:.0f} s")
             proc = psutil.Process(operator.pid)
             writes0, bytes0, lists0 = apiserver_totals(plane)
+            drops0 = udp_rcvbuf_errors()
             cpu0, t0 = sum(proc.cpu_times()[:2]), time.monotonic()
             due0, done0 = agents.due, agents.done
             rss = 0.0
@@ -353,6 +372,7 @@ def run_one(system: str, count: int, losses: int, workdir: Path, say: Any) -> Ro
             detections = [seen - killed[n] for n, seen in found.items() if seen is not None]
             false = pause_false + outage_false + [n for n in watch.lost_between(losses_start, time.time()) if n not in killed]
             rss = max(rss, proc.memory_info().rss / 2**20)
+            drops = udp_rcvbuf_errors() - drops0
             if operator.poll() is not None:
                 notes.append(f"the operator exited {operator.returncode}")
         finally:
@@ -366,12 +386,14 @@ def run_one(system: str, count: int, losses: int, workdir: Path, say: Any) -> Ro
                writes_per_node_s=(writes1 - writes0) / seconds / count, read_bytes_s=(bytes1 - bytes0) / seconds,
                lists_per_s=(lists1 - lists0) / seconds,
                operator_cpu_cores=(cpu1 - cpu0) / seconds, operator_rss_mb=rss, etcd_db_mb=db,
-               renewals_kept_up=kept_up, notes=notes)
+               renewals_kept_up=kept_up, beat_round_max_s=max(agents.beat_rounds, default=None),
+               udp_rcvbuf_drops=drops, notes=notes)
 
 
 def table(rows: list[Row]) -> str:
     header = ("system", "nodes", "detect p50", "detect p99", "missed", "false", "pause false", "outage false",
-              "writes/node/s", "read KB/s", "LIST/s", "op CPU", "op RSS MB", "etcd MB", "renewals kept up")
+              "writes/node/s", "read KB/s", "LIST/s", "op CPU", "op RSS MB", "etcd MB", "renewals kept up", "beat round max s",
+              "UDP drops")
     lines = [" | ".join(header), " | ".join("---" for _ in header)]
     for r in rows:
         def s(v: float | None, fmt: str = "{:.2f}") -> str:
@@ -380,7 +402,8 @@ def table(rows: list[Row]) -> str:
                                  str(r.false_losses), str(r.pause_false_losses), str(r.outage_false_losses),
                                  s(r.writes_per_node_s, "{:.3f}"), s(r.read_bytes_s / 1024, "{:.0f}"),
                                  s(r.lists_per_s, "{:.1f}"), s(r.operator_cpu_cores), s(r.operator_rss_mb, "{:.0f}"), s(r.etcd_db_mb, "{:.1f}"),
-                                 s(r.renewals_kept_up, "{:.0%}")]))
+                                 s(r.renewals_kept_up, "{:.0%}"), s(r.beat_round_max_s),
+                                 "-" if r.udp_rcvbuf_drops is None else str(r.udp_rcvbuf_drops)]))
     by = {(r.system, r.nodes): r for r in rows}
     ratios = []
     for (system, n), r in sorted(by.items()):
