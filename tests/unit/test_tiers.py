@@ -1036,23 +1036,32 @@ def test_a_nodes_own_copy_of_a_save_and_the_replica_it_holds_of_it_land_in_one_w
         assert states <= {(False, False), (True, True)}, f"{node}: own copy and held replica landed apart: {states}"
 
 
+@contextlib.contextmanager
+def stalled_push(server: ShardServer, credentials: Credentials, tmp: Path, *, step: int) -> Iterator[None]:
+    """A peer that begins pushing rank 0's shard of ``step`` and stops sending (a hung host, a cut link)."""
+    path, info = shard_file(tmp, small_state(step), step=step)
+    host, _, port = server.address.rpartition(":")
+    connection = http.client.HTTPSConnection(host, int(port), timeout=5, context=credentials.client_context())
+    try:
+        connection.putrequest("PUT", f"/v1/jobs/j/replicas/{step}/0")
+        connection.putheader("Content-Length", str(info.size))
+        connection.putheader(SHARD_HEADER, info.model_dump_json())
+        connection.endheaders()
+        connection.send(path.read_bytes()[:16])  # and nothing more
+        wait_until(lambda: server.receiving() == {("j", step)}, 5, "the server to see the push begin")
+        yield
+    finally:
+        connection.close()
+    wait_until(lambda: not server.receiving(), 10, "a closed push to stop counting")
+
+
 def test_a_stalled_push_holds_a_nodes_copy_records_no_longer_than_the_replica_wait(make_rig, tmp_path: Path) -> None:
-    """A peer that starts a push and stops sending (a hung host, a cut link) delays the node's own
-    copy records by ``replica_write_wait`` at most; the connection stops counting when it closes."""
+    """A push that stalls delays the node's own copy records of that step by ``replica_write_wait`` at most."""
     rig = make_rig({"keep": 2, "replicas": 1})
     hold_writes(rig, delay=0.0, replica_wait=1.0)
     node_2 = rig.services["node-2"]
     assert node_2.server is not None
-    path, info = shard_file(tmp_path, small_state(1), step=1)
-    host, _, port = node_2.server.address.rpartition(":")
-    stalled = http.client.HTTPSConnection(host, int(port), timeout=5, context=rig.credentials.client_context())
-    try:
-        stalled.putrequest("PUT", "/v1/jobs/j/replicas/1/0")
-        stalled.putheader("Content-Length", str(info.size))
-        stalled.putheader(SHARD_HEADER, info.model_dump_json())
-        stalled.endheaders()
-        stalled.send(path.read_bytes()[:16])  # and nothing more
-        wait_until(lambda: node_2.server.receiving() == {"j"}, 5, "node-2 to see the push begin")  # type: ignore[union-attr]
+    with stalled_push(node_2.server, rig.credentials, tmp_path, step=1):
         ck = rig.checkpointer(node="node-2", rank=1, world_size=2)
         ck.save(1, small_state(1, 1))
         ck.wait()
@@ -1066,7 +1075,18 @@ def test_a_stalled_push_holds_a_nodes_copy_records_no_longer_than_the_replica_wa
 
         wait_until(written, 10, "node-2's own copy written despite the stalled push", interval=0.05)
         assert time.monotonic() - recorded_from >= 1.0, "written before the replica wait was over"
-        assert node_2.server.receiving() == {"j"}, "the push still stalls: the wait, not its end, let the write go"
-    finally:
-        stalled.close()
-    wait_until(lambda: not node_2.server.receiving(), 10, "a closed push to stop counting")  # type: ignore[union-attr]
+        assert node_2.server.receiving() == {("j", 1)}, "the push still stalls: the wait, not its end, let the write go"
+
+
+def test_a_push_of_an_older_step_never_holds_a_newer_saves_records(make_rig, tmp_path: Path) -> None:
+    """Replication lagging a step behind the saves must not delay every save's commit by the replica wait."""
+    rig = make_rig({"keep": 2, "replicas": 1})
+    hold_writes(rig, delay=0.0, replica_wait=30.0)
+    node_2 = rig.services["node-2"]
+    assert node_2.server is not None
+    with stalled_push(node_2.server, rig.credentials, tmp_path, step=1):
+        ck = rig.checkpointer(node="node-2", rank=1, world_size=2)
+        ck.save(2, small_state(2, 1))
+        ck.wait()
+        node_2.reconcile()
+        assert rig.copies(MEMORY, 2) == [(2, 1, "node-2")], "step 2's record went out in its first pass"

@@ -90,8 +90,8 @@ class ShardServer:
                  catalog: Callable[[str], RestoreCatalog] | None = None, port: int = 0) -> None:
         self.root = root
         self.catalog = catalog
-        self._pushing: dict[int, str] = {}
-        """Open connections that have begun a put: the job each is pushing (see ``receiving``)."""
+        self._pushing: dict[int, tuple[str, int]] = {}
+        """Open connections that have begun a put: the job and step each is pushing (see ``receiving``)."""
         self._pushing_lock = threading.Lock()
         context = credentials.server_context()
         server = self
@@ -130,19 +130,19 @@ class ShardServer:
         self._server.shutdown()
         self._server.server_close()
 
-    def receiving(self) -> frozenset[str]:
-        """The jobs a peer is pushing replicas of to this node now: a connection that began a put and is
-        still open. A peer pushes all of a save's shards on one connection, so a save's replicas read as
-        one span (the agent holds its copy records through it: checkpoint/service.py)."""
+    def receiving(self) -> frozenset[tuple[str, int]]:
+        """The (job, step)s a peer is pushing replicas of to this node now: a connection that began a put
+        and is still open. A peer pushes all its shards of a step on one connection, so a save's replicas
+        read as one span (the agent holds its copy records of that step through it: checkpoint/service.py)."""
         with self._pushing_lock:
             return frozenset(self._pushing.values())
 
-    def _pushing_from(self, connection: int, job: str | None) -> None:
+    def _pushing_from(self, connection: int, shard: tuple[str, int] | None) -> None:
         with self._pushing_lock:
-            if job is None:
+            if shard is None:
                 self._pushing.pop(connection, None)
             else:
-                self._pushing[connection] = job
+                self._pushing[connection] = shard
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -210,7 +210,7 @@ class _Handler(BaseHTTPRequestHandler):
         if (info.job, info.step, info.rank) != (job, step, rank) or length != info.size:
             self.close_connection = True
             raise RequestError(HTTPStatus.BAD_REQUEST, f"path, {SHARD_HEADER} and Content-Length disagree")
-        self.shard_server._pushing_from(id(self), info.job)
+        self.shard_server._pushing_from(id(self), (info.job, info.step))
         root = self.shard_server.root
         path = shm.held_path(root, info.job, info.step, info.rank)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -221,15 +221,19 @@ class CheckpointService:
     def _change_copies(self, job: str) -> _CopyChanges:
         return self._copy_changes.setdefault(job, _CopyChanges())
 
-    def _flush_copies(self, *, force: bool = False, job: str | None = None, receiving: frozenset[str] = frozenset()) -> None:
-        """Write the held copy records of every job (of ``job``) that are due (``_CopyChanges.due``; a job in
-        ``receiving`` has replicas on their way here): one ``update_shard_copies`` each. A write that fails
-        keeps them for the next pass."""
+    def _flush_copies(self, *, force: bool = False, job: str | None = None,
+                      receiving: frozenset[tuple[str, int]] = frozenset()) -> None:
+        """Write the held copy records of every job (of ``job``) that are due (``_CopyChanges.due``; ``receiving``:
+        the (job, step)s a peer is pushing here): one ``update_shard_copies`` each. A write that fails keeps them
+        for the next pass."""
         now = time.monotonic()
         for name, changes in list(self._copy_changes.items()):
             if job is not None and name != job:
                 continue
-            if not force and not changes.due(now, self.catalog, receiving=name in receiving):
+            # Held longer only for the replicas of a step this node is recording: a push of an older
+            # step (replication lagging behind the saves) never holds up a newer save's records.
+            incoming = any((name, key.step) in receiving for key in changes.put)
+            if not force and not changes.due(now, self.catalog, receiving=incoming):
                 continue
             self.catalog.update_shard_copies(name, put=list(changes.put.values()), forget=sorted(changes.forget))
             del self._copy_changes[name]
