@@ -28,6 +28,11 @@ Plain torchrun is the competitor: two torchrun agents (c10d rendezvous,
 place after a crash, has no hang detection, and cannot replace a lost node.
 
     .venv/bin/python benchmarks/recovery.py [--json] [--state-mb 256] [--checkpoints file,tiered]
+
+``--backend kubernetes`` runs the same faults on a PyTorchJob on the real control plane with the process
+kubelet, training-operator alone beside unbroken (benchmarks/recovery_kubernetes.py says what each does):
+
+    .venv/bin/python benchmarks/recovery.py --backend kubernetes [--systems training-operator,unbroken] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from unbroken.waiting import WaitTimeout, wait_until
 
 STEPS = 100_000  # never reached: each scenario ends at the first step after resume
 CHECKPOINT_EVERY = 20
+FAULTS_DEFAULT = "kill-worker,hang-worker,kill-node"
 STEP_TIME = 0.05
 FAULT_AT_STEP = 65
 HANG_TIMEOUT = 5.0
@@ -255,7 +261,7 @@ def main() -> int:
     global STATE_MB, CHECKPOINT_EVERY, HANG_TIMEOUT_SET
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    parser.add_argument("--faults", default="kill-worker,hang-worker,kill-node")
+    parser.add_argument("--faults", default=FAULTS_DEFAULT)
     parser.add_argument("--checkpoints", default="file,tiered",
                         help="unbroken's variants to compare: a checkpointer (file, tiered), +warm for warm spares, "
                              "+inproc for in-process restarts")
@@ -266,7 +272,13 @@ def main() -> int:
     parser.add_argument("--no-torchrun", action="store_true", help="skip the plain torchrun runs")
     parser.add_argument("--hang-timeout", default=str(HANG_TIMEOUT),
                         help="the unbroken job's hang_timeout in seconds, or 'auto': none set (from its step times)")
+    parser.add_argument("--backend", choices=("local", "kubernetes"), default="local",
+                        help="kubernetes: a PyTorchJob on the real control plane with the process kubelet, "
+                             "training-operator alone beside unbroken (benchmarks/recovery_kubernetes.py)")
+    parser.add_argument("--systems", default="training-operator,unbroken", help="--backend kubernetes: which systems")
     args = parser.parse_args()
+    if args.backend == "kubernetes":
+        return kubernetes_main(args)
     HANG_TIMEOUT_SET = None if args.hang_timeout == "auto" else float(args.hang_timeout)
     STATE_MB, CHECKPOINT_EVERY = args.state_mb, args.checkpoint_every
     results: list[Result] = []
@@ -280,9 +292,13 @@ def main() -> int:
                     result = runner(fault, Path(tmp))
                     results.append(result)
                     print(f"# {result.system:<18} {fault:<12} recover {result.recover_s} s  {result.note}", file=sys.stderr, flush=True)
+    return report_results(args, results, {"step_time_s": STEP_TIME, "hang_timeout_s": HANG_TIMEOUT_SET, "state_mb": STATE_MB})
+
+
+def report_results(args: argparse.Namespace, results: list[Result], header: dict) -> int:
+    """The table (and p50/p95 rows with ``--repeat``), or with ``--json`` one object: ``header`` and the results."""
     if args.json:
-        print(json.dumps({"step_time_s": STEP_TIME, "hang_timeout_s": HANG_TIMEOUT_SET, "state_mb": STATE_MB,
-                          "results": [asdict(r) for r in results]}))
+        print(json.dumps({**header, "results": [asdict(r) for r in results]}))
         return 0
     fmt = lambda v: "-" if v is None else str(v)  # noqa: E731
     print("| fault | system | fault -> first step after resume (s) | detect (s) | reschedule (s) | startup (s) | restore (s) | steps lost | note |")
@@ -300,6 +316,28 @@ def main() -> int:
             print(f"| {key[0]} | {key[1]} | {len(rows)} | {fmt(recover_p50)} | {fmt(recover_p95)} | "
                   f"{fmt(quantiles([r.startup_s for r in rows])[0])} | {fmt(quantiles([r.steps_lost for r in rows])[0])} |")
     return 0
+
+
+def kubernetes_main(args: argparse.Namespace) -> int:
+    """``--backend kubernetes``: every system, fault and repeat on a control plane of its own; the same output."""
+    import recovery_kubernetes  # beside this script; brings up the tests' control plane harness
+
+    faults = args.faults.split(",")
+    systems = args.systems.split(",")
+    unknown = [s for s in systems if s not in recovery_kubernetes.SYSTEMS] + [f for f in faults if f not in recovery_kubernetes.FAULTS]
+    if unknown:
+        print(f"recovery.py: unknown {', '.join(unknown)}: systems are {', '.join(recovery_kubernetes.SYSTEMS)}, "
+              f"faults {', '.join(recovery_kubernetes.FAULTS)}", file=sys.stderr)
+        return 2
+    results: list[Result] = []
+    with tempfile.TemporaryDirectory(prefix="unbroken-bench-k8s-") as tmp:
+        for fault in faults:
+            for i in range(args.repeat):
+                for system in systems:
+                    result = Result(**recovery_kubernetes.run(system, fault, Path(tmp) / f"{system}-{fault}-{i}"))
+                    results.append(result)
+                    print(f"# {result.system:<18} {fault:<12} recover {result.recover_s} s  {result.note}", file=sys.stderr, flush=True)
+    return report_results(args, results, {"backend": "kubernetes", "step_time_s": recovery_kubernetes.STEP_TIME})
 
 
 def quantiles(values: list) -> tuple[float | None, float | None]:

@@ -1,0 +1,151 @@
+"""Recovery on Kubernetes, for ``benchmarks/recovery.py --backend kubernetes``: one PyTorchJob, three faults, each
+system on a control plane of its own.
+
+Real: etcd, kube-apiserver, kube-controller-manager (its node lifecycle controller marks a dead node NotReady and
+evicts its pods), kube-scheduler and training-operator v1.9.3, built from their Go modules; ``deploy/``'s RBAC;
+torchrun, gloo and the MLP workload as real processes. Simulated: the kubelet (tests/controlplane/kubelet.py runs
+each pod as local processes; its restart back-off starts at 1 s and doubles to 10 s, where a real kubelet's starts
+at 10 s and doubles to 5 min).
+
+Systems, the same job (2 pods of 1 rank, 50 ms steps, a checkpoint file every 20 steps):
+
+* ``training-operator``: the job as Kubeflow documents it (``restartPolicy: OnFailure``), no unbroken
+  annotations, no unbroken operator or agents. A killed rank's torchrun exits, the kubelet restarts its container;
+  the other pod's rank fails on its lost peer and is restarted the same way; both rendezvous again and resume from
+  the checkpoint file. Nothing sees a hang; a dead node's pods stay Terminating, so nothing replaces them.
+* ``unbroken``: the same job with ``auto-resume`` (5 retries) and the node agent's socket mounted (progress, hang
+  timeouts from step times), unbroken's operator and an agent per node: a restart deletes and recreates every pod.
+
+Faults: ``kill-worker`` (SIGKILL worker-0's rank), ``hang-worker`` (SIGSTOP it), ``kill-node`` (the kubelet fails worker-0's node: its processes,
+the node agent's among them, die, its Lease and status stop).
+
+Measured from rank 0's step timeline (``--progress-log``: step, wall time, pid per step; rank 0 is the master
+pod, which no fault here touches directly): **recover** = fault -> first step of a new rank 0 process; **steps
+lost** = last step before the fault - the step resumed from; **detect** = fault -> unbroken's ``JobRestarting``
+Event; **reschedule** = detection -> every pod of the new attempt Running (polled every 50 ms: the control plane and
+the pods' start); **startup** = pods Running -> first step (torchrun, ``import torch``, rendezvous, restore);
+**restore** = the master rank's own ``restore()`` time.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from controlplane.unbroken_cluster import (  # noqa: E402 - tests/controlplane, on the path above
+    JOBS, Cluster, auto_resume, pytorchjob, rank_log, rank_process, start_agents, submit, unbroken_cluster,
+)
+from processes import stop_process  # noqa: E402
+from unbroken.backends.kubernetes import names  # noqa: E402
+from unbroken.waiting import WaitTimeout, wait_until  # noqa: E402
+
+SYSTEMS = ("training-operator", "unbroken")
+FAULTS = ("kill-worker", "hang-worker", "kill-node")
+STEP_TIME = 0.05
+FAULT_AT_STEP = 45
+"""Past the checkpoint at step 40 (every 20) and past the 10 steps the hang timeout is measured from."""
+GIVE_UP_AFTER = 120.0
+_RESUMED = re.compile(r"resumed at step \d+ from .* in ([0-9.]+) s")
+
+
+def _timeline(path: Path) -> list[tuple[int, float, int]]:
+    """(step, unix time, pid) per line of rank 0's progress log."""
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        parts = line.split()
+        if len(parts) >= 3:
+            rows.append((int(parts[0]), float(parts[1]), int(parts[2])))
+    return rows
+
+
+def _poll(predicate: Any, timeout: float) -> Any:
+    try:
+        return wait_until(predicate, timeout, "the scenario's next stage", interval=0.05)
+    except WaitTimeout:
+        return None
+
+
+def _restarting_at(cluster: Cluster, name: str) -> float | None:
+    """When unbroken decided to restart the job: its JobRestarting Event's own time stamp."""
+    for event in cluster.core.list_namespaced_event(JOBS, field_selector=f"involvedObject.name={name}").items:
+        if event.reason == "JobRestarting":
+            return float((event.metadata.annotations or {}).get(f"{names.PREFIX}/time", 0)) or None
+    return None
+
+
+def _all_running(cluster: Cluster, name: str, attempt: str) -> bool:
+    pods = cluster.pods(name)
+    return len(pods) == 2 and all((p.metadata.annotations or {}).get(names.ATTEMPT) == attempt and p.status.phase == "Running"
+                                  and p.metadata.deletion_timestamp is None for p in pods)
+
+
+def run(system: str, fault: str, workdir: Path) -> dict[str, Any]:
+    """One run: a fresh cluster, the job up past a checkpoint, the fault, the first step after the resume."""
+    workdir.mkdir(parents=True)
+    result: dict[str, Any] = {"system": system, "fault": fault, "detect_s": None, "recover_s": None, "steps_lost": None,
+                              "note": "", "reschedule_s": None, "startup_s": None, "restore_s": None}
+    with unbroken_cluster(workdir) as cluster:
+        agents = {}
+        if system == "unbroken":
+            cluster.start_operator()
+            agents = start_agents(cluster)
+        try:
+            progress = workdir / "progress.log"
+            body = pytorchjob("bench", workdir / "ckpt", steps=100_000, step_time=STEP_TIME, report_progress=system == "unbroken",
+                              annotations=auto_resume(5) if system == "unbroken" else None)
+            for replica in body["spec"]["pytorchReplicaSpecs"].values():
+                command = replica["template"]["spec"]["containers"][0]["command"]
+                command[command.index("--checkpoint-every") + 1] = "20"
+                command += ["--progress-log", str(progress)]
+            name = submit(cluster, body)
+            if not _poll(lambda: any(step >= FAULT_AT_STEP for step, _, _ in _timeline(progress)), 180):
+                result["note"] = f"the job never reached step {FAULT_AT_STEP}"
+                return result
+            before = _timeline(progress)
+            old_pids = {pid for _, _, pid in before}
+            log_offset = len(rank_log(cluster, f"{name}-master-0"))
+            worker = cluster.core.read_namespaced_pod(f"{name}-worker-0", JOBS)
+            fault_at = time.time()
+            if fault == "kill-node":
+                cluster.kubelet.fail_node(worker.spec.node_name)
+                if worker.spec.node_name in agents:  # the node's agent dies with it
+                    stop_process(agents.pop(worker.spec.node_name), sig=signal.SIGKILL)
+            else:
+                rank_process(cluster, f"{name}-worker-0").send_signal(signal.SIGKILL if fault == "kill-worker" else signal.SIGSTOP)
+
+            def resumed() -> tuple[int, float] | None:
+                new = [(step, at) for step, at, pid in _timeline(progress) if pid not in old_pids and at > fault_at]
+                return new[0] if new else None
+
+            running_at = None
+            if system == "unbroken":  # the new attempt's pods come up before its first step: watch for them first
+                running_at = _poll(lambda: _all_running(cluster, name, "1") and time.time(), GIVE_UP_AFTER)
+            first = _poll(resumed, GIVE_UP_AFTER)
+            detected = _restarting_at(cluster, name) if system == "unbroken" else None
+            if detected is not None:
+                result["detect_s"] = round(detected - fault_at, 2)
+            if first is None:
+                result["note"] = f"no step after the fault within {GIVE_UP_AFTER:g} s" + (
+                    "" if detected is None else " (a restart was decided)")
+                return result
+            first_step, first_at = first
+            last_before = max(step for step, _, pid in _timeline(progress) if pid in old_pids)
+            result["recover_s"] = round(first_at - fault_at, 2)
+            result["steps_lost"] = last_before - (first_step - 1)
+            if detected is not None and running_at:
+                result["reschedule_s"] = round(running_at - detected, 2)
+                result["startup_s"] = round(first_at - running_at, 2)
+            result["note"] = "pods recreated" if system == "unbroken" else "containers restarted by the kubelet"
+            restores = [float(m.group(1)) for m in _RESUMED.finditer(rank_log(cluster, f"{name}-master-0")[log_offset:])]
+            result["restore_s"] = round(restores[0], 3) if restores else None
+            return result
+        finally:
+            for proc in agents.values():
+                stop_process(proc, sig=signal.SIGKILL)

@@ -1,0 +1,305 @@
+"""unbroken installed on a real control plane, for the end-to-end tests and the benchmarks that run there.
+
+``unbroken_cluster`` brings up the control plane (tests/controlplane/cluster.py), applies ``deploy/`` as
+``kubectl apply -k`` does (less the operator's Deployment and the agents' DaemonSet: no image runs here; they
+run as processes with the same ServiceAccounts' tokens), and registers three GPU nodes of the process kubelet
+(tests/controlplane/kubelet.py), which runs the pods as local processes. The helpers write PyTorchJobs as a user
+does, find a pod's rank process and read its log, and start the node agents.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import kubernetes
+import psutil
+import yaml
+
+from controlplane.cluster import ControlPlane
+from controlplane.kubelet import ProcessKubelet, pod_processes
+from processes import stop_process
+from unbroken.backends.kubernetes import names
+from unbroken.backends.kubernetes.client import api_client
+from unbroken.backends.kubernetes.rank_env import AGENT_DIR, SHM_DIR, with_rank_env
+from unbroken.ports import free_port
+from unbroken.waiting import WaitTimeout, wait_until
+
+SYSTEM = "unbroken-system"
+JOBS = "training"
+NODES = ("gpu-a", "gpu-b", "gpu-c")
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+UNBROKENS = f"app.kubernetes.io/managed-by={names.COMPONENT}"
+"""unbroken's Events (Kubernetes' controllers write theirs on the same objects)."""
+
+
+@dataclass
+class Cluster:
+    plane: ControlPlane
+    kubeconfig: Path
+    """The admin's: what the test itself and the CLI (a user) use."""
+    operator_kubeconfig: Path
+    """ServiceAccount unbroken-system/unbroken-operator's token, under deploy/'s RBAC."""
+    agent_kubeconfig: Path
+    """ServiceAccount unbroken-system/unbroken-agent's token, under deploy/'s RBAC."""
+    api: kubernetes.client.ApiClient
+    kubelet: ProcessKubelet
+    workdir: Path
+    remediations: Path
+    operator: subprocess.Popen[bytes] | None = None
+
+    @property
+    def core(self) -> kubernetes.client.CoreV1Api:
+        return kubernetes.client.CoreV1Api(self.api)
+
+    @property
+    def custom(self) -> kubernetes.client.CustomObjectsApi:
+        return kubernetes.client.CustomObjectsApi(self.api)
+
+    def start_operator(self, heartbeat_host: str = "127.0.0.1") -> subprocess.Popen[bytes]:
+        log = open(self.workdir / "operator.log", "ab")
+        self.operator = subprocess.Popen(
+            [sys.executable, "-m", "unbroken.operator", "--kubeconfig", str(self.operator_kubeconfig), "--namespace", SYSTEM,
+             "--metrics-port", "0", "--metrics-host", "127.0.0.1", "--identity", f"operator-{uuid.uuid4().hex[:4]}",
+             "--heartbeat-host", heartbeat_host, "--heartbeat-port", "0", "--heartbeat-address", heartbeat_host],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "KUBECONFIG": str(self.operator_kubeconfig)})
+        return self.operator
+
+    def stop_operator(self, sig: int = signal.SIGTERM) -> None:
+        if self.operator is not None:
+            stop_process(self.operator, sig=sig, timeout=15)
+        self.operator = None
+
+    def job(self, name: str) -> dict[str, Any]:
+        return self.custom.get_namespaced_custom_object("kubeflow.org", "v1", JOBS, "pytorchjobs", name)
+
+    def annotations(self, name: str) -> dict[str, str]:
+        return self.job(name)["metadata"].get("annotations") or {}
+
+    def events(self, name: str) -> list[tuple[str, str, str]]:
+        """(type, reason, message) of unbroken's Events on the job, oldest first (by unbroken's own time stamp)."""
+        items = self.core.list_namespaced_event(JOBS, label_selector=UNBROKENS).items  # not training-operator's
+        mine = [e for e in items if e.involved_object.name == name]
+        mine.sort(key=lambda e: float((e.metadata.annotations or {}).get(f"{names.PREFIX}/time", 0)))
+        return [(e.type, e.reason, e.message) for e in mine]
+
+    def reasons(self, name: str) -> list[str]:
+        return [reason for _, reason, _ in self.events(name)]
+
+    def pods(self, name: str) -> list[Any]:
+        return self.core.list_namespaced_pod(JOBS, label_selector=f"training.kubeflow.org/job-name={name}").items
+
+    def operator_log(self) -> str:
+        return (self.workdir / "operator.log").read_text(errors="replace")
+
+    def assert_clean(self) -> None:
+        """No kubelet error, and nothing in the operator's log of a failed pass or a refused request."""
+        assert not self.kubelet.errors, self.kubelet.errors
+        log = self.operator_log() if (self.workdir / "operator.log").exists() else ""
+        assert "reconcile pass failed" not in log and "Logging error" not in log, log[-3000:]
+        assert " 403" not in log and "Forbidden" not in log, f"the operator was refused something: {log[-3000:]}"
+
+
+def cluster_file(remediations: Path) -> str:
+    """Automatic recovery through the Command remediator: a script that appends "<action> <node>"
+    to ``remediations`` (argv ends with [action, node]); force-delete after 2 s, not 60."""
+    script = "import sys; open(sys.argv[1], 'a').write(sys.argv[2] + ' ' + sys.argv[3] + chr(10))"
+    return yaml.safe_dump({
+        "ClusterName": "k8s-test", "NodeRecovery": "Automatic",
+        "InstanceGroups": [
+            {"InstanceGroupName": "gpu", "InstanceType": "cpu-dev", "InstanceCount": 0},
+            # for joining nodes: a healthy group, and one whose profile no CPU meets (the real matmul fails it)
+            {"InstanceGroupName": "checked", "InstanceType": "cpu-dev", "InstanceCount": 0,
+             "OnStartDeepHealthChecks": ["InstanceStress", "InstanceConnectivity"]},
+            {"InstanceGroupName": "slow", "InstanceType": "cpu-slow", "InstanceCount": 0, "OnStartDeepHealthChecks": ["InstanceStress"]},
+        ],
+        "Health": {"Profiles": {"cpu-slow": {"MatmulFloor": 1e9, "MemoryBandwidthFloorGBps": 0.5, "BusBwFloorGBps": 0.1}}},
+        "Kubernetes": {"Remediator": "Command", "RemediationCommand": [sys.executable, "-c", script, str(remediations)],
+                       "ForceDeleteGraceSeconds": 2,
+                       # the deep-check Jobs' pods run this machine's Python (the process kubelet ignores images)
+                       "DeepCheckCommand": [sys.executable, "-m", "unbroken.health.pod"], "DeepCheckStartSeconds": 30,
+                       # the cross-node sweep's rank 0 listens here (every test node's address is 127.0.0.1)
+                       "ConnectivityPort": free_port()},
+    })
+
+
+def install_unbroken(plane: ControlPlane, remediations: Path) -> None:
+    """deploy/ as ``kubectl apply -k deploy/`` installs it, less the operator's Deployment and the agent's
+    DaemonSet (no image can run here: the test starts both as processes, with the same accounts), and with
+    the test's cluster file in the ConfigMap."""
+    rendered = plane.kubectl("kustomize", str(DEPLOY)).stdout
+    objects = [o for o in yaml.safe_load_all(rendered) if o and o["kind"] not in ("Deployment", "DaemonSet")]
+    for obj in objects:
+        if obj["kind"] == "ConfigMap" and obj["metadata"]["name"] == names.CLUSTER_CONFIGMAP:
+            obj["data"] = {"cluster.yaml": cluster_file(remediations)}
+    plane.apply(objects)
+
+
+def service_account_kubeconfig(plane: ControlPlane, core: kubernetes.client.CoreV1Api, account: str, path: Path) -> Path:
+    """A kubeconfig with a token the API server issued for ``unbroken-system/<account>`` (a TokenRequest)."""
+    wait_until(lambda: core.read_namespaced_service_account(account, SYSTEM), 30, f"ServiceAccount {account}")
+    token = core.create_namespaced_service_account_token(account, SYSTEM, {"spec": {"expirationSeconds": 24 * 3600}})
+    return plane.token_kubeconfig(path, token.status.token, f"system:serviceaccount:{SYSTEM}:{account}")
+
+
+@contextlib.contextmanager
+def unbroken_cluster(workdir: Path, *, trainer: bool = False) -> Iterator[Cluster]:
+    """The control plane (with JobSet and the Trainer if ``trainer``), deploy/ installed, three GPU nodes of the
+    process kubelet; the operator stopped when it ends, and then no pod process left."""
+    # A short directory: a node's hostPath /var/run/unbroken/agent.sock must fit in a socket address (107 bytes).
+    with tempfile.TemporaryDirectory(prefix="k8s-", dir="/tmp") as nodes_root, \
+            ControlPlane(workdir / "plane", trainer=trainer) as plane:
+        api = api_client(plane.kubeconfig)
+        core = kubernetes.client.CoreV1Api(api)
+        remediations = workdir / "remediations.log"
+        remediations.touch()
+        install_unbroken(plane, remediations)
+        plane.create_namespace(JOBS)
+        operator = service_account_kubeconfig(plane, core, "unbroken-operator", workdir / "operator.kubeconfig")
+        agent = service_account_kubeconfig(plane, core, "unbroken-agent", workdir / "agent.kubeconfig")
+        try:
+            with ProcessKubelet(plane.kubeconfig, Path(nodes_root), plane.kubelet_serving) as kubelet:
+                for node in NODES:
+                    kubelet.add_node(node, allocatable={"nvidia.com/gpu": "1"})
+                result = Cluster(plane, plane.kubeconfig, operator, agent, api, kubelet, workdir, remediations)
+                try:
+                    yield result
+                finally:
+                    result.stop_operator()
+        except BaseException:
+            print(plane.logs_tail(15))  # shown with the failure
+            raise
+        # every process of every pod died with the kubelet (a SIGSTOPped rank torchrun left behind once outlived it)
+        wait_until(lambda: not pod_processes(), 10, "every pod process to be gone")
+
+
+def pytorchjob(name: str, checkpoints: Path, *, steps: int, step_time: float = 0.05, annotations: dict[str, str] | None = None,
+               nodes: int = 2, report_progress: bool = False, tiers_json: str | None = None) -> dict[str, Any]:
+    """A PyTorchJob as a user writes it: Master + Workers, torchrun reading training-operator's PET_* env;
+    with ``report_progress``, its pods mount the node agent's socket and name their job (backends/kubernetes/rank_env.py);
+    with ``tiers_json`` they checkpoint through the tiered checkpoint (the node's memory tier, peer replicas)."""
+    container = {
+        "name": "pytorch", "image": "unbroken:dev",
+        "command": [sys.executable, "-m", "torch.distributed.run", "-m", "unbroken.workloads.mlp",
+                    "--steps", str(steps), "--checkpoint-every", "10", "--step-time", str(step_time)],
+        "env": [{"name": "UNBROKEN_CHECKPOINT_DIR", "value": str(checkpoints)}],
+        "resources": {"limits": {"nvidia.com/gpu": 1}},
+        # training-operator's MASTER_PORT; every pod shares 127.0.0.1, so each job gets a port of its own
+        "ports": [{"name": "pytorchjob-port", "containerPort": free_port()}],
+    }
+    template: dict[str, Any] = {"spec": {"containers": [container]}}
+    if report_progress or tiers_json is not None:
+        template = with_rank_env(template, "training.kubeflow.org/job-name", tiers_json=tiers_json)
+    if tiers_json is not None:
+        annotations = {**(annotations or {}), names.CHECKPOINT_TIERS: tiers_json}
+    replica = {"replicas": 1, "restartPolicy": "OnFailure", "template": template}
+    specs = {"Master": replica}
+    if nodes > 1:
+        specs["Worker"] = {**replica, "replicas": nodes - 1}
+    return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
+            "metadata": {"name": name, "namespace": JOBS, "annotations": annotations or {}},
+            "spec": {"nprocPerNode": "1", "pytorchReplicaSpecs": specs}}
+
+
+def auto_resume(retries: int) -> dict[str, str]:
+    return {names.AUTO_RESUME: "true", names.MAX_RETRY: str(retries)}
+
+
+def submit(cluster: Cluster, body: dict[str, Any]) -> str:
+    cluster.custom.create_namespaced_custom_object("kubeflow.org", "v1", JOBS, "pytorchjobs", body)
+    return str(body["metadata"]["name"])
+
+
+def rank_process(cluster: Cluster, pod: str) -> psutil.Process:
+    """The rank under the pod's torchrun: the descendant whose environment says RANK."""
+    def find() -> psutil.Process | None:
+        pid = cluster.kubelet.pid_of(JOBS, pod)
+        if pid is None:
+            return None
+        try:
+            for child in psutil.Process(pid).children(recursive=True):
+                if "RANK" in child.environ() and "unbroken.workloads.mlp" in " ".join(child.cmdline()):
+                    return child
+        except psutil.Error:
+            return None
+        return None
+    return wait_until(find, 60, f"a rank process in pod {pod}")
+
+
+def checkpoint_steps(checkpoints: Path) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in checkpoints.glob("step-*") if p.name.split("-")[1].isdigit()) \
+        if checkpoints.exists() else []
+
+
+def rank_log(cluster: Cluster, pod: str) -> str:
+    try:
+        path = cluster.kubelet.log_path(JOBS, pod)
+    except KeyError:  # not started yet
+        return ""
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def running_with_a_checkpoint(cluster: Cluster, body: dict[str, Any], checkpoints: Path, step: int = 10) -> str:
+    """Submit ``body``; return its name once the operator adopted it and its ranks saved ``step``."""
+    name = submit(cluster, body)
+    wait_until(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Running", 60, "the operator to adopt the job")
+    wait_until(lambda: any(s >= step for s in checkpoint_steps(checkpoints)), 120, f"a checkpoint at step {step}")
+    return name
+
+
+def wait_resumed_off(cluster: Cluster, name: str, node: str) -> None:
+    """Attempt 1 runs on two nodes other than ``node`` and has resumed from the checkpoint."""
+    def moved() -> bool:
+        pods = cluster.pods(name)
+        return len(pods) == 2 and all(p.spec.node_name and p.spec.node_name != node for p in pods) \
+            and all((p.metadata.annotations or {}).get(names.ATTEMPT) == "1" for p in pods)
+    wait_until(moved, 60, f"attempt 1 on nodes other than {node}")
+    try:
+        wait_until(lambda: "resumed at step" in rank_log(cluster, f"{name}-master-0"), 120, "the resume from the checkpoint")
+    except WaitTimeout:  # say what the pods were doing: a resume that never comes is hard to read from a timeout
+        pods = [(p.metadata.name, p.spec.node_name, p.status.phase,
+                 [e.value for c in p.spec.containers for e in c.env or [] if e.name == "MASTER_PORT"]) for p in cluster.pods(name)]
+        tails = {pod: rank_log(cluster, f"{name}-{pod}")[-1500:] for pod in ("master-0", "worker-0")}
+        raise AssertionError(f"no resume within 120 s; pods {pods}; logs {tails}; operator {cluster.operator_log()[-1500:]}") from None
+
+
+def start_agent(cluster: Cluster, node: str, *, kernel_log: str | None = None) -> subprocess.Popen[bytes]:
+    """``unbroken agent --kubernetes`` for ``node`` (its DaemonSet pod), tailing the node's kernel log
+    file (``/dev/kmsg`` on a real node; ``kernel_log="none"``: none, as the base DaemonSet) and renewing its Lease."""
+    node_dir = cluster.kubelet.node_dir(node)
+    (node_dir / "kmsg.log").touch()
+    kernel_log = kernel_log or str(node_dir / "kmsg.log")
+    log = open(cluster.workdir / f"agent-{node}.log", "ab")
+    return subprocess.Popen(
+        [sys.executable, "-m", "unbroken.agent.kubernetes", "--kubernetes", "--node", node, "--kubeconfig", str(cluster.agent_kubeconfig),
+         "--namespace", SYSTEM, "--kernel-log", kernel_log, "--socket-dir", str(node_dir / AGENT_DIR.lstrip("/")),
+         "--state-dir", str(node_dir / "state")],
+        # the memory tier's hostPath (/dev/shm/unbroken), as the pods' mount of it is rewritten
+        env={**os.environ, "UNBROKEN_SHM_BASE": str(node_shm(cluster, node))},
+        stdout=log, stderr=subprocess.STDOUT)
+
+
+def node_shm(cluster: Cluster, node: str) -> Path:
+    """The node's memory tier (hostPath ``/dev/shm/unbroken``) in its test-kubelet directory."""
+    return cluster.kubelet.node_dir(node) / SHM_DIR.lstrip("/")
+
+
+def start_agents(cluster: Cluster) -> dict[str, subprocess.Popen[bytes]]:
+    """One agent per node, each with its Lease renewed once."""
+    agents = {node: start_agent(cluster, node) for node in NODES}
+    leases = kubernetes.client.CoordinationV1Api(cluster.api)
+    wait_until(lambda: {f"{names.LEASE_PREFIX}{n}" for n in NODES} <= {l.metadata.name for l in leases.list_namespaced_lease(SYSTEM).items},
+             30, "every agent's Lease")
+    return agents
+
+
+Agents = dict[str, subprocess.Popen[bytes]]
