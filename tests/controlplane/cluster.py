@@ -28,8 +28,10 @@ from __future__ import annotations
 import base64
 import json
 import os
+import random
 import shutil
 import signal
+import socket
 import ssl
 import subprocess
 import time
@@ -45,7 +47,6 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane import components, pki
-from unbroken.ports import free_port
 from unbroken.waiting import WaitTimeout, wait_until
 
 LOOPBACK = "127.0.0.1"
@@ -74,6 +75,28 @@ class WebhookController:
     port: int
     configurations: dict[Path, dict[str, str]]
     keep: Callable[[dict[str, Any]], bool] = lambda hook: True
+
+
+def listen_port() -> int:
+    """A port free now for a component to listen on, below the kernel's ephemeral range.
+
+    A port picked by binding port 0 lies inside that range, where any outgoing connection (a test's client, a
+    pod's) may take it before the component binds it ("address already in use": CI lost a kube-scheduler that
+    way); below the range only another listener can."""
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    low = max(1024, ephemeral_low - 12000)
+    for _ in range(200):
+        port = random.randrange(low, ephemeral_low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((LOOPBACK, port))
+            except OSError:
+                continue
+            return port
+    raise ControlPlaneError(f"no free port to listen on in {low}-{ephemeral_low - 1}")
 
 
 class ControlPlaneError(RuntimeError):
@@ -151,12 +174,12 @@ class ControlPlane:
         self.pki_dir = workdir / "pki"
         self.ca = pki.Authority(self.pki_dir)
         self.sa_keys = pki.service_account_keys(self.pki_dir)
-        self.apiserver_port = free_port()
+        self.apiserver_port = listen_port()
         self.server = f"https://{LOOPBACK}:{self.apiserver_port}"
-        self.etcd_port, self.etcd_peer_port = free_port(), free_port()
+        self.etcd_port, self.etcd_peer_port = listen_port(), listen_port()
         self._issue_certificates()
         self.processes: dict[str, Process] = {}
-        self.secure_ports = {"kube-controller-manager": free_port(), "kube-scheduler": free_port()}
+        self.secure_ports = {"kube-controller-manager": listen_port(), "kube-scheduler": listen_port()}
         """Where the controller-manager and the scheduler serve /healthz."""
         self._define_processes()
 
@@ -245,10 +268,10 @@ class ControlPlane:
         return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, str(own), *command]
 
     def _define_training_operator(self) -> None:
-        self.training_operator_webhook_port = free_port()
-        self.training_operator_probe_port = free_port()
+        self.training_operator_webhook_port = listen_port()
+        self.training_operator_probe_port = listen_port()
         command = [str(components.TRAINING_OPERATOR.binary("training-operator")), "--enable-scheme=pytorchjob",
-                   f"--metrics-bind-address={LOOPBACK}:{free_port()}",
+                   f"--metrics-bind-address={LOOPBACK}:{listen_port()}",
                    f"--health-probe-bind-address={LOOPBACK}:{self.training_operator_probe_port}",
                    f"--webhook-server-port={self.training_operator_webhook_port}"]
         self._process("training-operator", self._isolated("training-operator", command),
@@ -385,8 +408,8 @@ class ControlPlane:
     def _define_trainer(self) -> None:
         """JobSet and the Trainer, each from a configuration file of its own (their only way to be configured)."""
         trainer = components.TRAINER
-        self.jobset_webhook_port, self.jobset_probe_port = free_port(), free_port()
-        self.trainer_webhook_port, self.trainer_probe_port = free_port(), free_port()
+        self.jobset_webhook_port, self.jobset_probe_port = listen_port(), listen_port()
+        self.trainer_webhook_port, self.trainer_probe_port = listen_port(), listen_port()
         for name, port, probe in (("jobset", self.jobset_webhook_port, self.jobset_probe_port),
                                   ("trainer", self.trainer_webhook_port, self.trainer_probe_port)):
             config = {"apiVersion": "config.jobset.x-k8s.io/v1alpha1" if name == "jobset"

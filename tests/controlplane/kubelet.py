@@ -346,9 +346,10 @@ class ProcessKubelet:
             with self._lock:
                 try:
                     self._reconcile()
-                except urllib3.exceptions.MaxRetryError as exc:
-                    # The API server cannot be reached (a test stopped it): a kubelet retries, as the real one does.
-                    log.warning("process kubelet: the API server is unreachable: %s", exc.reason)
+                except (urllib3.exceptions.MaxRetryError, urllib3.exceptions.ProtocolError) as exc:
+                    # The API server cannot be reached, or went away mid-request (a test stopped it: the
+                    # connection is reset): a kubelet retries, as the real one does.
+                    log.warning("process kubelet: the API server is unreachable: %s", getattr(exc, "reason", exc))
                 except Exception:  # noqa: BLE001 -- a kubelet keeps going; the test sees ``errors``
                     text = traceback.format_exc(limit=-2)
                     log.error("process kubelet: %s", text)
