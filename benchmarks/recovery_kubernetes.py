@@ -51,7 +51,7 @@ FAULTS = ("kill-worker", "hang-worker", "kill-node")
 STEP_TIME = 0.05
 FAULT_AT_STEP = 45
 """Past the checkpoint at step 40 (every 20) and past the 10 steps the hang timeout is measured from."""
-GIVE_UP_AFTER = 120.0
+GIVE_UP_AFTER = 60.0
 _RESUMED = re.compile(r"resumed at step \d+ from .* in ([0-9.]+) s")
 
 

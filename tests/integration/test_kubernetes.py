@@ -622,9 +622,6 @@ def test_a_hung_rank_restarts_the_job_after_its_hang_timeout(cluster: Cluster, a
     checkpoints = tmp_path / "ckpt"
     body = pytorchjob("hung", checkpoints, steps=3000, annotations={**auto_resume(2), names.HANG_TIMEOUT: "4"},
                       report_progress=True)
-    for replica in body["spec"]["pytorchReplicaSpecs"].values():
-        # a stopped rank ignores SIGTERM: its pod goes at SIGKILL, after the grace period (default 30 s)
-        replica["template"]["spec"]["terminationGracePeriodSeconds"] = 5
     name = running_with_a_checkpoint(cluster, body, checkpoints)
     leases = kubernetes.client.CoordinationV1Api(cluster.api)
 
@@ -645,6 +642,12 @@ def test_a_hung_rank_restarts_the_job_after_its_hang_timeout(cluster: Cluster, a
     restarting = next(m for _, r, m in cluster.events(name) if r == "JobRestarting")
     assert "hang: no progress from a rank on" in restarting and "hang_timeout 4 s" in restarting, restarting
     assert 4 <= waited < 15, waited  # not before the timeout; within a few passes after it
+    # A stopped rank ignores SIGTERM: its pod goes at SIGKILL, and its name (which attempt 1 needs) stays taken
+    # until then. unbroken stops an attempt with Kubernetes.StopGraceSeconds (3), not the pod's own 30 s.
+    # (training-operator deletes the pods of a suspended job too, with their own grace: a second delete shortens it)
+    wait_until(lambda: any(p.metadata.deletion_grace_period_seconds == 3 for p in cluster.pods(name)
+                           if p.metadata.name.endswith("worker-0") and p.metadata.deletion_timestamp is not None), 30,
+               "the hung worker's pod deleted with a 3 s grace period")
     wait_until(lambda: cluster.annotations(name).get(names.RESTART_COUNT) == "1", 30, "restart-count 1")
 
     def resumed() -> bool:

@@ -109,6 +109,11 @@ class KubernetesSettings(_Strict):
     ForceDeleteGraceSeconds: float = Field(default=30.0, ge=0, le=3600)
     """A job pod on a lost node still Terminating after this long is force-deleted, so its
     workload's controller can create it again elsewhere."""
+    StopGraceSeconds: int = Field(default=3, ge=0, le=3600)
+    """The grace period of an attempt's pods when unbroken stops the attempt to restart the job:
+    SIGTERM, then SIGKILL this much later. The pod's own (30 s unless it says) would hold every
+    restart of a hung rank that long: the workload's controller recreates a pod only once its
+    name is free. 3 s lets torchrun tear its ranks down, as the local agent allows."""
     DeepCheckImage: str = "ghcr.io/unbroken-dev/unbroken"
     """The image of the deep-check Jobs the operator runs on joining nodes (unbroken's own)."""
     DeepCheckCommand: list[str] = Field(default_factory=lambda: ["python", "-m", "unbroken.health.pod"], min_length=1)

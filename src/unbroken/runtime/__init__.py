@@ -109,6 +109,7 @@ def open_kubernetes(api: "kubernetes.client.ApiClient", namespace: str, *, job_n
         remediator = SelfRebootRemediator(store)
     else:
         remediator = ConditionRemediator(store)
-    backend = KubernetesBackend(store, remediator, force_delete_after=settings.ForceDeleteGraceSeconds)
+    backend = KubernetesBackend(store, remediator, force_delete_after=settings.ForceDeleteGraceSeconds,
+                                stop_grace=settings.StopGraceSeconds)
     return Runtime(cluster=store, catalog=KubernetesCatalog(api, namespace), backend=backend, config=config,
                    layout=ClusterLayout.at(state_dir), clock=clock)

@@ -8,7 +8,9 @@ A job is a PyTorchJob or a TrainJob; backends/kubernetes/workloads.py says how e
   workload's controller creates the pods, the scheduler places them, and nodes
   that are not Schedulable carry unbroken's NoSchedule taint, so faulty nodes stay out.
 - stop attempt N: suspend the workload, delete the children its controller builds
-  again (a TrainJob's JobSet), and delete its pods of attempt N (gracefully).
+  again (a TrainJob's JobSet), and delete its pods of attempt N with a grace period of
+  ``StopGraceSeconds`` (3 s), not the pod's own (30 s unless it says): a hung rank ignores
+  SIGTERM, and its pod's name stays taken until SIGKILL.
 - observe attempt N: its pods that are bound to a node, one worker each (node rank
   from the replica type and index); a container that terminated non-zero (with
   ``restartPolicy: OnFailure`` the kubelet restarts it in place, so ``lastState``
@@ -103,10 +105,13 @@ class CommandRemediator:
 
 
 class KubernetesBackend:
-    def __init__(self, store: KubernetesStore, remediator: Remediator, *, force_delete_after: float = 30.0) -> None:
+    def __init__(self, store: KubernetesStore, remediator: Remediator, *, force_delete_after: float = 30.0,
+                 stop_grace: int | None = 3) -> None:
         self.store = store
         self.remediator = remediator
         self.force_delete_after = force_delete_after
+        self.stop_grace = stop_grace
+        """Seconds an attempt's pods get between SIGTERM and SIGKILL when it is stopped (None: the pod's own)."""
 
     # -- nodes ----------------------------------------------------------------------------
 
@@ -147,7 +152,7 @@ class KubernetesBackend:
             self._delete_child(namespace, child)
         for pod in self.store.job_pods(job):
             if _attempt(pod) == attempt and not pod["metadata"].get("deletionTimestamp"):
-                self._delete(pod, grace=None)
+                self._delete(pod, grace=self.stop_grace)
 
     def observe_attempt(self, job: str, attempt: int) -> list[Worker]:
         return [w for w in self._workers(job, self.store.job_pods(job)) if w.attempt == attempt]
