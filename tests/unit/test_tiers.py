@@ -1055,16 +1055,23 @@ def stalled_push(server: ShardServer, credentials: Credentials, tmp: Path, *, st
     wait_until(lambda: not server.receiving(), 10, "a closed push to stop counting")
 
 
+@contextlib.contextmanager
+def saved_while_a_push_stalls(rig: Rig, tmp: Path, *, stalled: int, saved: int) -> Iterator[CheckpointService]:
+    """node-2's rank 1 saves step ``saved`` while a peer's push of step ``stalled`` to node-2 stalls: node-2's agent."""
+    node_2 = rig.services["node-2"]
+    assert node_2.server is not None
+    with stalled_push(node_2.server, rig.credentials, tmp, step=stalled):
+        ck = rig.checkpointer(node="node-2", rank=1, world_size=2)
+        ck.save(saved, small_state(saved, 1))
+        ck.wait()
+        yield node_2
+
+
 def test_a_stalled_push_holds_a_nodes_copy_records_no_longer_than_the_replica_wait(make_rig, tmp_path: Path) -> None:
     """A push that stalls delays the node's own copy records of that step by ``replica_write_wait`` at most."""
     rig = make_rig({"keep": 2, "replicas": 1})
     hold_writes(rig, delay=0.0, replica_wait=1.0)
-    node_2 = rig.services["node-2"]
-    assert node_2.server is not None
-    with stalled_push(node_2.server, rig.credentials, tmp_path, step=1):
-        ck = rig.checkpointer(node="node-2", rank=1, world_size=2)
-        ck.save(1, small_state(1, 1))
-        ck.wait()
+    with saved_while_a_push_stalls(rig, tmp_path, stalled=1, saved=1) as node_2:
         recorded_from = time.monotonic()
         node_2.reconcile()
         assert rig.copies(MEMORY, 1) == [], "held while a peer pushes"
@@ -1075,18 +1082,14 @@ def test_a_stalled_push_holds_a_nodes_copy_records_no_longer_than_the_replica_wa
 
         wait_until(written, 10, "node-2's own copy written despite the stalled push", interval=0.05)
         assert time.monotonic() - recorded_from >= 1.0, "written before the replica wait was over"
-        assert node_2.server.receiving() == {("j", 1)}, "the push still stalls: the wait, not its end, let the write go"
+        assert node_2.server is not None and node_2.server.receiving() == {("j", 1)}, \
+            "the push still stalls: the wait, not its end, let the write go"
 
 
 def test_a_push_of_an_older_step_never_holds_a_newer_saves_records(make_rig, tmp_path: Path) -> None:
     """Replication lagging a step behind the saves must not delay every save's commit by the replica wait."""
     rig = make_rig({"keep": 2, "replicas": 1})
     hold_writes(rig, delay=0.0, replica_wait=30.0)
-    node_2 = rig.services["node-2"]
-    assert node_2.server is not None
-    with stalled_push(node_2.server, rig.credentials, tmp_path, step=1):
-        ck = rig.checkpointer(node="node-2", rank=1, world_size=2)
-        ck.save(2, small_state(2, 1))
-        ck.wait()
+    with saved_while_a_push_stalls(rig, tmp_path, stalled=1, saved=2) as node_2:
         node_2.reconcile()
         assert rig.copies(MEMORY, 2) == [(2, 1, "node-2")], "step 2's record went out in its first pass"
