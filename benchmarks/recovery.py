@@ -61,7 +61,6 @@ from unbroken.waiting import WaitTimeout, wait_until
 
 STEPS = 100_000  # never reached: each scenario ends at the first step after resume
 CHECKPOINT_EVERY = 20
-FAULTS_DEFAULT = "kill-worker,hang-worker,kill-node"
 STEP_TIME = 0.05
 FAULT_AT_STEP = 65
 HANG_TIMEOUT = 5.0
@@ -261,7 +260,7 @@ def main() -> int:
     global STATE_MB, CHECKPOINT_EVERY, HANG_TIMEOUT_SET
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    parser.add_argument("--faults", default=FAULTS_DEFAULT)
+    parser.add_argument("--faults", default="kill-worker,hang-worker,kill-node")
     parser.add_argument("--checkpoints", default="file,tiered",
                         help="unbroken's variants to compare: a checkpointer (file, tiered), +warm for warm spares, "
                              "+inproc for in-process restarts")

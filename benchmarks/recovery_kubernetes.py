@@ -29,7 +29,6 @@ the pods' start); **startup** = pods Running -> first step (torchrun, ``import t
 
 from __future__ import annotations
 
-import re
 import signal
 import sys
 import time
@@ -42,9 +41,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 from controlplane.unbroken_cluster import (  # noqa: E402 - tests/controlplane, on the path above
     JOBS, Cluster, auto_resume, pytorchjob, rank_log, rank_process, start_agents, submit, unbroken_cluster,
 )
+from goodput import read_timeline  # noqa: E402 - beside this script: rank 0's step timeline, read as goodput.py does
 from processes import stop_process  # noqa: E402
+from recovery import _RESUMED, poll  # noqa: E402
 from unbroken.backends.kubernetes import names  # noqa: E402
-from unbroken.waiting import WaitTimeout, wait_until  # noqa: E402
 
 SYSTEMS = ("training-operator", "unbroken")
 FAULTS = ("kill-worker", "hang-worker", "kill-node")
@@ -52,24 +52,6 @@ STEP_TIME = 0.05
 FAULT_AT_STEP = 45
 """Past the checkpoint at step 40 (every 20) and past the 10 steps the hang timeout is measured from."""
 GIVE_UP_AFTER = 60.0
-_RESUMED = re.compile(r"resumed at step \d+ from .* in ([0-9.]+) s")
-
-
-def _timeline(path: Path) -> list[tuple[int, float, int]]:
-    """(step, unix time, pid) per line of rank 0's progress log."""
-    rows = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        parts = line.split()
-        if len(parts) >= 3:
-            rows.append((int(parts[0]), float(parts[1]), int(parts[2])))
-    return rows
-
-
-def _poll(predicate: Any, timeout: float) -> Any:
-    try:
-        return wait_until(predicate, timeout, "the scenario's next stage", interval=0.05)
-    except WaitTimeout:
-        return None
 
 
 def _restarting_at(cluster: Cluster, name: str) -> float | None:
@@ -105,11 +87,10 @@ def run(system: str, fault: str, workdir: Path) -> dict[str, Any]:
                 command[command.index("--checkpoint-every") + 1] = "20"
                 command += ["--progress-log", str(progress)]
             name = submit(cluster, body)
-            if not _poll(lambda: any(step >= FAULT_AT_STEP for step, _, _ in _timeline(progress)), 180):
+            if not poll(lambda: any(step >= FAULT_AT_STEP for step, *_ in read_timeline(progress)), 180):
                 result["note"] = f"the job never reached step {FAULT_AT_STEP}"
                 return result
-            before = _timeline(progress)
-            old_pids = {pid for _, _, pid in before}
+            old_pids = {pid for _, _, pid, _ in read_timeline(progress)}
             log_offset = len(rank_log(cluster, f"{name}-master-0"))
             worker = cluster.core.read_namespaced_pod(f"{name}-worker-0", JOBS)
             fault_at = time.time()
@@ -121,13 +102,13 @@ def run(system: str, fault: str, workdir: Path) -> dict[str, Any]:
                 rank_process(cluster, f"{name}-worker-0").send_signal(signal.SIGKILL if fault == "kill-worker" else signal.SIGSTOP)
 
             def resumed() -> tuple[int, float] | None:
-                new = [(step, at) for step, at, pid in _timeline(progress) if pid not in old_pids and at > fault_at]
+                new = [(step, at) for step, at, pid, _ in read_timeline(progress) if pid not in old_pids and at > fault_at]
                 return new[0] if new else None
 
             running_at = None
             if system == "unbroken":  # the new attempt's pods come up before its first step: watch for them first
-                running_at = _poll(lambda: _all_running(cluster, name, "1") and time.time(), GIVE_UP_AFTER)
-            first = _poll(resumed, GIVE_UP_AFTER)
+                running_at = poll(lambda: _all_running(cluster, name, "1") and time.time(), GIVE_UP_AFTER)
+            first = poll(resumed, GIVE_UP_AFTER)
             detected = _restarting_at(cluster, name) if system == "unbroken" else None
             if detected is not None:
                 result["detect_s"] = round(detected - fault_at, 2)
@@ -136,7 +117,7 @@ def run(system: str, fault: str, workdir: Path) -> dict[str, Any]:
                     "" if detected is None else " (a restart was decided)")
                 return result
             first_step, first_at = first
-            last_before = max(step for step, _, pid in _timeline(progress) if pid in old_pids)
+            last_before = max(step for step, _, pid, _ in read_timeline(progress) if pid in old_pids)
             result["recover_s"] = round(first_at - fault_at, 2)
             result["steps_lost"] = last_before - (first_step - 1)
             if detected is not None and running_at:
