@@ -355,11 +355,11 @@ def _to_replicate(view: JobView, here: NodeView, committed: list[CheckpointStep]
     bytes on the wire, and its replicas go with retention like any other."""
     safe = _newest_surviving_a_node_loss(committed, copies)
     begun = {(c.step, c.attempt) for c in copies if c.tier is REPLICA}
-    newest = committed[0].step if committed else -1
-    recorded = sorted({(c.step, c.attempt) for c in copies if c.tier is MEMORY and c.node == here.node
-                       and c.attempt == view.job.attempt and c.step > newest}, reverse=True)
+    newest_committed = committed[0].step if committed else -1
+    recorded = max((c.step for c in copies if c.tier is MEMORY and c.node == here.node and c.attempt == view.job.attempt
+                    and c.step > newest_committed), default=None)
     rows = ([(r.step, r.attempt) for r in committed if (r.step, r.attempt) in begun and (safe is None or r.step > safe)]
-            + recorded[:1] + [(r.step, r.attempt) for r in committed[:1]])
+            + ([(recorded, view.job.attempt)] if recorded is not None else []) + [(r.step, r.attempt) for r in committed[:1]])
     for step, attempt in rows:
         todo = tuple(s for s in view.shards if not s.held and (s.info.step, s.info.attempt) == (step, attempt)
                      and s.key not in here.replicated)
