@@ -33,6 +33,8 @@ RENDEZVOUS = "UNBROKEN_RENDEZVOUS"
 """With in-process restarts, the attempt's store ``host:port`` (hosted by global rank 0), this node's
 rank among ``UNBROKEN_NNODES``: torchrun runs each node on its own, so its RANK is node-local."""
 COLLECTIVE_TIMEOUT = "UNBROKEN_COLLECTIVE_TIMEOUT"
+ROUND = "UNBROKEN_ROUND"
+"""Set by ``unbroken run`` in a pod: the in-place restart round the ranks start in (rejoin.py); absent: the attempt."""
 ENDPOINT_FILE = "checkpoint-endpoint"
 """Beside the agent's socket on Kubernetes: the shard server's ``host:port``, written by the agent
 (a pod's env is fixed when it starts; the agent's port is not known then)."""
@@ -47,17 +49,23 @@ class GroupPlacement:
     rendezvous: str
     rejoin_dir: Path
     collective_timeout: float
+    round: int | None = None
+    """The rejoin handshake's round (rejoin.py); None: the attempt (the local agent's rounds are its attempts)."""
 
     def to_environ(self) -> dict[str, str]:
-        return {GROUP_RANK: str(self.group_rank), NNODES: str(self.nnodes), RENDEZVOUS: self.rendezvous,
-                REJOIN_DIR: str(self.rejoin_dir), COLLECTIVE_TIMEOUT: f"{self.collective_timeout:g}"}
+        env = {GROUP_RANK: str(self.group_rank), NNODES: str(self.nnodes), RENDEZVOUS: self.rendezvous,
+               REJOIN_DIR: str(self.rejoin_dir), COLLECTIVE_TIMEOUT: f"{self.collective_timeout:g}"}
+        if self.round is not None:
+            env[ROUND] = str(self.round)
+        return env
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str]) -> GroupPlacement | None:
         if not env.get(REJOIN_DIR):
             return None
         return cls(group_rank=int(env[GROUP_RANK]), nnodes=int(env[NNODES]), rendezvous=env[RENDEZVOUS],
-                   rejoin_dir=Path(env[REJOIN_DIR]), collective_timeout=float(env[COLLECTIVE_TIMEOUT]))
+                   rejoin_dir=Path(env[REJOIN_DIR]), collective_timeout=float(env[COLLECTIVE_TIMEOUT]),
+                   round=int(env[ROUND]) if env.get(ROUND) else None)
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,14 @@ given to the ranks in ``UNBROKEN_REJOIN_DIR``):
 
 | file | written by | says |
 |---|---|---|
-| ``aborted.<local rank>`` | the rank | "I left attempt N's process group and wait" (N, then the error in one line) |
-| ``notice.json`` | the agent | "join attempt M as group rank G of NNODES, store at HOST:PORT" |
+| ``aborted.<local rank>`` | the rank | "I left round N's process group and wait" (N, then the error in one line) |
+| ``notice.json`` | the agent | "join round M (attempt A) as group rank G of NNODES, store at HOST:PORT" |
+
+A *round* is one process group of the job. Under the local agent every round is
+an attempt of the controller's (the round is the attempt). Under ``unbroken run``
+in a Kubernetes pod (pod_launcher/), the pods restart in place without the
+operator, so the rounds count within one attempt of the operator's, and the ranks
+keep reporting that attempt (its checkpoints, its progress).
 
 Files, not the agent's datagram channel: the rank must *wait* for an answer,
 and a file is there whenever it looks, even if it looked before the agent wrote.
@@ -44,11 +50,18 @@ class RejoinNotice:
     """Where a held worker's ranks go next: the agent writes it when the next attempt places the worker."""
 
     attempt: int
+    """The attempt the ranks report (to their agent, in their checkpoints) from now on."""
     group_rank: int
     """The worker's node rank in the new attempt (it may differ from the old one: a lost node 0 moves rank 0)."""
     nnodes: int
     rendezvous: str
     """``host:port`` of the new attempt's store; its global rank 0 hosts it."""
+    round: int | None = None
+    """The handshake's count (module docstring); None: the attempt."""
+
+    @property
+    def round_number(self) -> int:
+        return self.attempt if self.round is None else self.round
 
     def global_rank(self, local_rank: int, local_world_size: int) -> int:
         return self.group_rank * local_world_size + local_rank
@@ -62,21 +75,21 @@ def _write(path: Path, text: str) -> None:
 
 # -- the rank's side -----------------------------------------------------------------
 
-def acknowledge_abort(rejoin_dir: Path, local_rank: int, attempt: int, why: str = "") -> None:
-    """This rank has left ``attempt``'s process group (because of ``why``, one line) and waits for a notice."""
+def acknowledge_abort(rejoin_dir: Path, local_rank: int, round_number: int, why: str = "") -> None:
+    """This rank has left ``round_number``'s process group (because of ``why``, one line) and waits for a notice."""
     rejoin_dir.mkdir(parents=True, exist_ok=True)
-    _write(rejoin_dir / f"aborted.{local_rank}", f"{attempt} {why}".rstrip())
+    _write(rejoin_dir / f"aborted.{local_rank}", f"{round_number} {why}".rstrip())
 
 
-def await_notice(rejoin_dir: Path, after_attempt: int, timeout: float) -> RejoinNotice | None:
-    """The notice of an attempt newer than ``after_attempt``, or None after ``timeout`` seconds.
+def await_notice(rejoin_dir: Path, after_round: int, timeout: float) -> RejoinNotice | None:
+    """The notice of a round newer than ``after_round``, or None after ``timeout`` seconds.
 
     Polled: the writer is another process (the agent) that may not have decided yet,
     and a local ``stat`` every 10 ms costs nothing next to a restart."""
     deadline = time.monotonic() + timeout
     while True:
         notice = read_notice(rejoin_dir)
-        if notice is not None and notice.attempt > after_attempt:
+        if notice is not None and notice.round_number > after_round:
             return notice
         if time.monotonic() >= deadline:
             return None
@@ -92,13 +105,13 @@ def read_notice(rejoin_dir: Path) -> RejoinNotice | None:
 
 # -- the agent's side ----------------------------------------------------------------
 
-def acknowledged(rejoin_dir: Path, attempt: int, local_world_size: int) -> dict[int, str]:
-    """The local ranks that have said they left ``attempt``, with why."""
+def acknowledged(rejoin_dir: Path, round_number: int, local_world_size: int) -> dict[int, str]:
+    """The local ranks that have said they left ``round_number``, with why."""
     done = {}
     for local_rank in range(local_world_size):
         try:
             said, _, why = (rejoin_dir / f"aborted.{local_rank}").read_text().partition(" ")
-            if int(said) == attempt:
+            if int(said) == round_number:
                 done[local_rank] = why
         except (OSError, ValueError):
             continue

@@ -177,19 +177,22 @@ class Context:
                 except Exception:  # noqa: BLE001 - as above
                     pass
         self.checkpoint.close()
-        rejoin.acknowledge_abort(group.rejoin_dir, self.local_rank, self.attempt,
+        round_number = self.attempt if group.round is None else group.round
+        rejoin.acknowledge_abort(group.rejoin_dir, self.local_rank, round_number,
                                  f"rank {self.rank}: {type(cause).__name__}: {_one_line(cause, 160)}")
-        notice = rejoin.await_notice(group.rejoin_dir, self.attempt, REJOIN_WAIT_SECONDS)
+        notice = rejoin.await_notice(group.rejoin_dir, round_number, REJOIN_WAIT_SECONDS)
         if notice is None:
             print(f"unbroken: no next attempt within {REJOIN_WAIT_SECONDS:g} s; exiting for a full restart", flush=True)
         else:
-            print(f"unbroken: rank {self.rank} rejoins as attempt {notice.attempt} after {time.monotonic() - left:.2f} s", flush=True)
+            print(f"unbroken: rank {self.rank} rejoins as attempt {notice.attempt} (round {notice.round_number}) after "
+                  f"{time.monotonic() - left:.2f} s", flush=True)
         return notice
 
     def _join(self, notice: RejoinNotice, live: LiveState | None = None) -> None:
         """Become a rank of ``notice``'s attempt: new identity, new checkpointer, new process group."""
         assert self._env.group is not None and self._make_checkpointer is not None
-        group = replace(self._env.group, group_rank=notice.group_rank, nnodes=notice.nnodes, rendezvous=notice.rendezvous)
+        group = replace(self._env.group, group_rank=notice.group_rank, nnodes=notice.nnodes, rendezvous=notice.rendezvous,
+                        round=notice.round)
         self._env = replace(self._env, attempt=notice.attempt, group=group)
         os.environ.update(self._env.to_environ())
         self.rank, self.world_size = _enter_group(group, self.local_rank)

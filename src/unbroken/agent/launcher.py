@@ -166,23 +166,31 @@ def launch(
     in_process: dict[str, Any] = {"ranks": spec.procs_per_node}
     if group is not None:
         in_process.update(rejoin_dir=group.rejoin_dir, abort_timeout=spec.resilience.in_process_abort_timeout)
+    process, warm = start_torchrun(args, job_env, working_dir=str(spec.working_dir or Path.cwd()), log_dir=log_dir,
+                                   log=str(log_dir / "torchrun.log"), spare=spare)
+    return RunningWorker(worker_id=worker.id, process=process, log_dir=log_dir, warm=warm, **in_process)
+
+
+def start_torchrun(args: list[str], job_env: dict[str, str], *, working_dir: str, log_dir: Path, log: str,
+                   spare: Spare | None = None, base_env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], bool]:
+    """torchrun with ``args``: ``spare`` given its identity (then True: warm, its ranks register in ``log_dir/ranks``),
+    else a new process in ``base_env`` (default: ours) plus ``job_env``. Its output goes to ``log``."""
     if spare is not None and spare.process.stdin is not None:
-        identity = warm_spare.Identity(args, {**job_env, rank_registry.REGISTRY_DIR: str(log_dir / "ranks")},
-                                       str(spec.working_dir or Path.cwd()), str(log_dir / "torchrun.log"))
+        identity = warm_spare.Identity(args, {**job_env, rank_registry.REGISTRY_DIR: str(log_dir / "ranks")}, working_dir, log)
         try:
             spare.process.stdin.write(identity.to_line())
             spare.process.stdin.close()
-            return RunningWorker(worker_id=worker.id, process=spare.process, log_dir=log_dir, warm=True, **in_process)
+            return spare.process, True
         except BrokenPipeError:
             spare.process.wait()  # it died since it was taken: start cold, as without a spare
-    env = {**os.environ, **job_env}
+    env = {**(os.environ if base_env is None else base_env), **job_env}
     argv = [sys.executable, "-c", TRAMPOLINE, "-m", "torch.distributed.run", *args]
-    with open(log_dir / "torchrun.log", "ab") as out:
+    with open(log, "ab") as out:
         process = subprocess.Popen(
-            argv, cwd=spec.working_dir, env=env, stdout=out, stderr=subprocess.STDOUT,
+            argv, cwd=working_dir, env=env, stdout=out, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True,
         )
-    return RunningWorker(worker_id=worker.id, process=process, log_dir=log_dir, **in_process)
+    return process, False
 
 
 def launch_environ(spec: JobSpec, job: str, attempt: int, *, cluster_dir: Path, node: str, checkpoint_dir: Path,

@@ -17,6 +17,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from unbroken import procs
 from unbroken.agent import warm_spare
@@ -65,7 +66,7 @@ class SparePool:
 
     def release(self, job: str) -> None:
         for spare in self._spares.pop(job, []):
-            _release(spare)
+            release(spare)
 
     def close(self) -> None:
         for job in list(self._spares):
@@ -75,17 +76,20 @@ class SparePool:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         extra = {warm_spare.WARM_IMPORTS: ",".join(spec.resilience.warm_imports)} if spec.resilience.warm_imports else {}
         with open(self.log_dir / f"spares-{spec.name}.log", "ab") as out:
-            process = subprocess.Popen(
-                [sys.executable, "-c", self.trampoline, *warm_spare.SPARE_ARGV], cwd=spec.working_dir,
-                env={**os.environ, **env, **extra}, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        log.info("warm spare started", extra={"node": self.node, "job": spec.name, "pid": process.pid})
-        return Spare(spec.name, process)
+            spare = start_spare(spec.name, self.trampoline, {**os.environ, **env, **extra}, cwd=spec.working_dir, out=out)
+        log.info("warm spare started", extra={"node": self.node, "job": spec.name, "pid": spare.process.pid})
+        return spare
 
 
-def _release(spare: Spare) -> None:
-    """Kill it and its forkserver: a spare holds no state, so there is nothing to wind down."""
+def start_spare(job: str, trampoline: str, env: dict[str, str], *, cwd: str | Path | None, out: IO[bytes] | int | None) -> Spare:
+    """A warm spare (agent/warm_spare.py) for ``job``, writing to ``out`` (None: our own stdout) until it is given an identity."""
+    process = subprocess.Popen([sys.executable, "-c", trampoline, *warm_spare.SPARE_ARGV], cwd=cwd, env=env,
+                               stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return Spare(job, process)
+
+
+def release(spare: Spare) -> None:
+    """Kill ``spare`` and its forkserver: a spare holds no state, so there is nothing to wind down."""
     procs.kill_now(procs.tree(spare.process.pid))
     spare.process.wait()
     if spare.process.stdin is not None:

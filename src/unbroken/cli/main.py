@@ -109,6 +109,15 @@ def operator_command(ctx: typer.Context) -> None:
     raise typer.Exit(operator_main(list(ctx.args)))
 
 
+@app.command("run", context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, add_help_option=False)
+def run_command(ctx: typer.Context) -> None:
+    """In a Kubernetes pod, instead of torchrun (same arguments, same PET_* environment): restarts failed ranks in
+    place, with warm spares, without recreating pods. `unbroken run --help` lists its options."""
+    from unbroken.pod_launcher.main import main as run_main
+
+    raise typer.Exit(run_main(list(ctx.args)))
+
+
 @app.command("agent", context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, add_help_option=False)
 def agent_command(ctx: typer.Context) -> None:
     """The node agent on Kubernetes (runs in the unbroken-agent DaemonSet): heartbeats, kernel-log faults on its Node.

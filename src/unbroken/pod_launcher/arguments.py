@@ -1,0 +1,135 @@
+"""``unbroken run``'s command line: torchrun's, read the way torchrun reads it, plus a few of its own.
+
+torchrun takes each option from the command line, else from ``PET_<OPTION>``
+(what training-operator and the Kubeflow Trainer set in a pod: ``PET_NNODES``,
+``PET_NPROC_PER_NODE``, ``PET_NODE_RANK``, ``PET_MASTER_ADDR``, ``PET_MASTER_PORT``),
+else its default; ``unbroken run`` does the same, so a pod's command changes from
+``torchrun train.py`` to ``unbroken run train.py`` and nothing else. Options of
+torchrun's that an in-place restart decides for itself (the rendezvous, the
+monitor interval, the log redirects) are accepted and ignored; an elastic size
+(``--nnodes 1:4``) is refused with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from unbroken.config.job import HANG_TIMEOUT_FALLBACK_S
+from unbroken.errors import ConfigError
+
+DEFAULT_MASTER_PORT = 29500
+DEFAULT_MAX_RESTARTS = 10
+"""In-place restarts per pod lifetime before a full restart (HyperPod's ``numRestartBeforeFullJobRestart``)."""
+
+# torchrun's options whose values unbroken run replaces: accepted (a pod's command may carry them), not used.
+_IGNORED = ("rdzv-backend", "rdzv-endpoint", "rdzv-id", "rdzv-conf", "monitor-interval", "start-method", "role",
+            "log-dir", "redirects", "tee", "local-ranks-filter", "logs-specs", "local-addr")
+
+
+@dataclass(frozen=True)
+class PodRun:
+    nnodes: int
+    nproc_per_node: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    command: list[str]
+    """What torchrun runs: ``script.py args`` or ``-m module args``."""
+    max_restarts: int
+    warm_spare: bool
+    abort_timeout: float
+    collective_timeout: float
+    coordinator_port: int
+
+    @property
+    def rendezvous_host(self) -> str:
+        return self.master_addr
+
+
+def _env_default(env: Mapping[str, str], name: str, default: str | None) -> str | None:
+    return env.get(f"PET_{name.upper().replace('-', '_')}", default)
+
+
+def parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    env = os.environ if env is None else env
+    p = argparse.ArgumentParser(
+        prog="unbroken run",
+        description="Run a training script in a Kubernetes pod as torchrun does, restarting failed ranks in place: "
+                    "the pod stays, the other pods' ranks are held, a warm spare replaces the failed rank, and the "
+                    "model comes from the surviving ranks' memory. The script trains inside ctx.run(train) "
+                    "(unbroken.init()); a plain script runs as under torchrun.",
+        epilog="Example (a PyTorchJob's container command):  unbroken run --nproc-per-node 8 train.py --lr 3e-4\n"
+               "Every torchrun option may come from PET_<OPTION> (training-operator sets them).",
+        formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p.add_argument("--nnodes", default=_env_default(env, "nnodes", "1"), help="pods in the job (a fixed number)")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node",
+                   default=_env_default(env, "nproc_per_node", "1"), help="ranks in this pod")
+    p.add_argument("--node-rank", "--node_rank", dest="node_rank", default=_env_default(env, "node_rank", "0"),
+                   help="this pod's place among --nnodes")
+    p.add_argument("--master-addr", "--master_addr", dest="master_addr", default=_env_default(env, "master_addr", "127.0.0.1"),
+                   help="the address of node rank 0's pod")
+    p.add_argument("--master-port", "--master_port", dest="master_port",
+                   default=_env_default(env, "master_port", str(DEFAULT_MASTER_PORT)),
+                   help="node rank 0's store port for the first round")
+    p.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", default=str(DEFAULT_MAX_RESTARTS),
+                   help="in-place restarts before the pods exit for a full restart by the operator (torchrun's "
+                        "PET_MAX_RESTARTS is not read: training-operator sets it for its own elastic restarts)")
+    p.add_argument("--standalone", action="store_true", help="accepted for torchrun's sake; a pod is never standalone here")
+    p.add_argument("-m", "--module", action="store_true", help="run the script as a module (python -m)")
+    p.add_argument("--no-python", "--no_python", dest="no_python", action="store_true",
+                   help="refused: the ranks must be Python processes to restart in place")
+    p.add_argument("--warm-spares", dest="warm_spares", type=int, choices=(0, 1), default=1,
+                   help="keep one torchrun with torch imported in the pod to replace failed ranks (costs a few "
+                        "hundred MB of host memory)")
+    p.add_argument("--abort-timeout", dest="abort_timeout", type=float, default=10.0,
+                   help="seconds the surviving ranks have to leave a broken process group before their pod's ranks "
+                        "are replaced too")
+    p.add_argument("--collective-timeout", dest="collective_timeout", type=float, default=HANG_TIMEOUT_FALLBACK_S,
+                   help="seconds a rank waits in a collective for a silent peer (a hang) before it leaves the group")
+    p.add_argument("--coordinator-port", dest="coordinator_port", type=int, default=None,
+                   help="where node rank 0's launcher agrees the rounds (default: --master-port + 1)")
+    for name in _IGNORED:
+        p.add_argument(f"--{name}", f"--{name.replace('-', '_')}", dest=f"ignored_{name.replace('-', '_')}", default=None,
+                       help=argparse.SUPPRESS)
+    p.add_argument("script", help="the training script (or module, with -m)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER)
+    return p
+
+
+def parse(argv: list[str], env: Mapping[str, str] | None = None) -> PodRun:
+    """Raises ConfigError naming the option, its value and what would be valid."""
+    args = parser(env).parse_args(argv)
+    if args.no_python:
+        raise ConfigError("unbroken run --no-python: the ranks must be Python processes running unbroken.init(); "
+                          "use torchrun for other programs")
+    if ":" in str(args.nnodes):
+        raise ConfigError(f"unbroken run --nnodes {args.nnodes}: an elastic size (min:max) is not supported in a pod yet; "
+                          "give the job's number of pods (the PyTorchJob's replicas)")
+    nnodes = _whole("--nnodes", args.nnodes, 1)
+    nproc = _whole("--nproc-per-node", args.nproc_per_node, 1)
+    node_rank = _whole("--node-rank", args.node_rank, 0)
+    if node_rank >= nnodes:
+        raise ConfigError(f"unbroken run --node-rank {node_rank}: must be below --nnodes {nnodes}")
+    master_port = _whole("--master-port", args.master_port, 1)
+    for name, value in (("--abort-timeout", args.abort_timeout), ("--collective-timeout", args.collective_timeout)):
+        if value <= 0:
+            raise ConfigError(f"unbroken run {name} {value:g}: must be a number of seconds above 0")
+    command = (["-m", args.script] if args.module else [args.script]) + list(args.script_args)
+    return PodRun(nnodes=nnodes, nproc_per_node=nproc, node_rank=node_rank, master_addr=args.master_addr,
+                  master_port=master_port, command=command, max_restarts=_whole("--max-restarts", args.max_restarts, 0),
+                  warm_spare=bool(args.warm_spares), abort_timeout=args.abort_timeout,
+                  collective_timeout=args.collective_timeout,
+                  coordinator_port=args.coordinator_port or master_port + 1)
+
+
+def _whole(option: str, value: object, minimum: int) -> int:
+    try:
+        number = int(str(value))
+    except ValueError:
+        number = minimum - 1
+    if number < minimum:
+        raise ConfigError(f"unbroken run {option} {value}: must be a whole number, at least {minimum}")
+    return number

@@ -1,0 +1,273 @@
+"""One pod's launcher: its node-local torchrun, kept across the job's rounds.
+
+    Running(N) --a rank here died, left the group, or "hold" came--> Leaving(N)
+    Leaving(N) --every rank here left round N: held--> Ready(N)
+    Leaving(N) --a rank here died, or abort_timeout: the torchrun killed--> Ready(N) (replaced at the join)
+    Ready(N) --"join" N+1--> Running(N+1): held ranks get the notice (rejoin.py), a replaced torchrun starts
+                            again (from the warm spare when there is one) in round N+1
+    Running --every rank exited 0--> done (exit 0)
+    any --"give_up", the coordinator lost when it is needed, a torchrun that fails alone--> failed (exit 1)
+
+A failed pod's ranks are killed, not asked to leave: a rank whose sibling died
+holds nothing the next round needs (the model comes from the surviving ranks'
+memory, else the checkpoint), and a kill takes no time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import time
+from enum import StrEnum
+from pathlib import Path
+
+from unbroken import rank_registry, rejoin
+from unbroken.agent import launcher, spare_pool, warm_spare
+from unbroken.agent.rank_watch import RankDeath, RankWatch
+from unbroken.agent.spare_pool import Spare
+from unbroken.launch_env import ATTEMPT, JOB, GroupPlacement
+from unbroken.pod_launcher.arguments import PodRun
+from unbroken.pod_launcher.link import CoordinatorLink
+from unbroken.pod_launcher.protocol import Kind, Message
+from unbroken.ports import free_port
+
+log = logging.getLogger("unbroken.pod_launcher")
+
+POLL_SECONDS = 0.01
+"""The loop's wait for a message, between looks at the ranks: a restart's latency is a few of these."""
+READY_GRACE_SECONDS = 10.0
+"""A member that said ready waits this much longer than the coordinator's gather timeout before it gives up alone."""
+
+
+class Phase(StrEnum):
+    RUNNING = "Running"
+    LEAVING = "Leaving"
+    READY = "Ready"
+
+
+class Failed(Exception):
+    """No in-place restart: the launcher exits 1 and the operator recreates the pods."""
+
+
+class PodLauncher:
+    def __init__(self, run: PodRun, run_dir: Path, link: CoordinatorLink, *, gather_timeout: float) -> None:
+        self.run = run
+        self.run_dir = run_dir
+        self.link = link
+        self.gather_timeout = gather_timeout
+        self.attempt = int(os.environ.get(ATTEMPT) or "0")
+        """The operator's attempt, from the pod (its annotation): the same in every round."""
+        self.round = 0
+        self.phase = Phase.RUNNING
+        self.ranks: launcher.RunningWorker | None = None
+        self.spare: Spare | None = None
+        self._phase_started = time.monotonic()
+        self._deaths: queue.Queue[RankDeath] = queue.Queue()
+        self._watch = RankWatch(self._deaths.put)
+        # torchrun reads PET_* as its defaults; each pod's torchrun runs alone (the ranks meet at the rounds' stores)
+        self._base_env = {k: v for k, v in os.environ.items() if not k.startswith("PET_")}
+
+    def main(self) -> int:
+        try:
+            self._start_ranks(f"{self.run.master_addr}:{self.run.master_port}")
+            while True:
+                message = self._next_message()
+                done = self._step(message)
+                if done:
+                    self.link.send(Message(Kind.DONE))
+                    return 0
+        except Failed as exc:
+            log.error("no in-place restart: %s; exiting for a full restart by the operator", exc,
+                      extra={"round": self.round, "node_rank": self.run.node_rank})
+            return 1
+        finally:
+            self._stop_everything()
+
+    # -- the state machine --------------------------------------------------------------
+
+    def _step(self, message: Message | None) -> bool:
+        """One look at the ranks and at ``message``; True once every rank here exited 0."""
+        if message is not None and message.kind is Kind.GIVE_UP:
+            raise Failed(f"the coordinator gave up: {message.why}")
+        if self.phase is Phase.RUNNING:
+            return self._running(message)
+        if self.phase is Phase.LEAVING:
+            self._leaving()
+        else:
+            self._ready(message)
+        return False
+
+    def _running(self, message: Message | None) -> bool:
+        assert self.ranks is not None
+        death = self._death()
+        code = self.ranks.exited()
+        if death is None and code == 0:
+            return True
+        if death is not None or code is not None:
+            why = self._describe(death, code)
+            log.warning("round %d: %s; replacing this pod's ranks", self.round, why, extra={"round": self.round})
+            self.ranks.kill()
+            self._leave(why, fault=True)
+            return False
+        left = self._left()
+        if left:
+            self._leave(left[min(left)], fault=False)
+        elif message is not None and message.kind is Kind.HOLD and message.round == self.round:
+            self._enter(Phase.LEAVING)
+        return False
+
+    def _leave(self, why: str, *, fault: bool) -> None:
+        """Round ``self.round`` broke here: say why, and whether a rank of this pod failed (``fault``) or its
+        ranks only saw the group fail (a peer elsewhere did)."""
+        if self.link.lost.is_set():
+            raise Failed(f"{why}; and the coordinator is gone")
+        self.link.send(Message(Kind.BROKEN, round=self.round, why=why, fault=fault))
+        self._enter(Phase.LEAVING)
+
+    def _leaving(self) -> None:
+        assert self.ranks is not None
+        if self.ranks.exited() is not None:
+            self.ranks = None  # replaced at the join
+        elif (death := self._death()) is not None:
+            log.warning("round %d: %s while leaving; replacing this pod's ranks", self.round, self._describe(death, None))
+            self.ranks.kill()
+            self.ranks = None
+        elif len(self._left()) == self.run.nproc_per_node:
+            log.info("round %d: this pod's %d ranks left the process group and are held", self.round, self.run.nproc_per_node)
+        elif time.monotonic() - self._phase_started > self.run.abort_timeout:
+            log.warning("round %d: local ranks %s of %d did not leave the process group within %g s; replacing them",
+                        self.round, sorted(self._left()), self.run.nproc_per_node, self.run.abort_timeout)
+            self.ranks.kill()
+            self.ranks = None
+        else:
+            return
+        self.link.send(Message(Kind.READY, round=self.round))
+        self._enter(Phase.READY)
+
+    def _ready(self, message: Message | None) -> None:
+        if self.ranks is not None and self.ranks.exited() is not None:
+            self.ranks = None  # a held rank gave up waiting: start this pod's ranks again at the join
+        if message is not None and message.kind is Kind.JOIN and message.round == self.round + 1 and message.port:
+            rendezvous = f"{self.run.master_addr}:{message.port}"
+            self.round += 1
+            if self.ranks is not None:
+                assert self.ranks.rejoin_dir is not None
+                self._watch.forget(self.ranks.worker_id)
+                self.ranks.worker_id = self.round
+                self._watch.track(self.round, self.ranks.process.pid, self.run.nproc_per_node,
+                                  self.ranks.log_dir / "ranks" if self.ranks.warm else None)
+                rejoin.post_notice(self.ranks.rejoin_dir, rejoin.RejoinNotice(
+                    attempt=self.attempt, group_rank=self.run.node_rank, nnodes=self.run.nnodes, rendezvous=rendezvous,
+                    round=self.round))
+                log.info("round %d: the held ranks rejoin at %s", self.round, rendezvous, extra={"round": self.round})
+            else:
+                self._start_ranks(rendezvous)
+            self._enter(Phase.RUNNING)
+        elif self.link.lost.is_set():
+            raise Failed("the coordinator is gone (node rank 0's pod) before the next round began")
+        elif time.monotonic() - self._phase_started > self.gather_timeout + READY_GRACE_SECONDS:
+            raise Failed(f"no next round within {self.gather_timeout + READY_GRACE_SECONDS:g} s")
+
+    def _enter(self, phase: Phase) -> None:
+        self.phase = phase
+        self._phase_started = time.monotonic()
+
+    # -- the ranks ----------------------------------------------------------------------
+
+    def _start_ranks(self, rendezvous: str) -> None:
+        """This pod's torchrun for ``self.round``: the warm spare if there is one, else a new one."""
+        log_dir = self.run_dir / f"round-{self.round}"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        group = GroupPlacement(group_rank=self.run.node_rank, nnodes=self.run.nnodes, rendezvous=rendezvous,
+                               rejoin_dir=log_dir / "rejoin", collective_timeout=self.run.collective_timeout, round=self.round)
+        spare, self.spare = self.spare, None
+        if spare is not None and not spare.alive():
+            spare = None
+        process, warm = launcher.start_torchrun(
+            self._torchrun_args(log_dir), group.to_environ(), working_dir=os.getcwd(), log_dir=log_dir, log="/dev/stdout",
+            spare=spare, base_env=self._base_env)
+        self.ranks = launcher.RunningWorker(worker_id=self.round, process=process, log_dir=log_dir, warm=warm,
+                                            rejoin_dir=group.rejoin_dir, ranks=self.run.nproc_per_node,
+                                            abort_timeout=self.run.abort_timeout)
+        self._watch.forget(self.round - 1)  # the torchrun this one replaces
+        self._watch.track(self.round, process.pid, self.run.nproc_per_node, log_dir / "ranks" if warm else None)
+        log.info("round %d: started this pod's %d ranks%s (store %s)", self.round, self.run.nproc_per_node,
+                 " on the warm spare" if warm else "", rendezvous, extra={"round": self.round, "pid": process.pid})
+
+    def _torchrun_args(self, log_dir: Path) -> list[str]:
+        return ["--nnodes", "1", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                "--nproc-per-node", str(self.run.nproc_per_node), "--rdzv-backend", "static",
+                "--rdzv-id", os.environ.get(JOB) or "unbroken-run", "--max-restarts", "0",
+                "--monitor-interval", "0.2", "--log-dir", str(log_dir / "torchrun"), "--tee", "3",
+                *(["--module", *self.run.command[1:]] if self.run.command[0] == "-m" else self.run.command)]
+
+    def _left(self) -> dict[int, str]:
+        """This pod's ranks that said they left the current round, with why."""
+        assert self.ranks is not None and self.ranks.rejoin_dir is not None
+        return rejoin.acknowledged(self.ranks.rejoin_dir, self.round, self.run.nproc_per_node)
+
+    def _death(self) -> RankDeath | None:
+        """A rank of the current torchrun that exited non-zero (others, and older rounds', are let go)."""
+        while True:
+            try:
+                death = self._deaths.get_nowait()
+            except queue.Empty:
+                return None
+            if death.rank.worker_id == self.round and death.exit_code != 0:
+                return death
+
+    def _describe(self, death: RankDeath | None, code: int | None) -> str:
+        assert self.ranks is not None
+        if death is not None:
+            # the watch may have named the rank by torchrun's node-local RANK before it registered its global one
+            assert self.ranks.rejoin_dir is not None
+            identity = rank_registry.identify(death.rank.pid, {rank_registry.IN_PROCESS_REGISTRY: str(self.ranks.rejoin_dir)}, None)
+            rank = identity.rank if identity is not None else death.rank.rank
+            return launcher.rank_exit_message(rank, death.rank.local_rank, death.exit_code, self.ranks.log_dir)
+        return launcher.describe_exit(code or 1, self.ranks.log_dir)[1]
+
+    def keep_spare(self) -> None:
+        """Start the warm spare once every rank of this pod has joined its process group (registered): warming
+        imports torch, which must not slow the ranks' own start."""
+        if not self.run.warm_spare or self.spare is not None or self.phase is not Phase.RUNNING or self.ranks is None:
+            return
+        assert self.ranks.rejoin_dir is not None
+        if len(list(self.ranks.rejoin_dir.glob("*.json"))) < self.run.nproc_per_node:
+            return
+        self.spare = spare_pool.start_spare(f"pod-{self.run.node_rank}", launcher.TRAMPOLINE, self._base_env,
+                                            cwd=os.getcwd(), out=None)
+        log.info("warm spare started: it prints %r once torch is imported", warm_spare.READY_MARK, extra={"pid": self.spare.process.pid})
+
+    def _next_message(self) -> Message | None:
+        self.keep_spare()
+        try:
+            return self.link.inbox.get(timeout=POLL_SECONDS)
+        except queue.Empty:
+            return None
+
+    def _stop_everything(self) -> None:
+        self._watch.close()
+        if self.ranks is not None and self.ranks.exited() is None:
+            self.ranks.kill()
+        if self.spare is not None:
+            spare_pool.release(self.spare)
+        self.link.close()
+
+
+def serve(run: PodRun, run_dir: Path) -> int:
+    """The launcher's life: node rank 0 also serves the coordinator (in a thread of this process)."""
+    from unbroken.pod_launcher.coordinator import Coordinator
+
+    gather_timeout = run.abort_timeout + 20.0  # the ranks' leaving, then a replacement's kill and a message each way
+    coordinator = None
+    if run.node_rank == 0:
+        coordinator = Coordinator(run.nnodes, run.coordinator_port, max_restarts=run.max_restarts, gather_timeout=gather_timeout)
+        coordinator.start()
+    link = CoordinatorLink(run.master_addr if coordinator is None else "127.0.0.1", run.coordinator_port, run.node_rank)
+    link.start()
+    try:
+        return PodLauncher(run, run_dir, link, gather_timeout=gather_timeout).main()
+    finally:
+        if coordinator is not None:
+            coordinator.close()

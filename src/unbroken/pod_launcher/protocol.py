@@ -1,0 +1,64 @@
+"""The messages between a pod's launcher (member.py) and the job's coordinator (coordinator.py).
+
+One JSON object per line over TCP. A member says who it is once, then reports
+what it sees; the coordinator answers with what every member does next:
+
+| from | message | says |
+|---|---|---|
+| member | ``hello`` (node_rank) | "I am the launcher of this node rank" |
+| member | ``broken`` (round, why, fault) | "round N's process group broke here": a rank of mine failed (fault), or my ranks left the failed group |
+| member | ``ready`` (round) | "my ranks left round N (held) or are gone (replaced): I can join the next one" |
+| member | ``done`` | "my ranks all exited 0" |
+| coordinator | ``hold`` (round, why) | "round N is over: leave it and say ready" |
+| coordinator | ``join`` (round, port) | "form round N's process group; global rank 0 hosts its store on this port" |
+| coordinator | ``give_up`` (why) | "no in-place restart: stop and exit 1 (the operator recreates the pods)" |
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+from typing import Any
+
+
+class Kind(StrEnum):
+    HELLO = "hello"
+    BROKEN = "broken"
+    READY = "ready"
+    DONE = "done"
+    HOLD = "hold"
+    JOIN = "join"
+    GIVE_UP = "give_up"
+
+
+@dataclass(frozen=True)
+class Message:
+    kind: Kind
+    node_rank: int | None = None
+    round: int | None = None
+    port: int | None = None
+    why: str = ""
+    fault: bool = False
+
+    def line(self) -> bytes:
+        data: dict[str, Any] = {k: v for k, v in asdict(self).items() if v is not None and v != "" and v is not False}
+        return (json.dumps(data) + "\n").encode()
+
+    @classmethod
+    def parse(cls, line: bytes) -> Message:
+        """Raises ValueError for anything that is not a message of this protocol."""
+        try:
+            data = json.loads(line)
+            return cls(kind=Kind(data["kind"]), node_rank=_int(data.get("node_rank")), round=_int(data.get("round")),
+                       port=_int(data.get("port")), why=str(data.get("why", "")), fault=data.get("fault") is True)
+        except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"not a launcher message: {line[:200]!r}") from exc
+
+
+def _int(value: Any) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"not a whole number: {value!r}")
+    return value
