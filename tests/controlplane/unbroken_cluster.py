@@ -182,15 +182,21 @@ def unbroken_cluster(workdir: Path, *, trainer: bool = False) -> Iterator[Cluste
         wait_until(lambda: not pod_processes(), 10, "every pod process to be gone")
 
 
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
+LAUNCHER = (sys.executable, "-m", "unbroken", "run")
+"""``unbroken run``, the launcher that restarts ranks in place (pod_launcher/), in place of torchrun."""
+
+
 def pytorchjob(name: str, checkpoints: Path, *, steps: int, step_time: float = 0.05, annotations: dict[str, str] | None = None,
-               nodes: int = 2, report_progress: bool = False, tiers_json: str | None = None) -> dict[str, Any]:
-    """A PyTorchJob as a user writes it: Master + Workers, torchrun reading training-operator's PET_* env;
+               nodes: int = 2, report_progress: bool = False, tiers_json: str | None = None,
+               launcher: tuple[str, ...] = TORCHRUN, workload_args: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A PyTorchJob as a user writes it: Master + Workers, torchrun (or ``launcher``) reading training-operator's PET_* env;
     with ``report_progress``, its pods mount the node agent's socket and name their job (backends/kubernetes/rank_env.py);
     with ``tiers_json`` they checkpoint through the tiered checkpoint (the node's memory tier, peer replicas)."""
     container = {
         "name": "pytorch", "image": "unbroken:dev",
-        "command": [sys.executable, "-m", "torch.distributed.run", "-m", "unbroken.workloads.mlp",
-                    "--steps", str(steps), "--checkpoint-every", "10", "--step-time", str(step_time)],
+        "command": [*launcher, "-m", "unbroken.workloads.mlp",
+                    "--steps", str(steps), "--checkpoint-every", "10", "--step-time", str(step_time), *workload_args],
         "env": [{"name": "UNBROKEN_CHECKPOINT_DIR", "value": str(checkpoints)}],
         "resources": {"limits": {"nvidia.com/gpu": 1}},
         # training-operator's MASTER_PORT; every pod shares 127.0.0.1, so each job gets a port of its own
@@ -220,14 +226,16 @@ def submit(cluster: Cluster, body: dict[str, Any]) -> str:
 
 
 def rank_process(cluster: Cluster, pod: str) -> psutil.Process:
-    """The rank under the pod's torchrun: the descendant whose environment says RANK."""
+    """The rank under the pod's torchrun: the descendant whose environment says LOCAL_RANK (which torchrun sets for
+    its ranks; training-operator's RANK is in the whole pod's), started cold (a warm spare's ranks are forks that
+    show the spare's environment)."""
     def find() -> psutil.Process | None:
         pid = cluster.kubelet.pid_of(JOBS, pod)
         if pid is None:
             return None
         try:
             for child in psutil.Process(pid).children(recursive=True):
-                if "RANK" in child.environ() and "unbroken.workloads.mlp" in " ".join(child.cmdline()):
+                if "LOCAL_RANK" in child.environ() and "unbroken.workloads.mlp" in " ".join(child.cmdline()):
                     return child
         except psutil.Error:
             return None

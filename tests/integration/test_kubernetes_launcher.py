@@ -1,0 +1,89 @@
+"""``unbroken run`` in PyTorchJob pods on a real control plane: a rank restarts in place, no pod is recreated.
+
+The control plane, training-operator and the operator are real (test_kubernetes.py says how; pods are
+processes of the test kubelet, sharing 127.0.0.1). Each pod's container runs ``unbroken run`` where a user's
+runs torchrun; the launchers find each other through training-operator's PET_* environment and the Master's
+Service name, as in a real cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from controlplane.unbroken_cluster import (
+    JOBS, LAUNCHER, Cluster, auto_resume, pytorchjob, rank_log, rank_process, submit, unbroken_cluster,
+)
+from unbroken.backends.kubernetes import names
+from unbroken.waiting import wait_until
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+STEPS = 300
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    with unbroken_cluster(tmp_path) as result:
+        yield result
+        result.stop_operator()
+        result.assert_clean()
+
+
+def reference_parameters(workdir: Path) -> dict[str, torch.Tensor]:
+    """The job's final parameters, uninterrupted: plain torchrun, the same 2 ranks (one process per pod there)."""
+    output = workdir / "reference.pt"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "unbroken.workloads.mlp",
+                    "--steps", str(STEPS), "--checkpoint-every", "10", "--output", str(output)],
+                   cwd=workdir, env={"UNBROKEN_CHECKPOINT_DIR": str(workdir / "reference-ckpt"), "PATH": "/usr/bin:/bin"},
+                   check=True, capture_output=True, timeout=240)
+    return torch.load(output)
+
+
+def progress_steps(path: Path) -> list[int]:
+    return [int(line.split()[0]) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def test_a_rank_killed_under_unbroken_run_restarts_in_place_with_no_pod_recreated_and_no_step_lost(
+        cluster: Cluster, tmp_path: Path) -> None:
+    cluster.start_operator()
+    progress, output = tmp_path / "progress.log", tmp_path / "final.pt"
+    body = pytorchjob("inplace", tmp_path / "ckpt", steps=STEPS, annotations=auto_resume(2), launcher=LAUNCHER,
+                      workload_args=("--progress-log", str(progress), "--output", str(output)))
+    name = submit(cluster, body)
+    worker = f"{name}-worker-0"
+    wait_until(lambda: "warm spare ready" in rank_log(cluster, worker) and len(progress_steps(progress)) >= 40, 120,
+               "training past step 40 with the worker's warm spare ready")
+    uids = {p.metadata.name: p.metadata.uid for p in cluster.pods(name)}
+    killed = rank_process(cluster, worker)
+    killed_at = len(progress_steps(progress))
+    killed.kill()
+
+    wait_until(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Succeeded", 180, "the job to finish")
+    worker_log, master_log = rank_log(cluster, worker), rank_log(cluster, f"{name}-master-0")
+    # in place: the same pods (uids), the operator never restarted the job, round 1 formed on the warm spare
+    assert {p.metadata.name: p.metadata.uid for p in cluster.pods(name)} == uids
+    assert names.RESTART_COUNT not in cluster.annotations(name) or cluster.annotations(name)[names.RESTART_COUNT] == "0"
+    assert "JobRestarting" not in cluster.reasons(name)
+    assert "round 1: started this pod's 1 ranks on the warm spare" in worker_log, worker_log[-3000:]
+    assert re.search(r"rank 1: resumed at step \d+ from live peer", worker_log), worker_log[-3000:]
+    assert "round 1: the held ranks rejoin" in master_log, master_log[-3000:]
+    # the cause is named: the killed rank, by its global rank and signal
+    assert "rank 1 (local rank 0) exited with signal 9 (SIGKILL)" in master_log, master_log[-3000:]
+    assert not psutil.pid_exists(killed.pid) or killed.status() == psutil.STATUS_ZOMBIE
+    # no step lost: rank 0 (held through the restart) logged every step once, past the kill
+    steps = progress_steps(progress)
+    assert steps == list(range(1, STEPS + 1)) and killed_at < STEPS, (killed_at, steps[:5], steps[-5:])
+    # and the same model as an uninterrupted run, bit for bit
+    final, reference = torch.load(output), reference_parameters(tmp_path)
+    assert final.keys() == reference.keys() and all(torch.equal(final[k], reference[k]) for k in final)
+    statuses = [json.loads(line) for line in master_log.splitlines() if line.startswith("{") and '"component": "launcher"' in line]
+    assert any(s["msg"].startswith("round 1: every pod is ready") for s in statuses), statuses[-10:]
