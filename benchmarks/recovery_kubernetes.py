@@ -15,6 +15,10 @@ Systems, the same job (2 pods of 1 rank, 50 ms steps, a checkpoint file every 20
   the checkpoint file. Nothing sees a hang; a dead node's pods stay Terminating, so nothing replaces them.
 * ``unbroken``: the same job with ``auto-resume`` (5 retries) and the node agent's socket mounted (progress, hang
   timeouts from step times), unbroken's operator and an agent per node: a restart deletes and recreates every pod.
+* ``unbroken+launcher``: as ``unbroken``, with the pods' command ``unbroken run`` instead of torchrun
+  (pod_launcher/): a failed rank is replaced in place from the pod's warm spare and takes the model from the
+  surviving rank's memory; the launchers give up, and the operator recreates the pods, when a round cannot be
+  made (a lost node). A hang is left to the operator's hang timeout (``--collective-timeout`` is 300 s here).
 
 Faults: ``kill-worker`` (SIGKILL worker-0's rank), ``hang-worker`` (SIGSTOP it), ``kill-node`` (the kubelet fails worker-0's node: its processes,
 the node agent's among them, die, its Lease and status stop).
@@ -24,14 +28,20 @@ pod, which no fault here touches directly): **recover** = fault -> first step of
 lost** = last step before the fault - the step resumed from; **detect** = fault -> unbroken's ``JobRestarting``
 Event; **reschedule** = detection -> every pod of the new attempt Running (polled every 50 ms: the control plane and
 the pods' start); **startup** = pods Running -> first step (torchrun, ``import torch``, rendezvous, restore);
-**restore** = the master rank's own ``restore()`` time.
+**restore** = the master rank's own ``restore()`` time. An in-place restart keeps rank 0's process: its recovery
+ends at the replacement rank's first step (its "first step N at T" line), **detect** = fault -> the coordinator's
+"round 0 broken", **reschedule** = that -> every pod ready for round 1 (leaving the group, the replacement started),
+**startup** = that -> the first step (the new group formed, the model taken from the peer).
 """
 
 from __future__ import annotations
 
+import json
+import re
 import signal
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -39,14 +49,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from controlplane.unbroken_cluster import (  # noqa: E402 - tests/controlplane, on the path above
-    JOBS, Cluster, auto_resume, pytorchjob, rank_log, rank_process, start_agents, submit, unbroken_cluster,
+    JOBS, LAUNCHER, TORCHRUN, Cluster, auto_resume, pytorchjob, rank_log, rank_process, start_agents, submit, unbroken_cluster,
 )
 from goodput import read_timeline  # noqa: E402 - beside this script: rank 0's step timeline, read as goodput.py does
 from processes import stop_process  # noqa: E402
 from recovery import _RESUMED, poll  # noqa: E402
 from unbroken.backends.kubernetes import names  # noqa: E402
 
-SYSTEMS = ("training-operator", "unbroken")
+SYSTEMS = ("training-operator", "unbroken", "unbroken+launcher")
 FAULTS = ("kill-worker", "hang-worker", "kill-node")
 STEP_TIME = 0.05
 FAULT_AT_STEP = 45
@@ -75,23 +85,36 @@ def run(system: str, fault: str, workdir: Path) -> dict[str, Any]:
                               "note": "", "reschedule_s": None, "startup_s": None, "restore_s": None}
     with unbroken_cluster(workdir) as cluster:
         agents = {}
-        if system == "unbroken":
+        managed = system.startswith("unbroken")
+        if managed:
             cluster.start_operator()
             agents = start_agents(cluster)
         try:
             progress = workdir / "progress.log"
-            body = pytorchjob("bench", workdir / "ckpt", steps=100_000, step_time=STEP_TIME, report_progress=system == "unbroken",
-                              annotations=auto_resume(5) if system == "unbroken" else None)
+            body = pytorchjob("bench", workdir / "ckpt", steps=100_000, step_time=STEP_TIME, report_progress=managed,
+                              annotations=auto_resume(5) if managed else None,
+                              launcher=LAUNCHER if system == "unbroken+launcher" else TORCHRUN)
             for replica in body["spec"]["pytorchReplicaSpecs"].values():
                 command = replica["template"]["spec"]["containers"][0]["command"]
                 command[command.index("--checkpoint-every") + 1] = "20"
                 command += ["--progress-log", str(progress)]
+                import os
+                if os.environ.get("DEBUG_TAIL"):
+                    env = replica["template"]["spec"]["containers"][0]["env"]
+                    env[:] = [e for e in env if e["name"] != "LOGLEVEL"] + [{"name": "LOGLEVEL", "value": "INFO"}]
             name = submit(cluster, body)
             if not poll(lambda: any(step >= FAULT_AT_STEP for step, *_ in read_timeline(progress)), 180):
                 result["note"] = f"the job never reached step {FAULT_AT_STEP}"
+                print(f"# {system}: the master pod's log ends: {rank_log(cluster, f'{name}-master-0')[-2000:]}", file=sys.stderr)
+                return result
+            # steady state: every pod's spare warm (warming one imports torch, which would slow the restart on 2 cores)
+            if system == "unbroken+launcher" and not poll(
+                    lambda: all("warm spare ready" in rank_log(cluster, f"{name}-{pod}") for pod in ("master-0", "worker-0")), 60):
+                result["note"] = "the pods' warm spares were not ready within 60 s"
                 return result
             old_pids = {pid for _, _, pid, _ in read_timeline(progress)}
             log_offset = len(rank_log(cluster, f"{name}-master-0"))
+            worker_offset = len(rank_log(cluster, f"{name}-worker-0"))
             worker = cluster.core.read_namespaced_pod(f"{name}-worker-0", JOBS)
             fault_at = time.time()
             if fault == "kill-node":
@@ -103,13 +126,20 @@ def run(system: str, fault: str, workdir: Path) -> dict[str, Any]:
 
             def resumed() -> tuple[int, float] | None:
                 new = [(step, at) for step, at, pid, _ in read_timeline(progress) if pid not in old_pids and at > fault_at]
+                if system == "unbroken+launcher" and not new:  # in place: rank 0 lives on; the replacement's first step
+                    return _first_step_line(rank_log(cluster, f"{name}-worker-0")[worker_offset:], fault_at)
                 return new[0] if new else None
 
             running_at = None
             if system == "unbroken":  # the new attempt's pods come up before its first step: watch for them first
                 running_at = poll(lambda: _all_running(cluster, name, "1") and time.time(), GIVE_UP_AFTER)
             first = poll(resumed, GIVE_UP_AFTER)
-            detected = _restarting_at(cluster, name) if system == "unbroken" else None
+            in_place = None
+            if system == "unbroken+launcher" and first is not None:
+                in_place = _round_times(rank_log(cluster, f"{name}-master-0")[log_offset:])
+                if in_place is None:  # the launchers gave up: the pods were recreated, as for unbroken
+                    running_at = poll(lambda: _all_running(cluster, name, "1") and time.time(), 1.0)
+            detected = _restarting_at(cluster, name) if managed and in_place is None else None
             if detected is not None:
                 result["detect_s"] = round(detected - fault_at, 2)
             if first is None:
@@ -117,16 +147,52 @@ def run(system: str, fault: str, workdir: Path) -> dict[str, Any]:
                     "" if detected is None else " (a restart was decided)")
                 return result
             first_step, first_at = first
-            last_before = max(step for step, _, pid, _ in read_timeline(progress) if pid in old_pids)
+            last_before = max(step for step, at, pid, _ in read_timeline(progress) if pid in old_pids and at <= fault_at)
             result["recover_s"] = round(first_at - fault_at, 2)
             result["steps_lost"] = last_before - (first_step - 1)
-            if detected is not None and running_at:
+            if in_place is not None:
+                import os
+                if os.environ.get("DEBUG_TAIL"):
+                    print(f"FAULT {fault_at:.3f}\n" + rank_log(cluster, f"{name}-worker-0")[worker_offset:][:6000], file=sys.stderr)
+                    print(rank_log(cluster, f"{name}-master-0")[log_offset:][:6000], file=sys.stderr)
+                broken_at, ready_at = in_place
+                result.update(detect_s=round(broken_at - fault_at, 2), reschedule_s=round(ready_at - broken_at, 2),
+                              startup_s=round(first_at - ready_at, 2), note="in place (round 1, no pod recreated)")
+            elif detected is not None and running_at:
                 result["reschedule_s"] = round(running_at - detected, 2)
                 result["startup_s"] = round(first_at - running_at, 2)
-            result["note"] = "pods recreated" if system == "unbroken" else "containers restarted by the kubelet"
+            if in_place is None:
+                result["note"] = "pods recreated" if managed else "containers restarted by the kubelet"
             restores = [float(m.group(1)) for m in _RESUMED.finditer(rank_log(cluster, f"{name}-master-0")[log_offset:])]
             result["restore_s"] = round(restores[0], 3) if restores else None
             return result
         finally:
             for proc in agents.values():
                 stop_process(proc, sig=signal.SIGKILL)
+
+
+_FIRST_STEP = re.compile(r"rank \d+: first step (\d+) at (\d+\.\d+)")
+
+
+def _first_step_line(log: str, after: float) -> tuple[int, float] | None:
+    """The first "first step N at T" a rank logged after ``after``: a replacement rank's first step."""
+    for match in _FIRST_STEP.finditer(log):
+        if float(match.group(2)) > after:
+            return int(match.group(1)), float(match.group(2))
+    return None
+
+
+def _round_times(master_log: str) -> tuple[float, float] | None:
+    """From the coordinator's log lines (node rank 0's launcher): when round 0 broke and when every pod was ready for
+    round 1; None if there was no round 1 (the launchers gave up)."""
+    broken = ready = None
+    for line in master_log.splitlines():
+        if not line.startswith("{") or '"component": "launcher"' not in line:
+            continue
+        record = json.loads(line)
+        at = datetime.fromisoformat(record["ts"]).timestamp()
+        if record["msg"].startswith("round 0 broken") and broken is None:
+            broken = at
+        elif record["msg"].startswith("round 1: every pod is ready"):
+            ready = at
+    return (broken, ready) if broken is not None and ready is not None else None

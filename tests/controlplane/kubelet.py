@@ -52,6 +52,7 @@ import os
 import platform
 import re
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -403,7 +404,10 @@ class ProcessKubelet:
                   if _spec(p).get("hostname") and _spec(p).get("subdomain")]
         for name, namespace in names:
             lines.append(f"{LOOPBACK} {name} {name}.{namespace} {name}.{namespace}.svc {name}.{namespace}.svc.cluster.local")
-        hostnames = sorted({_spec(p).get("hostname") or _meta(p)["name"] for p in pods})
+        # A pod's processes run with this machine's hostname (no UTS namespace here), where a real pod's is its own
+        # name, which the real kubelet writes into the pod's /etc/hosts; without it, gloo's lookup of the hostname
+        # goes to DNS, which is not there, and each rank's process group waits 2 s for that to time out.
+        hostnames = sorted({_spec(p).get("hostname") or _meta(p)["name"] for p in pods} | {socket.gethostname()})
         if hostnames:
             lines.append(f"{LOOPBACK} {' '.join(hostnames)}")
         text = "\n".join(lines) + "\n"

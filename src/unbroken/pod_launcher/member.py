@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import re
 import time
 from enum import StrEnum
 from pathlib import Path
@@ -34,6 +35,8 @@ from unbroken.ports import free_port
 
 log = logging.getLogger("unbroken.pod_launcher")
 
+_RUN_ID_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+"""torchrun makes a folder named after its run id: a job named ``namespace/name`` must not make it two."""
 POLL_SECONDS = 0.01
 """The loop's wait for a message, between looks at the ranks: a restart's latency is a few of these."""
 READY_GRACE_SECONDS = 10.0
@@ -198,7 +201,7 @@ class PodLauncher:
     def _torchrun_args(self, log_dir: Path) -> list[str]:
         return ["--nnodes", "1", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                 "--nproc-per-node", str(self.run.nproc_per_node), "--rdzv-backend", "static",
-                "--rdzv-id", os.environ.get(JOB) or "unbroken-run", "--max-restarts", "0",
+                "--rdzv-id", _RUN_ID_UNSAFE.sub("-", os.environ.get(JOB) or "unbroken-run"), "--max-restarts", "0",
                 "--monitor-interval", "0.2", "--log-dir", str(log_dir / "torchrun"), "--tee", "3",
                 *(["--module", *self.run.command[1:]] if self.run.command[0] == "-m" else self.run.command)]
 

@@ -1,0 +1,90 @@
+"""``unbroken run`` without Kubernetes: two launchers on loopback play a PyTorchJob's two pods (training-operator's
+PET_* environment, set by the test), with real torchrun, gloo and the MLP workload.
+
+A rank killed in one "pod" is replaced from its warm spare and the job ends with the reference run's parameters bit
+for bit; a whole "pod" killed (its node lost) makes the other launcher give up and exit 1, the cue for the operator's
+full restart. The same on the real control plane: test_kubernetes_launcher.py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+from helpers import STEPS, assert_same_parameters
+from unbroken import procs
+from unbroken.ports import free_port
+from unbroken.waiting import wait_until
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@dataclass
+class Pod:
+    process: subprocess.Popen[bytes]
+    log: Path
+    run_dir: Path
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def rank_pids(self, round_number: int) -> list[int]:
+        return [int(p.stem) for p in (self.run_dir / f"round-{round_number}" / "rejoin").glob("*.json")]
+
+
+@pytest.fixture
+def pods(tmp_path: Path) -> Iterator[list[Pod]]:
+    port = free_port()
+    started = []
+    for node_rank in range(2):
+        run_dir, log = tmp_path / f"run-{node_rank}", tmp_path / f"pod-{node_rank}.log"
+        env = {**os.environ, "PET_NNODES": "2", "PET_NPROC_PER_NODE": "2", "PET_NODE_RANK": str(node_rank),
+               "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port), "UNBROKEN_RUN_DIR": str(run_dir),
+               "UNBROKEN_CHECKPOINT_DIR": str(tmp_path / "ckpt")}
+        with open(log, "wb") as out:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "unbroken", "run", "-m", "unbroken.workloads.mlp", "--steps", str(STEPS),
+                 "--checkpoint-every", "10", "--step-time", "0.4", "--output", str(tmp_path / "final.pt")],
+                cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        started.append(Pod(process, log, run_dir))
+    yield started
+    for pod in started:
+        procs.kill_now(procs.tree(pod.process.pid))
+        pod.process.wait()
+
+
+def test_a_rank_killed_is_replaced_in_place_from_the_warm_spare_and_the_model_ends_as_uninterrupted(
+        pods: list[Pod], reference: Path, tmp_path: Path) -> None:
+    master, worker = pods
+    # training (both pods' ranks past their first step), the spares warm: the fault this test is about
+    wait_until(lambda: all("warm spare ready" in pod.text() and "first step" in pod.text() for pod in pods), 90,
+               "both pods training with their warm spares ready")
+    victim = worker.rank_pids(0)[0]
+    psutil.Process(victim).kill()
+
+    assert master.process.wait(timeout=120) == 0, master.text()[-3000:]
+    assert worker.process.wait(timeout=30) == 0, worker.text()[-3000:]
+    assert "round 1: started this pod's 2 ranks on the warm spare" in worker.text()
+    assert "round 1: the held ranks rejoin" in master.text()
+    # both of the worker pod's ranks (the killed one's sibling too) took the model from a live peer: no step lost
+    assert len(re.findall(r"rank \d: resumed at step \d+ from live peer", worker.text())) == 2, worker.text()[-3000:]
+    assert_same_parameters(tmp_path / "final.pt", reference)
+
+
+def test_a_pod_lost_whole_makes_the_other_launcher_give_up_and_exit_1(pods: list[Pod]) -> None:
+    master, worker = pods
+    wait_until(lambda: len(worker.rank_pids(0)) == 2 and "first step" in master.text(), 90, "both pods training")
+    procs.kill_now(procs.tree(worker.process.pid))  # the node lost: the launcher and everything it started, as a cgroup kill
+
+    assert master.process.wait(timeout=60) == 1
+    assert "the pod of node rank 1 is gone" in master.text(), master.text()[-3000:]
+    assert "exiting for a full restart by the operator" in master.text()
+    wait_until(lambda: not [p for p in master.rank_pids(0) if psutil.pid_exists(p)], 10, "the master pod's ranks gone")

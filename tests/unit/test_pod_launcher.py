@@ -1,0 +1,177 @@
+"""``unbroken run``'s arguments and its round coordinator (pod_launcher/), the coordinator over real TCP sockets.
+
+The launcher end to end (two launchers, a killed rank, the same final model) is in
+tests/integration/test_pod_launcher.py; on the real control plane in test_kubernetes_launcher.py.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+from helpers import run_cli
+from unbroken.errors import ConfigError
+from unbroken.pod_launcher import arguments
+from unbroken.pod_launcher.coordinator import Coordinator, Phase
+from unbroken.pod_launcher.protocol import Kind, Message
+from unbroken.ports import free_port
+from unbroken.waiting import wait_until
+
+PET = {"PET_NNODES": "4", "PET_NPROC_PER_NODE": "8", "PET_NODE_RANK": "2", "PET_MASTER_ADDR": "llama-master-0",
+       "PET_MASTER_PORT": "23456"}
+
+
+def test_the_pods_environment_is_read_as_torchrun_reads_it_and_the_command_line_wins() -> None:
+    run = arguments.parse(["train.py", "--lr", "3e-4"], PET)
+    assert (run.nnodes, run.nproc_per_node, run.node_rank, run.master_addr, run.master_port) == (4, 8, 2, "llama-master-0", 23456)
+    assert run.command == ["train.py", "--lr", "3e-4"] and run.coordinator_port == 23457
+    assert arguments.parse(["--nproc-per-node=2", "--node_rank", "0", "-m", "pkg.train", "--steps", "5"], PET).command == \
+        ["-m", "pkg.train", "--steps", "5"]
+    # torchrun's rendezvous and logging options are accepted (a pod's command may carry them) and not used
+    run = arguments.parse(["--rdzv-backend", "c10d", "--rdzv_endpoint", "x:1", "--tee", "3", "--max-restarts", "2", "t.py"], PET)
+    assert run.max_restarts == 2 and run.command == ["t.py"]
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["--nnodes", "1:4", "t.py"], "--nnodes 1:4: an elastic size (min:max) is not supported"),
+    (["--node-rank", "4", "t.py"], "--node-rank 4: must be below --nnodes 4"),
+    (["--nproc-per-node", "eight", "t.py"], "--nproc-per-node eight: must be a whole number, at least 1"),
+    (["--max-restarts", "-1", "t.py"], "--max-restarts -1: must be a whole number, at least 0"),
+    (["--abort-timeout", "0", "t.py"], "--abort-timeout 0: must be a number of seconds above 0"),
+    (["--no-python", "t.sh"], "--no-python: the ranks must be Python processes"),
+])
+def test_a_bad_argument_is_named_with_what_would_be_valid(argv: list[str], words: str) -> None:
+    with pytest.raises(ConfigError, match="unbroken run " + words.replace("(", r"\(").replace(")", r"\)")):
+        arguments.parse(argv, PET)
+
+
+def test_unbroken_run_with_a_bad_argument_exits_2_with_one_line_and_no_traceback() -> None:
+    result = run_cli("run", "--nnodes", "2:3", "train.py", check=False)
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("error: unbroken run --nnodes 2:3: an elastic size (min:max) is not supported in a pod "
+                                     "yet; give the job's number of pods (the PyTorchJob's replicas)")
+
+
+def test_a_message_survives_the_wire_and_junk_is_refused() -> None:
+    message = Message(Kind.BROKEN, round=3, why="rank 5 exited with signal 9", fault=True)
+    assert Message.parse(message.line().strip()) == message
+    for junk in (b"not json", b'{"kind": "reboot"}', b'{"kind": "join", "round": "1"}', b"[1, 2]"):
+        with pytest.raises(ValueError):
+            Message.parse(junk)
+
+
+class Member:
+    """A launcher as the coordinator sees it: a TCP connection that says hello and reads what comes."""
+
+    def __init__(self, port: int, node_rank: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        self.file = self.sock.makefile("rb")
+        self.send(Message(Kind.HELLO, node_rank=node_rank))
+
+    def send(self, message: Message) -> None:
+        self.sock.sendall(message.line())
+
+    def receive(self) -> Message:
+        line = self.file.readline()
+        assert line, "the coordinator closed the connection"
+        return Message.parse(line)
+
+    def close(self) -> None:
+        self.file.close()
+        self.sock.close()
+
+
+@pytest.fixture
+def coordinator() -> Iterator[Coordinator]:
+    result = Coordinator(3, free_port(), max_restarts=2, gather_timeout=30)
+    result.start()
+    yield result
+    result.close()
+
+
+def members(coordinator: Coordinator, n: int = 3) -> list[Member]:
+    joined = [Member(coordinator.port, rank) for rank in range(n)]
+    wait_until(lambda: coordinator.state.seen == set(range(n)), 5, "every hello")
+    return joined
+
+
+def test_a_broken_round_holds_every_pod_then_all_join_the_next_on_a_new_port(coordinator: Coordinator) -> None:
+    pods = members(coordinator)
+    pods[0].send(Message(Kind.BROKEN, round=0, why="rank 0: RuntimeError: Connection reset by peer"))
+    assert [p.receive() for p in pods] == [Message(Kind.HOLD, round=0, why="node rank 0: rank 0: RuntimeError: Connection "
+                                                                           "reset by peer")] * 3
+    # the pod whose rank failed reports later than a survivor that saw the group fail: its word is the cause
+    pods[2].send(Message(Kind.BROKEN, round=0, why="rank 2 (local rank 0) exited with signal 9 (SIGKILL)", fault=True))
+    wait_until(lambda: coordinator.state.cause.startswith("node rank 2: rank 2"), 5, "the cause named")
+    for pod in pods[:2]:
+        pod.send(Message(Kind.READY, round=0))
+    pods[1].send(Message(Kind.READY, round=0))  # twice: counted once
+    pods[2].send(Message(Kind.READY, round=7))  # another round's: not counted
+    assert coordinator.state.phase is Phase.GATHERING
+    pods[2].send(Message(Kind.READY, round=0))
+    joins = [p.receive() for p in pods]
+    assert {(m.kind, m.round) for m in joins} == {(Kind.JOIN, 1)} and len({m.port for m in joins}) == 1 and joins[0].port
+    assert coordinator.state.phase is Phase.RUNNING and coordinator.state.round == 1
+    # a late report of the old round does not break the new one
+    pods[0].send(Message(Kind.BROKEN, round=0, why="late"))
+    pods[0].send(Message(Kind.BROKEN, round=1, why="again"))
+    assert pods[1].receive() == Message(Kind.HOLD, round=1, why="node rank 0: again")
+
+
+def test_a_pod_gone_while_gathering_gives_up_for_a_full_restart(coordinator: Coordinator) -> None:
+    pods = members(coordinator)
+    pods[1].send(Message(Kind.BROKEN, round=0, why="rank 1 exited with code 1", fault=True))
+    assert [p.receive().kind for p in pods] == [Kind.HOLD] * 3
+    pods[2].close()  # its node went down with it
+    assert pods[0].receive() == Message(Kind.GIVE_UP, why="the pod of node rank 2 is gone")
+    assert pods[1].receive().kind is Kind.GIVE_UP
+
+
+def test_a_pod_gone_while_running_makes_the_next_break_a_full_restart(coordinator: Coordinator) -> None:
+    pods = members(coordinator)
+    pods[0].send(Message(Kind.DONE))
+    pods[0].close()  # finished: not lost
+    pods[2].close()
+    wait_until(lambda: coordinator.state.lost == {2}, 5, "node rank 2 counted lost")
+    pods[1].send(Message(Kind.BROKEN, round=0, why="rank 1: RuntimeError: Connection closed by peer"))
+    assert pods[1].receive().why == "node rank 1: rank 1: RuntimeError: Connection closed by peer; and the pod of node rank 2 is gone"
+
+
+def test_restarts_past_max_restarts_and_a_launcher_started_again_give_up(coordinator: Coordinator) -> None:
+    pods = members(coordinator)
+    for round_number in range(2):
+        pods[0].send(Message(Kind.BROKEN, round=round_number, why="boom", fault=True))
+        for pod in pods:
+            assert pod.receive().kind is Kind.HOLD
+            pod.send(Message(Kind.READY, round=round_number))
+        assert {p.receive().kind for p in pods} == {Kind.JOIN}
+    pods[0].send(Message(Kind.BROKEN, round=2, why="boom", fault=True))
+    assert pods[1].receive().why == "node rank 0: boom; the 2 in-place restarts allowed (--max-restarts) are used"
+
+    other = Coordinator(2, free_port(), max_restarts=2, gather_timeout=30)
+    other.start()
+    try:
+        first = Member(other.port, 0)
+        Member(other.port, 1)
+        again = Member(other.port, 1)  # node rank 1's container restarted: its ranks are new, round 0
+        assert first.receive() == Message(Kind.GIVE_UP, why="the launcher of node rank 1 started again")
+        assert again.receive().kind is Kind.GIVE_UP
+    finally:
+        other.close()
+
+
+def test_pods_not_ready_within_the_gather_timeout_are_named_and_junk_is_ignored() -> None:
+    coordinator = Coordinator(3, free_port(), max_restarts=2, gather_timeout=0.3)
+    coordinator.start()
+    try:
+        pods = members(coordinator)
+        pods[1].sock.sendall(b"this is no message\n" + json.dumps({"kind": "hello", "node_rank": 9}).encode() + b"\n")
+        pods[0].send(Message(Kind.BROKEN, round=0, why="x"))
+        assert pods[1].receive().kind is Kind.HOLD
+        pods[0].send(Message(Kind.READY, round=0))
+        assert pods[1].receive() == Message(Kind.GIVE_UP, why="node ranks [1, 2] were not ready for round 1 within 0.3 s")
+    finally:
+        coordinator.close()
