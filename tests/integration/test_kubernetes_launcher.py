@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from controlplane.unbroken_cluster import (
-    JOBS, LAUNCHER, Cluster, auto_resume, pytorchjob, rank_log, rank_process, submit, unbroken_cluster,
+    LAUNCHER, Cluster, auto_resume, pytorchjob, rank_log, rank_process, submit, unbroken_cluster,
 )
 from unbroken.backends.kubernetes import names
 from unbroken.waiting import wait_until
