@@ -46,6 +46,11 @@ Every system's rank 0 writes its step timeline (``--progress-log``), read the sa
 
     .venv/bin/python benchmarks/goodput.py [--minutes 10] [--mtbf-seconds 120] [--seed 1]
         [--unbroken-checkpoint tiers|file] [--hang-timeout 10|auto] [--json]
+    .venv/bin/python benchmarks/goodput.py --backend kubernetes [--systems k8s:training-operator,k8s:unbroken,k8s:unbroken+launcher]
+
+``--backend kubernetes`` runs a PyTorchJob on the real control plane with the process kubelet
+(goodput_kubernetes.py): training-operator alone, unbroken recreating pods, and unbroken with
+``unbroken run`` in the pods; the faults kill-worker, hang-worker and kill-node in turn.
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # --backend kubernetes: tests/controlplane
 
 from recovery import _free_port, _rank_pid, quantiles  # noqa: E402
 
@@ -76,6 +82,8 @@ from unbroken.layout import ClusterLayout  # noqa: E402
 from unbroken.runtime import local_cluster  # noqa: E402
 
 FAULTS = ("kill-worker", "hang-worker", "kill-node", "xid79")
+KUBERNETES_SYSTEMS = ("k8s:training-operator", "k8s:unbroken", "k8s:unbroken+launcher")
+"""``--backend kubernetes`` (goodput_kubernetes.py, which keeps the same tuple)."""
 STEP_TIME = 0.05
 CHECKPOINT_EVERY = 20
 HANG_TIMEOUT = 10.0
@@ -348,18 +356,37 @@ def main() -> int:
     parser.add_argument("--hang-timeout", default=str(HANG_TIMEOUT),
                         help="the unbroken jobs' hang_timeout in seconds, or 'auto': none set, so unbroken sets it from the "
                              "job's step times (controller/hang_timeout.py)")
+    parser.add_argument("--backend", choices=("local", "kubernetes"), default="local",
+                        help="kubernetes: a PyTorchJob on the real control plane (goodput_kubernetes.py), systems "
+                             f"{', '.join(KUBERNETES_SYSTEMS)}")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = parser.parse_args()
     hang_timeout = None if args.hang_timeout == "auto" else float(args.hang_timeout)
     faults = schedule(args.minutes, args.mtbf_seconds, args.seed)
+    if args.backend == "kubernetes":
+        import goodput_kubernetes
+
+        faults = goodput_kubernetes.kubernetes_faults(faults)
+        if args.systems == parser.get_default("systems"):
+            args.systems = ",".join(KUBERNETES_SYSTEMS)
     systems = args.systems.split(",")
+    unknown = [s for s in systems if s.startswith("k8s:") != (args.backend == "kubernetes")
+               or (s.startswith("k8s:") and s not in KUBERNETES_SYSTEMS)]
+    if unknown:
+        print(f"goodput.py: {', '.join(unknown)} is not a system of --backend {args.backend} (Kubernetes: "
+              f"{', '.join(KUBERNETES_SYSTEMS)})", file=sys.stderr)
+        return 2
     print(f"{len(faults)} faults in {args.minutes:g} min: " + ", ".join(f"{f.kind}@{f.at:.0f}s" for f in faults), file=sys.stderr)
     outcomes = []
     with tempfile.TemporaryDirectory(prefix="unbroken-goodput-") as tmp:
         root = Path(tmp)
         for system in systems:
             print(f"running {system} for {args.minutes:g} min", file=sys.stderr)
-            if system.split("+")[0] == "unbroken":
+            if system.startswith("k8s:"):
+                import goodput_kubernetes
+
+                outcomes.append(goodput_kubernetes.run(system, faults, args.minutes, root))
+            elif system.split("+")[0] == "unbroken":
                 extras = system.split("+")[1:]
                 outcomes.append(run_unbroken(faults, args.minutes, root, warm="warm" in extras, in_process="inproc" in extras,
                                              checkpoint=args.unbroken_checkpoint,
@@ -368,7 +395,7 @@ def main() -> int:
                 outcomes.append(run_torchrun(system, faults, args.minutes, root, retry_loop=system == "retry-loop"))
     results = [o.to_dict() for o in outcomes]
     if args.json:
-        print(json.dumps({"minutes": args.minutes, "mtbf_seconds": args.mtbf_seconds, "seed": args.seed, "hang_timeout": args.hang_timeout,
+        print(json.dumps({"backend": args.backend, "minutes": args.minutes, "mtbf_seconds": args.mtbf_seconds, "seed": args.seed, "hang_timeout": args.hang_timeout,
                           "unbroken_checkpoint": args.unbroken_checkpoint, "results": results}))
         return 0
     print(f"goodput over {args.minutes:g} min, mtbf {args.mtbf_seconds:g} s, seed {args.seed}, hang_timeout {args.hang_timeout}, "

@@ -59,6 +59,15 @@ class GroupPlacement:
             env[ROUND] = str(self.round)
         return env
 
+    def rank_environ(self, local_rank: int, local_world_size: int) -> dict[str, str]:
+        """torch.distributed's variables for a rank of this group (torchrun's own are node-local here).
+        Global rank 0 hosts the store at ``rendezvous``."""
+        host, port = self.rendezvous.rsplit(":", 1)
+        return {"RANK": str(self.group_rank * local_world_size + local_rank), "WORLD_SIZE": str(self.nnodes * local_world_size),
+                "GROUP_RANK": str(self.group_rank), "GROUP_WORLD_SIZE": str(self.nnodes), "MASTER_ADDR": host, "MASTER_PORT": port,
+                # the ranks' own store, not their (node-local) torchrun's
+                "TORCHELASTIC_USE_AGENT_STORE": "False"}
+
     @classmethod
     def from_environ(cls, env: Mapping[str, str]) -> GroupPlacement | None:
         if not env.get(REJOIN_DIR):

@@ -229,15 +229,9 @@ def _one_line(exc: BaseException, limit: int = 200) -> str:
 def _enter_group(group: GroupPlacement, local_rank: int) -> tuple[int, int]:
     """Set the torch.distributed variables for the job-wide group (torchrun's are node-local under
     in-process restarts) and return (rank, world size). Global rank 0 hosts the store."""
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    rank = group.group_rank * local_world + local_rank
-    world_size = group.nnodes * local_world
-    host, port = group.rendezvous.rsplit(":", 1)
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "GROUP_RANK": str(group.group_rank),
-                       "MASTER_ADDR": host, "MASTER_PORT": port, "GROUP_WORLD_SIZE": str(group.nnodes),
-                       # the ranks' own store, not their (node-local) torchrun's
-                       "TORCHELASTIC_USE_AGENT_STORE": "False"})
-    return rank, world_size
+    environ = group.rank_environ(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    os.environ.update(environ)
+    return int(environ["RANK"]), int(environ["WORLD_SIZE"])
 
 
 def _register(group: GroupPlacement, rank: int, local_rank: int) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import re
 import subprocess
 import sys
 import tempfile
@@ -241,6 +242,28 @@ def rank_process(cluster: Cluster, pod: str) -> psutil.Process:
             return None
         return None
     return wait_until(find, 60, f"a rank process in pod {pod}")
+
+
+_RUN_DIR = re.compile(r'"run_dir": "([^"]+)"')
+
+
+def rank_pids(cluster: Cluster, pod: str) -> list[int]:
+    """The pod's live rank processes, under torchrun (LOCAL_RANK in their environment) or ``unbroken run``, whose
+    ranks may be forks of a warm spare and say who they are in the launcher's rejoin folders (rank_registry.py)."""
+    pid = cluster.kubelet.pid_of(JOBS, pod)
+    if pid is None:
+        return []
+    dirs = _RUN_DIR.findall(rank_log(cluster, pod))
+    registered = {int(p.stem) for p in Path(dirs[-1]).glob("round-*/rejoin/*.json")} if dirs else set()
+    found = []
+    try:
+        for child in psutil.Process(pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if child.pid in registered or ("LOCAL_RANK" in child.environ() and "unbroken.workloads.mlp" in " ".join(child.cmdline())):
+                    found.append(child.pid)
+    except psutil.Error:
+        return []
+    return found
 
 
 def checkpoint_steps(checkpoints: Path) -> list[int]:

@@ -15,6 +15,8 @@ from typing import Any
 import kubernetes
 import kubernetes_validate
 import pytest
+
+from unbroken.pod_launcher import arguments
 import yaml
 
 from helpers import run_cli
@@ -66,14 +68,22 @@ def test_deep_checks_are_required_only_when_asked() -> None:
     assert required(spec(), True) == "true"
 
 
-def test_a_module_command_runs_under_torchrun_and_warm_spares_and_in_process_restarts_are_refused() -> None:
+def command_of(body: dict) -> list[str]:
+    return body["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["command"]
+
+
+def test_a_module_command_runs_under_torchrun_and_in_process_restarts_and_warm_spares_under_unbroken_run() -> None:
     body = render_pytorchjob(spec(command=["-m", "pkg.train"], nodes=1), Placement(image="i"))
     assert list(body["spec"]["pytorchReplicaSpecs"]) == ["Master"]
-    assert body["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["command"][-2:] == ["--module", "pkg.train"]
-    with pytest.raises(UsageError, match="warm_spares 1 needs a node agent that launches the ranks"):
-        render_pytorchjob(spec(resilience={"warm_spares": 1}), Placement(image="i"))
-    with pytest.raises(UsageError, match="in_process_restart needs a node agent that holds the ranks"):
-        render_pytorchjob(spec(resilience={"in_process_restart": True}), Placement(image="i"))
+    assert command_of(body) == ["python", "-m", "torch.distributed.run", "--module", "pkg.train"]
+    inplace = render_pytorchjob(spec(command=["-m", "pkg.train"], resilience={"in_process_restart": True, "warm_spares": 1,
+                                                                              "hang_timeout": 120}), Placement(image="i"))
+    assert command_of(inplace) == ["python", "-m", "unbroken", "run", "--warm-spares", "1", "--abort-timeout", "10",
+                                   "--collective-timeout", "120", "--module", "pkg.train"]
+    # and what it renders is what unbroken run reads: torchrun's options, PET_* from training-operator
+    run = arguments.parse(command_of(inplace)[4:], {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "m", "PET_MASTER_PORT": "23456"})
+    assert (run.command, run.warm_spare, run.collective_timeout, run.nnodes) == (["-m", "pkg.train"], True, 120.0, 2)
+    assert command_of(render_pytorchjob(spec(resilience={"in_process_restart": True}), Placement(image="i")))[4:6] == ["--warm-spares", "0"]
     with pytest.raises(UsageError, match="must be an absolute path in the container"):
         render_pytorchjob(spec(checkpoint={"dir": "ckpt"}), Placement(image="i"))
     assert parse_label_selector(["a=1,b=2", "c=3"]) == {"a": "1", "b": "2", "c": "3"}

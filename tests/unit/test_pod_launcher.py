@@ -1,7 +1,7 @@
 """``unbroken run``'s arguments and its round coordinator (pod_launcher/), the coordinator over real TCP sockets.
 
 The launcher end to end (two launchers, a killed rank, the same final model) is in
-tests/integration/test_pod_launcher.py; on the real control plane in test_kubernetes_launcher.py.
+tests/integration/test_unbroken_run.py; on the real control plane in test_kubernetes_launcher.py.
 """
 
 from __future__ import annotations

@@ -149,7 +149,7 @@ def run_rank(env_json: str, working_dir: str, *command: str) -> None:
         torch.set_num_threads(int(threads))  # the forkserver's torch read it at import; the job may differ
     code = 1  # an exception, unless the script returns or exits
     try:
-        _run_script(list(command[1:] if command and command[0] == "-u" else command))
+        run_script(list(command[1:] if command and command[0] == "-u" else command))
         code = 0
     except SystemExit as exc:
         code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
@@ -159,7 +159,8 @@ def run_rank(env_json: str, working_dir: str, *command: str) -> None:
             rank_registry.record_exit(registry, os.getpid(), code)
 
 
-def _run_script(args: list[str]) -> None:
+def run_script(args: list[str]) -> None:
+    """Run ``script.py args`` or ``-m module args`` as ``__main__``, with its own argv and folder on the path."""
     if args[0] == "-m":
         sys.argv = [args[1], *args[2:]]
         runpy.run_module(args[1], run_name="__main__", alter_sys=True)

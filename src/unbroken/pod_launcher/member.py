@@ -27,16 +27,19 @@ from unbroken import rank_registry, rejoin
 from unbroken.agent import launcher, spare_pool, warm_spare
 from unbroken.agent.rank_watch import RankDeath, RankWatch
 from unbroken.agent.spare_pool import Spare
-from unbroken.launch_env import ATTEMPT, JOB, GroupPlacement
+from unbroken.launch_env import AGENT_SOCKET, ATTEMPT, JOB, GroupPlacement
 from unbroken.pod_launcher.arguments import PodRun
 from unbroken.pod_launcher.link import CoordinatorLink
 from unbroken.pod_launcher.protocol import Kind, Message
+from unbroken.pod_launcher.relay import ProgressRelay, relay_path
 from unbroken.ports import free_port
 
 log = logging.getLogger("unbroken.pod_launcher")
 
 _RUN_ID_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 """torchrun makes a folder named after its run id: a job named ``namespace/name`` must not make it two."""
+RANK_ENTRYPOINT = "unbroken.pod_launcher.rank"
+"""What torchrun starts: the job-wide variables for scripts that do not call unbroken.init(), then the script (rank.py)."""
 POLL_SECONDS = 0.01
 """The loop's wait for a message, between looks at the ranks: a restart's latency is a few of these."""
 READY_GRACE_SECONDS = 10.0
@@ -54,7 +57,7 @@ class Failed(Exception):
 
 
 class PodLauncher:
-    def __init__(self, run: PodRun, run_dir: Path, link: CoordinatorLink, *, gather_timeout: float) -> None:
+    def __init__(self, run: PodRun, run_dir: Path, link: CoordinatorLink, *, gather_timeout: float, relay: ProgressRelay) -> None:
         self.run = run
         self.run_dir = run_dir
         self.link = link
@@ -66,6 +69,8 @@ class PodLauncher:
         self.ranks: launcher.RunningWorker | None = None
         self.spare: Spare | None = None
         self._phase_started = time.monotonic()
+        self._round_started = time.monotonic()
+        self.relay = relay
         self._deaths: queue.Queue[RankDeath] = queue.Queue()
         self._watch = RankWatch(self._deaths.put)
         # torchrun reads PET_* as its defaults; each pod's torchrun runs alone (the ranks meet at the rounds' stores)
@@ -166,6 +171,7 @@ class PodLauncher:
                 log.info("round %d: the held ranks rejoin at %s", self.round, rendezvous, extra={"round": self.round})
             else:
                 self._start_ranks(rendezvous)
+            self._round_started = time.monotonic()
             self._enter(Phase.RUNNING)
         elif self.link.lost.is_set():
             raise Failed("the coordinator is gone (node rank 0's pod) before the next round began")
@@ -187,8 +193,9 @@ class PodLauncher:
         spare, self.spare = self.spare, None
         if spare is not None and not spare.alive():
             spare = None
+        self._round_started = time.monotonic()
         process, warm = launcher.start_torchrun(
-            self._torchrun_args(log_dir), group.to_environ(), working_dir=os.getcwd(), log_dir=log_dir, log="/dev/stdout",
+            self._torchrun_args(log_dir), {**group.to_environ(), AGENT_SOCKET: str(self.relay.path)}, working_dir=os.getcwd(), log_dir=log_dir, log="/dev/stdout",
             spare=spare, base_env=self._base_env)
         self.ranks = launcher.RunningWorker(worker_id=self.round, process=process, log_dir=log_dir, warm=warm,
                                             rejoin_dir=group.rejoin_dir, ranks=self.run.nproc_per_node,
@@ -203,7 +210,7 @@ class PodLauncher:
                 "--nproc-per-node", str(self.run.nproc_per_node), "--rdzv-backend", "static",
                 "--rdzv-id", _RUN_ID_UNSAFE.sub("-", os.environ.get(JOB) or "unbroken-run"), "--max-restarts", "0",
                 "--monitor-interval", "0.2", "--log-dir", str(log_dir / "torchrun"), "--tee", "3",
-                *(["--module", *self.run.command[1:]] if self.run.command[0] == "-m" else self.run.command)]
+                "--module", RANK_ENTRYPOINT, *self.run.command]
 
     def _left(self) -> dict[int, str]:
         """This pod's ranks that said they left the current round, with why."""
@@ -231,12 +238,11 @@ class PodLauncher:
         return launcher.describe_exit(code or 1, self.ranks.log_dir)[1]
 
     def keep_spare(self) -> None:
-        """Start the warm spare once every rank of this pod has joined its process group (registered): warming
-        imports torch, which must not slow the ranks' own start."""
+        """Start the warm spare once every rank of this pod has stepped in this round (relay.py): warming imports
+        torch, which must not slow a round's startup."""
         if not self.run.warm_spare or self.spare is not None or self.phase is not Phase.RUNNING or self.ranks is None:
             return
-        assert self.ranks.rejoin_dir is not None
-        if len(list(self.ranks.rejoin_dir.glob("*.json"))) < self.run.nproc_per_node:
+        if self.relay.stepped_since(self._round_started) < self.run.nproc_per_node:
             return
         self.spare = spare_pool.start_spare(f"pod-{self.run.node_rank}", launcher.TRAMPOLINE, self._base_env,
                                             cwd=os.getcwd(), out=None)
@@ -269,8 +275,11 @@ def serve(run: PodRun, run_dir: Path) -> int:
         coordinator.start()
     link = CoordinatorLink(run.master_addr if coordinator is None else "127.0.0.1", run.coordinator_port, run.node_rank)
     link.start()
+    agent_socket = os.environ.get(AGENT_SOCKET)
+    relay = ProgressRelay(relay_path(run_dir), Path(agent_socket) if agent_socket else None)
     try:
-        return PodLauncher(run, run_dir, link, gather_timeout=gather_timeout).main()
+        return PodLauncher(run, run_dir, link, gather_timeout=gather_timeout, relay=relay).main()
     finally:
+        relay.close()
         if coordinator is not None:
             coordinator.close()

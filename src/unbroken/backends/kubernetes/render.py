@@ -12,7 +12,9 @@ send; the pod template inside a PyTorchJob is the JSON that ``rank_env`` edits
   job at the first failed pod, and a failed PyTorchJob cannot be resumed);
 * the container runs ``python -m torch.distributed.run`` with the job's
   command: torchrun reads training-operator's ``PET_*`` environment, so the
-  job's rendezvous needs no flags;
+  job's rendezvous needs no flags; a job with ``in_process_restart`` or
+  ``warm_spares`` runs ``python -m unbroken run`` instead (pod_launcher/, the
+  same arguments and environment), which restarts failed ranks in the pods;
 * ``resilience`` becomes the annotations (``enable-job-auto-resume``,
   ``job-max-retry-count``, ``hang-timeout-seconds``,
   ``require-deep-health-passed``), and the pods get the node agent's socket
@@ -53,7 +55,7 @@ from kubeflow.training.models import KubeflowOrgV1PyTorchJob, KubeflowOrgV1PyTor
 from kubeflow_trainer_api import models as trainer
 
 from unbroken import launch_env
-from unbroken.config.job import STARTUP_TIMEOUT_FALLBACK_S, JobSpec
+from unbroken.config.job import HANG_TIMEOUT_FALLBACK_S, STARTUP_TIMEOUT_FALLBACK_S, JobSpec
 from unbroken.errors import UsageError
 from unbroken.backends.kubernetes import names
 from unbroken.backends.kubernetes import rank_env
@@ -95,9 +97,16 @@ def parse_label_selector(items: list[str]) -> dict[str, str]:
 
 
 def torchrun_command(spec: JobSpec) -> list[str]:
+    """torchrun, or ``unbroken run`` (pod_launcher/) for a job with in-process restarts or warm spares: the pods then
+    restart failed ranks in place, from a spare with torch imported, instead of being recreated."""
     command = list(spec.command)
     script = ["--module", *command[1:]] if command[0] == "-m" else command
-    return ["python", "-m", "torch.distributed.run", *script]
+    resilience = spec.resilience
+    if not (resilience.in_process_restart or resilience.warm_spares):
+        return ["python", "-m", "torch.distributed.run", *script]
+    return ["python", "-m", "unbroken", "run", "--warm-spares", "1" if resilience.warm_spares else "0",
+            "--abort-timeout", f"{resilience.in_process_abort_timeout:g}",
+            "--collective-timeout", f"{resilience.hang_timeout or HANG_TIMEOUT_FALLBACK_S:g}", *script]
 
 
 def job_annotations(spec: JobSpec, placement: Placement) -> dict[str, str]:
@@ -139,13 +148,6 @@ def _checkpoint_dir(spec: JobSpec) -> Path:
     if spec.elastic:
         raise UsageError(f"job {spec.name}: nodes {spec.fewest_nodes}-{spec.nodes} (elastic) runs on the local backend only in "
                          f"this version; on Kubernetes give a fixed size (nodes: {spec.nodes})")
-    if spec.resilience.warm_spares:
-        raise UsageError(f"job {spec.name}: resilience.warm_spares {spec.resilience.warm_spares} needs a node agent that "
-                         "launches the ranks (the local backend); on Kubernetes the pod's container starts them: "
-                         "remove warm_spares")
-    if spec.resilience.in_process_restart:
-        raise UsageError(f"job {spec.name}: resilience.in_process_restart needs a node agent that holds the ranks between "
-                         "attempts (the local backend); on Kubernetes a restart recreates the pods: remove in_process_restart")
     checkpoint_dir = spec.checkpoint.dir or DEFAULT_CHECKPOINT_DIR
     if not checkpoint_dir.is_absolute():
         raise UsageError(f"job {spec.name}: checkpoint.dir {str(checkpoint_dir)!r} must be an absolute path in the container "

@@ -88,3 +88,30 @@ def test_a_pod_lost_whole_makes_the_other_launcher_give_up_and_exit_1(pods: list
     assert "the pod of node rank 1 is gone" in master.text(), master.text()[-3000:]
     assert "exiting for a full restart by the operator" in master.text()
     wait_until(lambda: not [p for p in master.rank_pids(0) if psutil.pid_exists(p)], 10, "the master pod's ranks gone")
+
+
+PLAIN_SCRIPT = """
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+total = torch.tensor([float(dist.get_rank())])
+dist.all_reduce(total)
+print(f"plain script: rank {dist.get_rank()} of {dist.get_world_size()}, sum of ranks {total.item():g}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_script_that_never_calls_unbroken_init_still_trains_as_one_job_across_the_pods(tmp_path: Path) -> None:
+    """The pod's torchrun runs alone; without rank.py's variables a plain init_process_group would make each pod a job
+    of its own, silently."""
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN_SCRIPT)
+    port = free_port()
+    launchers = [subprocess.Popen(
+        [sys.executable, "-m", "unbroken", "run", "--nproc-per-node", "2", str(script)], cwd=tmp_path, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PET_NNODES": "2", "PET_NODE_RANK": str(rank), "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port),
+             "UNBROKEN_RUN_DIR": str(tmp_path / f"run-{rank}")}) for rank in range(2)]
+    outputs = [launcher.communicate(timeout=120)[0] for launcher in launchers]
+    assert [launcher.returncode for launcher in launchers] == [0, 0], outputs
+    said = sorted(re.findall(r"plain script: rank (\d) of (\d), sum of ranks (\d+)", "".join(outputs)))
+    assert said == [(str(rank), "4", "6") for rank in range(4)], outputs

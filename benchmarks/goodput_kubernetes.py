@@ -1,0 +1,75 @@
+"""Goodput on Kubernetes, for ``benchmarks/goodput.py --backend kubernetes``: the PyTorchJob of recovery_kubernetes.py
+(2 pods of 1 rank, 50 ms steps, a checkpoint every 20 steps) for ``--minutes`` under each system, a control plane of its
+own each, the faults of goodput.py's seeded schedule on worker-0, read from rank 0's step timeline as goodput.py reads
+its own (``analyse``).
+
+Systems: ``k8s:training-operator`` (the job as Kubeflow documents it, nothing of unbroken), ``k8s:unbroken`` (pods
+recreated at each restart) and ``k8s:unbroken+launcher`` (``unbroken run`` in the pods: ranks restarted in place).
+Faults in turn: kill-worker (SIGKILL a rank of worker-0), hang-worker (SIGSTOP it), kill-node (the kubelet fails
+worker-0's node; it does not come back: 3 nodes, the job needs 2). Xid 79 is not injected here (recovery from it is the
+same restart as a lost node's, after the agent's report).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+from controlplane.unbroken_cluster import (
+    JOBS, LAUNCHER, TORCHRUN, auto_resume, pytorchjob, rank_pids, start_agents, submit, unbroken_cluster,
+)
+from goodput import CHECKPOINT_EVERY, STEP_TIME, Fault, Outcome, analyse, read_timeline, run_faults
+from processes import stop_process
+
+FAULTS = ("kill-worker", "hang-worker", "kill-node")
+
+
+def kubernetes_faults(faults: list[Fault]) -> list[Fault]:
+    """goodput.py's schedule (the same times) with this backend's kinds in turn."""
+    return [Fault(f.at, FAULTS[i % len(FAULTS)]) for i, f in enumerate(faults)]
+
+
+def run(system: str, faults: list[Fault], minutes: float, root: Path) -> Outcome:
+    base = system.removeprefix("k8s:")
+    managed = base.startswith("unbroken")
+    workdir = root / system.replace(":", "-")
+    workdir.mkdir(parents=True)
+    with unbroken_cluster(workdir) as cluster:
+        agents = {}
+        if managed:
+            cluster.start_operator()
+            agents = start_agents(cluster)
+        try:
+            timeline = workdir / "progress.log"
+            body = pytorchjob("goodput", workdir / "ckpt", steps=10_000_000, step_time=STEP_TIME, report_progress=managed,
+                              annotations=auto_resume(50) if managed else None,
+                              launcher=LAUNCHER if base == "unbroken+launcher" else TORCHRUN,
+                              workload_args=("--progress-log", str(timeline)))
+            for replica in body["spec"]["pytorchReplicaSpecs"].values():
+                command = replica["template"]["spec"]["containers"][0]["command"]
+                command[command.index("--checkpoint-every") + 1] = str(CHECKPOINT_EVERY)
+            started = time.time()
+            name = submit(cluster, body)
+            worker = f"{name}-worker-0"
+
+            def inject(fault: Fault) -> None:
+                if fault.kind == "kill-node":
+                    node = cluster.core.read_namespaced_pod(worker, JOBS).spec.node_name
+                    if not node:
+                        raise RuntimeError(f"{worker} is not on a node")
+                    cluster.kubelet.fail_node(node)
+                    if node in agents:  # the node's agent dies with it
+                        stop_process(agents.pop(node), sig=signal.SIGKILL)
+                    return
+                pids = rank_pids(cluster, worker)
+                if not pids:
+                    raise RuntimeError(f"no rank running in {worker}")
+                os.kill(pids[0], signal.SIGKILL if fault.kind == "kill-worker" else signal.SIGSTOP)
+
+            injected = run_faults(faults, started, minutes, inject, timeline)
+            return analyse(system, read_timeline(timeline), started, time.time(), injected)
+        finally:
+            for proc in agents.values():
+                stop_process(proc, sig=signal.SIGKILL)
