@@ -24,7 +24,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from unbroken import rank_registry, rejoin
-from unbroken.agent import launcher, spare_pool, warm_spare
+from unbroken.agent import launcher, spare_pool
 from unbroken.agent.rank_watch import RankDeath, RankWatch
 from unbroken.agent.spare_pool import Spare
 from unbroken.launch_env import AGENT_SOCKET, ATTEMPT, JOB, GroupPlacement
@@ -246,7 +246,7 @@ class PodLauncher:
             return
         self.spare = spare_pool.start_spare(f"pod-{self.run.node_rank}", launcher.TRAMPOLINE, self._base_env,
                                             cwd=os.getcwd(), out=None)
-        log.info("warm spare started: it prints %r once torch is imported", warm_spare.READY_MARK, extra={"pid": self.spare.process.pid})
+        log.info("warm spare started: it imports torch, then prints that it is ready", extra={"pid": self.spare.process.pid})
 
     def _next_message(self) -> Message | None:
         self.keep_spare()
