@@ -98,10 +98,6 @@ def run(system: str, fault: str, workdir: Path) -> dict[str, Any]:
                 command = replica["template"]["spec"]["containers"][0]["command"]
                 command[command.index("--checkpoint-every") + 1] = "20"
                 command += ["--progress-log", str(progress)]
-                import os
-                if os.environ.get("DEBUG_TAIL"):
-                    env = replica["template"]["spec"]["containers"][0]["env"]
-                    env[:] = [e for e in env if e["name"] != "LOGLEVEL"] + [{"name": "LOGLEVEL", "value": "INFO"}]
             name = submit(cluster, body)
             if not poll(lambda: any(step >= FAULT_AT_STEP for step, *_ in read_timeline(progress)), 180):
                 result["note"] = f"the job never reached step {FAULT_AT_STEP}"
@@ -123,16 +119,6 @@ def run(system: str, fault: str, workdir: Path) -> dict[str, Any]:
                     stop_process(agents.pop(worker.spec.node_name), sig=signal.SIGKILL)
             else:
                 rank_process(cluster, f"{name}-worker-0").send_signal(signal.SIGKILL if fault == "kill-worker" else signal.SIGSTOP)
-
-            import os
-            if os.environ.get("DEBUG_TAIL"):
-                import subprocess, psutil
-                time.sleep(1.2)
-                for pod in ("worker-0", "master-0"):
-                    root = cluster.kubelet.pid_of(JOBS, f"{name}-{pod}")
-                    for proc in psutil.Process(root).children(recursive=True) if root else []:
-                        out = subprocess.run([str(Path(sys.executable).parent / "py-spy"), "dump", "--pid", str(proc.pid)], capture_output=True, text=True)
-                        print(f"DUMP {pod} {proc.pid} {' '.join(proc.cmdline())[:100]}\n{out.stdout[-2500:]}", file=sys.stderr)
 
             def resumed() -> tuple[int, float] | None:
                 new = [(step, at) for step, at, pid, _ in read_timeline(progress) if pid not in old_pids and at > fault_at]
@@ -159,14 +145,9 @@ def run(system: str, fault: str, workdir: Path) -> dict[str, Any]:
             first_step, first_at = first
             last_before = max(step for step, at, pid, _ in read_timeline(progress) if pid in old_pids and at <= fault_at)
             result["recover_s"] = round(first_at - fault_at, 2)
-            result["steps_lost"] = last_before - (first_step - 1)
+            # an in-place restart may resume past the last step rank 0 logged before the fault (the step in flight): 0 lost
+            result["steps_lost"] = max(0, last_before - (first_step - 1))
             if in_place is not None:
-                import os
-                if os.environ.get("DEBUG_TAIL"):
-                    print(f"FAULT {fault_at:.3f}\n" + rank_log(cluster, f"{name}-worker-0")[worker_offset:][:6000], file=sys.stderr)
-                    print(rank_log(cluster, f"{name}-master-0")[log_offset:][:6000], file=sys.stderr)
-                    for pod in cluster.pods(name):
-                        print("POD", pod.metadata.name, [(c.restart_count, c.last_state) for c in pod.status.container_statuses or []], file=sys.stderr)
                 broken_at, ready_at = in_place
                 result.update(detect_s=round(broken_at - fault_at, 2), reschedule_s=round(ready_at - broken_at, 2),
                               startup_s=round(first_at - ready_at, 2), note="in place (round 1, no pod recreated)")
