@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
 from controlplane.unbroken_cluster import (
-    JOBS, LAUNCHER, TORCHRUN, auto_resume, pytorchjob, rank_pids, start_agents, submit, unbroken_cluster,
+    JOBS, LAUNCHER, TORCHRUN, auto_resume, pytorchjob, rank_log, rank_pids, start_agents, submit, unbroken_cluster,
 )
 from goodput import CHECKPOINT_EVERY, STEP_TIME, Fault, Outcome, analyse, read_timeline, run_faults
 from processes import stop_process
@@ -69,6 +70,9 @@ def run(system: str, faults: list[Fault], minutes: float, root: Path) -> Outcome
                 os.kill(pids[0], signal.SIGKILL if fault.kind == "kill-worker" else signal.SIGSTOP)
 
             injected = run_faults(faults, started, minutes, inject, timeline)
+            if not read_timeline(timeline):  # say why: a job that never stepped is a setup problem, not a goodput
+                print(f"# {system}: no step in {minutes:g} min; the master pod's log ends:\n"
+                      f"{rank_log(cluster, f'{name}-master-0')[-3000:]}", file=sys.stderr)
             return analyse(system, read_timeline(timeline), started, time.time(), injected)
         finally:
             for proc in agents.values():
