@@ -8,15 +8,20 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from helpers import run_cli
+from unbroken.channel import AgentReceiver, MessageKind, RankMessage, RankSender
 from unbroken.errors import ConfigError
+from unbroken.launch_env import AGENT_SOCKET, ENDPOINT_FILE, LaunchEnv
 from unbroken.pod_launcher import arguments
 from unbroken.pod_launcher.coordinator import Coordinator, Phase
 from unbroken.pod_launcher.protocol import Kind, Message
+from unbroken.pod_launcher.relay import ProgressRelay, relay_path
 from unbroken.ports import free_port
 from unbroken.waiting import wait_until
 
@@ -175,3 +180,38 @@ def test_pods_not_ready_within_the_gather_timeout_are_named_and_junk_is_ignored(
         assert pods[1].receive() == Message(Kind.GIVE_UP, why="node ranks [1, 2] were not ready for round 1 within 0.3 s")
     finally:
         coordinator.close()
+
+
+def test_the_relay_passes_every_datagram_to_the_agent_and_counts_the_ranks_that_stepped(tmp_path: Path) -> None:
+    agent_dir = tmp_path / "agent"
+    receiver = AgentReceiver(agent_dir / "agent.sock")
+    (agent_dir / ENDPOINT_FILE).write_text("10.0.0.7:9402")
+    relay = ProgressRelay(tmp_path / "run" / "agent.sock", agent_dir / "agent.sock")
+    try:
+        started = time.monotonic()
+        sender = RankSender(relay.path)
+        for local_rank, kind in ((0, MessageKind.HELLO), (0, MessageKind.PROGRESS), (1, MessageKind.PROGRESS), (0, MessageKind.PROGRESS)):
+            sender.send(RankMessage(kind=kind, job="ns/llama", attempt=2, rank=8 + local_rank, local_rank=local_rank, pid=100 + local_rank,
+                                    ts=time.time(), step=None if kind is MessageKind.HELLO else 7))
+        got: list[RankMessage] = []
+        wait_until(lambda: len(got) == 4 or got.extend(receiver.drain()), 5, "the four datagrams at the agent")
+        assert [(m.kind, m.local_rank) for m in got] == [(MessageKind.HELLO, 0), (MessageKind.PROGRESS, 0), (MessageKind.PROGRESS, 1),
+                                                         (MessageKind.PROGRESS, 0)]
+        assert relay.stepped_since(started) == 2 and relay.stepped_since(time.monotonic()) == 0
+        # the ranks find the agent's shard server beside the socket they send to, as without the relay
+        assert LaunchEnv.from_environ({AGENT_SOCKET: str(relay.path)}).advertised_endpoint == "10.0.0.7:9402"
+    finally:
+        relay.close()
+        receiver.close()
+
+
+def test_without_a_node_agent_the_relay_still_counts_and_a_long_run_folder_gets_a_short_socket(tmp_path: Path) -> None:
+    relay = ProgressRelay(tmp_path / "agent.sock", None)
+    try:
+        RankSender(relay.path).send(RankMessage(kind=MessageKind.PROGRESS, job="j", attempt=0, rank=0, local_rank=0, pid=1,
+                                                ts=time.time(), step=1))
+        wait_until(lambda: relay.stepped_since(0) == 1, 5, "the step counted")
+    finally:
+        relay.close()
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    assert len(str(relay_path(deep))) <= 100 and relay_path(deep).name == "agent.sock"

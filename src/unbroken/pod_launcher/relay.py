@@ -29,6 +29,7 @@ class ProgressRelay:
     def __init__(self, path: Path, agent_socket: Path | None) -> None:
         self.path = path
         self._agent = str(agent_socket) if agent_socket is not None else None
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.unlink(missing_ok=True)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024 * 1024)
