@@ -115,3 +115,17 @@ def test_a_script_that_never_calls_unbroken_init_still_trains_as_one_job_across_
     assert [launcher.returncode for launcher in launchers] == [0, 0], outputs
     said = sorted(re.findall(r"plain script: rank (\d) of (\d), sum of ranks (\d+)", "".join(outputs)))
     assert said == [(str(rank), "4", "6") for rank in range(4)], outputs
+
+
+def test_sigterm_stops_the_pods_ranks_and_the_launcher_exits_143(pods: list[Pod]) -> None:
+    """What the kubelet sends when the operator deletes a pod: the launcher takes its ranks down with it, not leaving
+    them to the container runtime's SIGKILL."""
+    master, worker = pods
+    wait_until(lambda: len(worker.rank_pids(0)) == 2 and "first step" in worker.text(), 90, "the worker pod training")
+    ranks = worker.rank_pids(0)
+    worker.process.terminate()
+
+    assert worker.process.wait(timeout=30) == 128 + 15
+    assert "stopped (SIGTERM: the pod is being deleted)" in worker.text()
+    wait_until(lambda: not [pid for pid in ranks if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE],
+               10, "the worker pod's ranks gone")

@@ -19,6 +19,7 @@ import logging
 import os
 import queue
 import re
+import signal
 import time
 from enum import StrEnum
 from pathlib import Path
@@ -56,6 +57,14 @@ class Failed(Exception):
     """No in-place restart: the launcher exits 1 and the operator recreates the pods."""
 
 
+class Stopped(Exception):
+    """SIGTERM: the pod is being deleted (a restart by the operator, the job's end)."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise Stopped()
+
+
 class PodLauncher:
     def __init__(self, run: PodRun, run_dir: Path, link: CoordinatorLink, *, gather_timeout: float, relay: ProgressRelay) -> None:
         self.run = run
@@ -89,6 +98,9 @@ class PodLauncher:
             log.error("no in-place restart: %s; exiting for a full restart by the operator", exc,
                       extra={"round": self.round, "node_rank": self.run.node_rank})
             return 1
+        except Stopped:
+            log.info("stopped (SIGTERM: the pod is being deleted); stopping this pod's ranks", extra={"round": self.round})
+            return 128 + signal.SIGTERM
         finally:
             self._stop_everything()
 
@@ -258,6 +270,10 @@ class PodLauncher:
     def _stop_everything(self) -> None:
         self._watch.close()
         if self.ranks is not None and self.ranks.exited() is None:
+            # torchrun's own SIGTERM teardown first (as the local agent stops a worker), SIGKILL past its grace
+            self.ranks.begin_stop()
+            while self.ranks.exited() is None and time.monotonic() - (self.ranks.stop_started or 0) <= launcher.STOP_GRACE_SECONDS:
+                time.sleep(POLL_SECONDS)  # the ranks' own exit is what this waits for; the grace bounds it
             self.ranks.kill()
         if self.spare is not None:
             spare_pool.release(self.spare)
@@ -275,6 +291,7 @@ def serve(run: PodRun, run_dir: Path) -> int:
         coordinator.start()
     link = CoordinatorLink(run.master_addr if coordinator is None else "127.0.0.1", run.coordinator_port, run.node_rank)
     link.start()
+    signal.signal(signal.SIGTERM, _on_sigterm)
     agent_socket = os.environ.get(AGENT_SOCKET)
     relay = ProgressRelay(relay_path(run_dir), Path(agent_socket) if agent_socket else None)
     try:
