@@ -270,10 +270,8 @@ class PodLauncher:
     def _stop_everything(self) -> None:
         self._watch.close()
         if self.ranks is not None and self.ranks.exited() is None:
-            # torchrun's own SIGTERM teardown first (as the local agent stops a worker), SIGKILL past its grace
-            self.ranks.begin_stop()
-            while self.ranks.exited() is None and time.monotonic() - (self.ranks.stop_started or 0) <= launcher.STOP_GRACE_SECONDS:
-                time.sleep(POLL_SECONDS)  # the ranks' own exit is what this waits for; the grace bounds it
+            # Killed, not asked: the pod is going (its name, which the next attempt's pod takes, stays in use until
+            # its processes are gone), and the ranks' state is in the checkpoint tiers already.
             self.ranks.kill()
         if self.spare is not None:
             spare_pool.release(self.spare)
