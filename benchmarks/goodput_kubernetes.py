@@ -18,11 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-from controlplane.unbroken_cluster import (
-    JOBS, LAUNCHER, TORCHRUN, auto_resume, pytorchjob, rank_log, rank_pids, start_agents, submit, unbroken_cluster,
-)
-from goodput import CHECKPOINT_EVERY, STEP_TIME, Fault, Outcome, analyse, read_timeline, run_faults
+from controlplane.unbroken_cluster import JOBS, rank_log, rank_pids, submit, unbroken_cluster
+from goodput import Fault, Outcome, analyse, read_timeline, run_faults
 from processes import stop_process
+from recovery_kubernetes import start_system, system_job
 
 FAULTS = ("kill-worker", "hang-worker", "kill-node")
 
@@ -34,23 +33,13 @@ def kubernetes_faults(faults: list[Fault]) -> list[Fault]:
 
 def run(system: str, faults: list[Fault], minutes: float, root: Path) -> Outcome:
     base = system.removeprefix("k8s:")
-    managed = base.startswith("unbroken")
     workdir = root / system.replace(":", "-")
     workdir.mkdir(parents=True)
     with unbroken_cluster(workdir) as cluster:
-        agents = {}
-        if managed:
-            cluster.start_operator()
-            agents = start_agents(cluster)
+        agents = start_system(cluster, base)
         try:
             timeline = workdir / "progress.log"
-            body = pytorchjob("goodput", workdir / "ckpt", steps=10_000_000, step_time=STEP_TIME, report_progress=managed,
-                              annotations=auto_resume(50) if managed else None,
-                              launcher=LAUNCHER if base == "unbroken+launcher" else TORCHRUN,
-                              workload_args=("--progress-log", str(timeline)))
-            for replica in body["spec"]["pytorchReplicaSpecs"].values():
-                command = replica["template"]["spec"]["containers"][0]["command"]
-                command[command.index("--checkpoint-every") + 1] = str(CHECKPOINT_EVERY)
+            body = system_job("goodput", base, workdir, timeline, steps=10_000_000, retries=50)
             started = time.time()
             name = submit(cluster, body)
             worker = f"{name}-worker-0"

@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import subprocess
 import sys
 import time
 from datetime import datetime
@@ -59,9 +60,27 @@ from unbroken.backends.kubernetes import names  # noqa: E402
 SYSTEMS = ("training-operator", "unbroken", "unbroken+launcher")
 FAULTS = ("kill-worker", "hang-worker", "kill-node")
 STEP_TIME = 0.05
+CHECKPOINT_EVERY = 20
 FAULT_AT_STEP = 45
 """Past the checkpoint at step 40 (every 20) and past the 10 steps the hang timeout is measured from."""
 GIVE_UP_AFTER = 60.0
+
+
+def start_system(cluster: Cluster, system: str) -> dict[str, subprocess.Popen[bytes]]:
+    """unbroken's operator and an agent per node (returned) for the unbroken systems; nothing for training-operator alone."""
+    if not system.startswith("unbroken"):
+        return {}
+    cluster.start_operator()
+    return start_agents(cluster)
+
+
+def system_job(name: str, system: str, workdir: Path, progress: Path, *, steps: int, retries: int) -> dict[str, Any]:
+    """The benchmarks' PyTorchJob as ``system`` runs it: for unbroken, auto-resume with ``retries`` and the agent's socket,
+    and ``unbroken run`` in place of torchrun for unbroken+launcher; rank 0's step timeline in ``progress``."""
+    managed = system.startswith("unbroken")
+    return pytorchjob(name, workdir / "ckpt", steps=steps, step_time=STEP_TIME, checkpoint_every=CHECKPOINT_EVERY,
+                      report_progress=managed, annotations=auto_resume(retries) if managed else None,
+                      launcher=LAUNCHER if system == "unbroken+launcher" else TORCHRUN, workload_args=("--progress-log", str(progress)))
 
 
 def _restarting_at(cluster: Cluster, name: str) -> float | None:
@@ -84,20 +103,11 @@ def run(system: str, fault: str, workdir: Path) -> dict[str, Any]:
     result: dict[str, Any] = {"system": system, "fault": fault, "detect_s": None, "recover_s": None, "steps_lost": None,
                               "note": "", "reschedule_s": None, "startup_s": None, "restore_s": None}
     with unbroken_cluster(workdir) as cluster:
-        agents = {}
-        managed = system.startswith("unbroken")
-        if managed:
-            cluster.start_operator()
-            agents = start_agents(cluster)
+        agents = start_system(cluster, system)
+        managed = bool(agents)
         try:
             progress = workdir / "progress.log"
-            body = pytorchjob("bench", workdir / "ckpt", steps=100_000, step_time=STEP_TIME, report_progress=managed,
-                              annotations=auto_resume(5) if managed else None,
-                              launcher=LAUNCHER if system == "unbroken+launcher" else TORCHRUN)
-            for replica in body["spec"]["pytorchReplicaSpecs"].values():
-                command = replica["template"]["spec"]["containers"][0]["command"]
-                command[command.index("--checkpoint-every") + 1] = "20"
-                command += ["--progress-log", str(progress)]
+            body = system_job("bench", system, workdir, progress, steps=100_000, retries=5)
             name = submit(cluster, body)
             if not poll(lambda: any(step >= FAULT_AT_STEP for step, *_ in read_timeline(progress)), 180):
                 result["note"] = f"the job never reached step {FAULT_AT_STEP}"

@@ -190,14 +190,14 @@ LAUNCHER = (sys.executable, "-m", "unbroken", "run")
 
 def pytorchjob(name: str, checkpoints: Path, *, steps: int, step_time: float = 0.05, annotations: dict[str, str] | None = None,
                nodes: int = 2, report_progress: bool = False, tiers_json: str | None = None,
-               launcher: tuple[str, ...] = TORCHRUN, workload_args: tuple[str, ...] = ()) -> dict[str, Any]:
+               launcher: tuple[str, ...] = TORCHRUN, workload_args: tuple[str, ...] = (), checkpoint_every: int = 10) -> dict[str, Any]:
     """A PyTorchJob as a user writes it: Master + Workers, torchrun (or ``launcher``) reading training-operator's PET_* env;
     with ``report_progress``, its pods mount the node agent's socket and name their job (backends/kubernetes/rank_env.py);
     with ``tiers_json`` they checkpoint through the tiered checkpoint (the node's memory tier, peer replicas)."""
     container = {
         "name": "pytorch", "image": "unbroken:dev",
         "command": [*launcher, "-m", "unbroken.workloads.mlp",
-                    "--steps", str(steps), "--checkpoint-every", "10", "--step-time", str(step_time), *workload_args],
+                    "--steps", str(steps), "--checkpoint-every", str(checkpoint_every), "--step-time", str(step_time), *workload_args],
         "env": [{"name": "UNBROKEN_CHECKPOINT_DIR", "value": str(checkpoints)}],
         "resources": {"limits": {"nvidia.com/gpu": 1}},
         # training-operator's MASTER_PORT; every pod shares 127.0.0.1, so each job gets a port of its own
