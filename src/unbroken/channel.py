@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -142,7 +143,8 @@ class AgentReceiver:
     empties the queue as fast as ranks fill it.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, on_datagram: Callable[[bytes], None] | None = None) -> None:
+        """``on_datagram``: called (on the receiving thread) with each datagram as it came, before it is decoded."""
         if len(os.fsencode(path)) > MAX_PATH:
             raise ValueError(f"agent socket path {path} is longer than {MAX_PATH} bytes; use a shorter directory")
         # Only this user's processes (the agent's ranks) may send: the folder is 0700.
@@ -155,6 +157,7 @@ class AgentReceiver:
         self._sock.bind(str(path))
         self._sock.settimeout(0.2)
         self._received: deque[RankMessage] = deque(maxlen=MAX_BUFFERED)
+        self._on_datagram = on_datagram
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._receive, name="rank-channel", daemon=True)
         self._thread.start()
@@ -167,6 +170,8 @@ class AgentReceiver:
                 continue
             except OSError:
                 return  # socket closed
+            if self._on_datagram is not None:
+                self._on_datagram(data)
             try:
                 self._received.append(RankMessage.decode(data))
             except (ValueError, TypeError, KeyError):

@@ -78,7 +78,8 @@ class PodLauncher:
         self.ranks: launcher.RunningWorker | None = None
         self.spare: Spare | None = None
         self._phase_started = time.monotonic()
-        self._round_started = time.monotonic()
+        self._round_started = time.time()
+        """Wall clock, as the ranks stamp their progress (relay.py)."""
         self.relay = relay
         self._deaths: queue.Queue[RankDeath] = queue.Queue()
         self._watch = RankWatch(self._deaths.put)
@@ -183,7 +184,7 @@ class PodLauncher:
                 log.info("round %d: the held ranks rejoin at %s", self.round, rendezvous, extra={"round": self.round})
             else:
                 self._start_ranks(rendezvous)
-            self._round_started = time.monotonic()
+            self._round_started = time.time()
             self._enter(Phase.RUNNING)
         elif self.link.lost.is_set():
             raise Failed("the coordinator is gone (node rank 0's pod) before the next round began")
@@ -205,7 +206,7 @@ class PodLauncher:
         spare, self.spare = self.spare, None
         if spare is not None and not spare.alive():
             spare = None
-        self._round_started = time.monotonic()
+        self._round_started = time.time()
         process, warm = launcher.start_torchrun(
             self._torchrun_args(log_dir), {**group.to_environ(), AGENT_SOCKET: str(self.relay.path)}, working_dir=os.getcwd(), log_dir=log_dir, log="/dev/stdout",
             spare=spare, base_env=self._base_env)

@@ -12,73 +12,46 @@ A send here never blocks a rank either: a full queue drops, as at the agent.
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
-import threading
-import time
 from pathlib import Path
 
-from unbroken.channel import MAX_DATAGRAM, MessageKind, RankMessage
+from unbroken.channel import AgentReceiver, MessageKind
 from unbroken.launch_env import ENDPOINT_FILE
-
-log = logging.getLogger("unbroken.pod_launcher.relay")
 
 
 class ProgressRelay:
     def __init__(self, path: Path, agent_socket: Path | None) -> None:
-        self.path = path
         self._agent = str(agent_socket) if agent_socket is not None else None
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.unlink(missing_ok=True)
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024 * 1024)
-        self._sock.bind(str(path))
-        self._sock.settimeout(0.2)
         self._out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._out.setblocking(False)
+        self._receiver = AgentReceiver(path, on_datagram=self._forward)
+        self.path = path
         if agent_socket is not None:
             endpoint = path.parent / ENDPOINT_FILE
             endpoint.unlink(missing_ok=True)
             endpoint.symlink_to(agent_socket.parent / ENDPOINT_FILE)
-        self._lock = threading.Lock()
         self._stepped: dict[int, float] = {}
-        """Local rank -> when it last reported a step."""
-        self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="progress-relay", daemon=True)
-        self._thread.start()
+        """Local rank -> when it sent its last step (its own time stamp)."""
 
     def stepped_since(self, since: float) -> int:
-        """How many local ranks reported a step after ``since`` (a ``time.monotonic()``)."""
-        with self._lock:
-            return sum(1 for at in self._stepped.values() if at > since)
+        """How many local ranks reported a step after ``since`` (a ``time.time()``: the ranks stamp their messages)."""
+        for message in self._receiver.drain():
+            if message.kind is MessageKind.PROGRESS:
+                self._stepped[message.local_rank] = max(message.ts, self._stepped.get(message.local_rank, 0.0))
+        return sum(1 for at in self._stepped.values() if at > since)
 
     def close(self) -> None:
-        self._closed.set()
-        self._thread.join(timeout=1.0)
-        self._sock.close()
+        self._receiver.close()
         self._out.close()
 
-    def _run(self) -> None:
-        while not self._closed.is_set():
-            try:
-                data = self._sock.recv(MAX_DATAGRAM)
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            if self._agent is not None:
-                try:
-                    self._out.sendto(data, self._agent)
-                except OSError:
-                    pass  # a full agent queue, or no agent (yet): dropped, as a rank's own send would be
-            try:
-                message = RankMessage.decode(data)
-            except (ValueError, TypeError, KeyError):
-                continue
-            if message.kind is MessageKind.PROGRESS:
-                with self._lock:
-                    self._stepped[message.local_rank] = time.monotonic()
+    def _forward(self, data: bytes) -> None:
+        if self._agent is None:
+            return
+        try:
+            self._out.sendto(data, self._agent)
+        except OSError:
+            pass  # a full agent queue, or no agent (yet): dropped, as a rank's own send would be
 
 
 def relay_path(run_dir: Path) -> Path:
