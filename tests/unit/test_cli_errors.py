@@ -231,7 +231,7 @@ def test_top_level_help_lists_the_groups(tmp_path: Path) -> None:
 
     assert result.returncode == 0
     names = commands_in_help(result.stdout)
-    assert sorted(names) == ["agent", "chaos", "check", "ckpt", "cluster", "dashboard", "data", "demo", "job", "k8s", "node", "operator", "validate"]
+    assert sorted(names) == ["agent", "chaos", "check", "ckpt", "cluster", "dashboard", "data", "demo", "job", "k8s", "node", "operator", "run", "validate"]
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ CLI = {
     # agent and operator hand their arguments to their own parsers (argparse: `unbroken operator --help`)
     "agent": [],
     "operator": [],
+    "run": [],
     "chaos hang-worker": ["--dir", "--node", "--rank", "JOB"],
     "chaos kill-controller": ["--dir"],
     "chaos kill-node": ["--dir", "NODE"],
