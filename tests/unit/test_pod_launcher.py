@@ -215,3 +215,12 @@ def test_without_a_node_agent_the_relay_still_counts_and_a_long_run_folder_gets_
         relay.close()
     deep = tmp_path / ("d" * 60) / ("e" * 60)
     assert len(str(relay_path(deep))) <= 100 and relay_path(deep).name == "agent.sock"
+
+
+def test_node_rank_0_whose_coordinator_port_is_taken_exits_2_naming_the_port() -> None:
+    with socket.create_server(("", 0)) as taken:
+        port = taken.getsockname()[1]
+        result = run_cli("run", "--nnodes", "2", "--node-rank", "0", "--coordinator-port", str(port), "train.py", check=False, timeout=60)
+    assert result.returncode == 2
+    assert f"error: unbroken run --coordinator-port {port}: cannot listen there (Address already in use)" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -44,10 +44,6 @@ class PodRun:
     collective_timeout: float
     coordinator_port: int
 
-    @property
-    def rendezvous_host(self) -> str:
-        return self.master_addr
-
 
 def _env_default(env: Mapping[str, str], name: str, default: str | None) -> str | None:
     return env.get(f"PET_{name.upper().replace('-', '_')}", default)

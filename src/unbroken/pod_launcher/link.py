@@ -22,7 +22,6 @@ class CoordinatorLink:
     def __init__(self, host: str, port: int, node_rank: int) -> None:
         self.host, self.port, self.node_rank = host, port, node_rank
         self.inbox: queue.Queue[Message] = queue.Queue()
-        self.connected = threading.Event()
         self.lost = threading.Event()
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
@@ -94,6 +93,5 @@ class CoordinatorLink:
                 except OSError:
                     self.lost.set()
                 self._pending.clear()
-            self.connected.set()
             return sock
         return None

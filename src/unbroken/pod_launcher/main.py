@@ -24,7 +24,11 @@ def main(argv: list[str]) -> int:
     run_dir = Path(os.environ[RUN_DIR]) if os.environ.get(RUN_DIR) else Path(tempfile.mkdtemp(prefix="unbroken-run-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     logs.setup(component="launcher", node_rank=run.node_rank, run_dir=str(run_dir))
-    return member.serve(run, run_dir)
+    try:
+        return member.serve(run, run_dir)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from unbroken import rank_registry, rejoin
 from unbroken.agent import launcher, spare_pool
 from unbroken.agent.rank_watch import RankDeath, RankWatch
 from unbroken.agent.spare_pool import Spare
+from unbroken.errors import ConfigError
 from unbroken.launch_env import AGENT_SOCKET, ATTEMPT, JOB, GroupPlacement
 from unbroken.pod_launcher.arguments import PodRun
 from unbroken.pod_launcher.link import CoordinatorLink
@@ -174,10 +175,7 @@ class PodLauncher:
             self.round += 1
             if self.ranks is not None:
                 assert self.ranks.rejoin_dir is not None
-                self._watch.forget(self.ranks.worker_id)
-                self.ranks.worker_id = self.round
-                self._watch.track(self.round, self.ranks.process.pid, self.run.nproc_per_node,
-                                  self.ranks.log_dir / "ranks" if self.ranks.warm else None)
+                self._watch_ranks()
                 rejoin.post_notice(self.ranks.rejoin_dir, rejoin.RejoinNotice(
                     attempt=self.attempt, group_rank=self.run.node_rank, nnodes=self.run.nnodes, rendezvous=rendezvous,
                     round=self.round))
@@ -206,17 +204,23 @@ class PodLauncher:
         spare, self.spare = self.spare, None
         if spare is not None and not spare.alive():
             spare = None
-        self._round_started = time.time()
         process, warm = launcher.start_torchrun(
             self._torchrun_args(log_dir), {**group.to_environ(), AGENT_SOCKET: str(self.relay.path)}, working_dir=os.getcwd(), log_dir=log_dir, log="/dev/stdout",
             spare=spare, base_env=self._base_env)
-        self.ranks = launcher.RunningWorker(worker_id=self.round, process=process, log_dir=log_dir, warm=warm,
+        self.ranks = launcher.RunningWorker(worker_id=self.round - 1, process=process, log_dir=log_dir, warm=warm,
                                             rejoin_dir=group.rejoin_dir, ranks=self.run.nproc_per_node,
                                             abort_timeout=self.run.abort_timeout)
-        self._watch.forget(self.round - 1)  # the torchrun this one replaces
-        self._watch.track(self.round, process.pid, self.run.nproc_per_node, log_dir / "ranks" if warm else None)
+        self._watch_ranks()  # forgets round - 1's: the torchrun this one replaces
         log.info("round %d: started this pod's %d ranks%s (store %s)", self.round, self.run.nproc_per_node,
                  " on the warm spare" if warm else "", rendezvous, extra={"round": self.round, "pid": process.pid})
+
+    def _watch_ranks(self) -> None:
+        """Watch the current torchrun's ranks under this round's number (``_death`` lets older rounds' deaths go)."""
+        assert self.ranks is not None
+        self._watch.forget(self.ranks.worker_id)
+        self.ranks.worker_id = self.round
+        self._watch.track(self.round, self.ranks.process.pid, self.run.nproc_per_node,
+                          self.ranks.log_dir / "ranks" if self.ranks.warm else None)
 
     def _torchrun_args(self, log_dir: Path) -> list[str]:
         return ["--nnodes", "1", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
@@ -253,9 +257,10 @@ class PodLauncher:
     def keep_spare(self) -> None:
         """Start the warm spare once every rank of this pod has stepped in this round (relay.py): warming imports
         torch, which must not slow a round's startup."""
+        stepped = self.relay.stepped_since(self._round_started)  # read every pass: it empties the relay's queue
         if not self.run.warm_spare or self.spare is not None or self.phase is not Phase.RUNNING or self.ranks is None:
             return
-        if self.relay.stepped_since(self._round_started) < self.run.nproc_per_node:
+        if stepped < self.run.nproc_per_node:
             return
         self.spare = spare_pool.start_spare(f"pod-{self.run.node_rank}", launcher.TRAMPOLINE, self._base_env,
                                             cwd=os.getcwd(), out=None)
@@ -286,7 +291,11 @@ def serve(run: PodRun, run_dir: Path) -> int:
     gather_timeout = run.abort_timeout + 20.0  # the ranks' leaving, then a replacement's kill and a message each way
     coordinator = None
     if run.node_rank == 0:
-        coordinator = Coordinator(run.nnodes, run.coordinator_port, max_restarts=run.max_restarts, gather_timeout=gather_timeout)
+        try:
+            coordinator = Coordinator(run.nnodes, run.coordinator_port, max_restarts=run.max_restarts, gather_timeout=gather_timeout)
+        except OSError as exc:
+            raise ConfigError(f"unbroken run --coordinator-port {run.coordinator_port}: cannot listen there ({os.strerror(exc.errno) if exc.errno else exc}); "
+                              "give a free port (default: --master-port + 1)") from exc
         coordinator.start()
     link = CoordinatorLink(run.master_addr if coordinator is None else "127.0.0.1", run.coordinator_port, run.node_rank)
     link.start()
