@@ -227,21 +227,8 @@ def submit(cluster: Cluster, body: dict[str, Any]) -> str:
 
 
 def rank_process(cluster: Cluster, pod: str) -> psutil.Process:
-    """The rank under the pod's torchrun: the descendant whose environment says LOCAL_RANK (which torchrun sets for
-    its ranks; training-operator's RANK is in the whole pod's), started cold (a warm spare's ranks are forks that
-    show the spare's environment)."""
-    def find() -> psutil.Process | None:
-        pid = cluster.kubelet.pid_of(JOBS, pod)
-        if pid is None:
-            return None
-        try:
-            for child in psutil.Process(pid).children(recursive=True):
-                if "LOCAL_RANK" in child.environ() and "unbroken.workloads.mlp" in " ".join(child.cmdline()):
-                    return child
-        except psutil.Error:
-            return None
-        return None
-    return wait_until(find, 60, f"a rank process in pod {pod}")
+    """A rank of the pod (``rank_pids``), once there is one."""
+    return psutil.Process(wait_until(lambda: next(iter(rank_pids(cluster, pod)), None), 60, f"a rank process in pod {pod}"))
 
 
 _RUN_DIR = re.compile(r'"run_dir": "([^"]+)"')
