@@ -10,6 +10,7 @@ given to the ranks in ``UNBROKEN_REJOIN_DIR``):
 |---|---|---|
 | ``aborted.<local rank>`` | the rank | "I left round N's process group and wait" (N, then the error in one line) |
 | ``notice.json`` | the agent | "join round M (attempt A) as group rank G of NNODES, store at HOST:PORT" |
+| ``leave`` | the launcher | "leave round N at your next step" (N, then why): the round ends elsewhere, or the job grows |
 
 A *round* is one process group of the job. Under the local agent every round is
 an attempt of the controller's (the round is the attempt). Under ``unbroken run``
@@ -41,6 +42,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 NOTICE = "notice.json"
+LEAVE = "leave"
 POLL_SECONDS = 0.01
 """How often a waiting rank looks for the notice: a stat of a local file, the rejoin's only latency."""
 
@@ -103,7 +105,26 @@ def read_notice(rejoin_dir: Path) -> RejoinNotice | None:
         return None
 
 
+def leave_requested(rejoin_dir: Path, round_number: int) -> str | None:
+    """Why this rank is asked to leave ``round_number`` at its step's end, or None. A read of a file that is
+    almost always missing: one failed ``open``, a few microseconds of every ``ctx.progress``."""
+    try:
+        said, _, why = (rejoin_dir / LEAVE).read_text().partition(" ")
+    except OSError:
+        return None
+    return why if said == str(round_number) else None
+
+
 # -- the agent's side ----------------------------------------------------------------
+
+def request_leave(rejoin_dir: Path, round_number: int, why: str) -> None:
+    """Ask the ranks of ``rejoin_dir`` to leave ``round_number`` after their current step (``leave_requested``):
+    ranks that did not see the round break (a peer of another pod failed, a pod is lost, the job grows) leave at
+    once, not at their next collective's failure or timeout, and hold their state for the next round."""
+    rejoin_dir.mkdir(parents=True, exist_ok=True)
+    _write(rejoin_dir / LEAVE, f"{round_number} {' '.join(why.split())}".rstrip())
+
+
 
 def acknowledged(rejoin_dir: Path, round_number: int, local_world_size: int) -> dict[int, str]:
     """The local ranks that have said they left ``round_number``, with why."""
@@ -123,4 +144,5 @@ def post_notice(rejoin_dir: Path, notice: RejoinNotice) -> None:
     _write(rejoin_dir / NOTICE, json.dumps(asdict(notice)))
 
 
-__all__ = ["RejoinNotice", "acknowledge_abort", "acknowledged", "await_notice", "post_notice", "read_notice"]
+__all__ = ["RejoinNotice", "acknowledge_abort", "acknowledged", "await_notice", "leave_requested", "post_notice",
+           "read_notice", "request_leave"]

@@ -78,7 +78,7 @@ class Context:
             try:
                 return train(self)
             except Exception as exc:  # noqa: BLE001 - only collective failures are kept; the rest re-raise below
-                if self._env.group is None or not _is_collective_failure(exc):
+                if self._env.group is None or not (isinstance(exc, LeaveRequested) or _is_collective_failure(exc)):
                     raise
                 live, self._live, self._live_state = self._live_state, None, None  # the next entry offers its own
                 notice = self._leave_process_group(exc)
@@ -139,6 +139,11 @@ class Context:
             values.update(self._sections)
             self._sections.clear()
         self._send(MessageKind.PROGRESS, step, values)
+        group = self._env.group
+        if group is not None:
+            why = rejoin.leave_requested(group.rejoin_dir, self.attempt if group.round is None else group.round)
+            if why is not None:
+                raise LeaveRequested(f"asked to leave after step {step}: {why}")
 
     def _send(self, kind: MessageKind, step: int | None, metrics: dict[str, float] | None = None, detail: str = "") -> None:
         self._sender.send(
@@ -203,6 +208,11 @@ class Context:
         self.checkpoint = self._make_checkpointer(self._env, self.rank, self.world_size, live)
         self._send(MessageKind.HELLO, None)
         self._group_sockets = _init_process_group(self._backend, self.local_rank, group)
+
+
+class LeaveRequested(Exception):
+    """Raised by ``ctx.progress`` when this rank's launcher asks it to leave its process group (the round ends
+    elsewhere, or the job grows): ``ctx.run`` holds the rank for the next round as after a peer's failure."""
 
 
 REJOIN_WAIT_SECONDS = 300.0

@@ -41,7 +41,9 @@ def test_the_pods_environment_is_read_as_torchrun_reads_it_and_the_command_line_
 
 
 @pytest.mark.parametrize(("argv", "words"), [
-    (["--nnodes", "1:4", "t.py"], "--nnodes 1:4: an elastic size (min:max) is not supported"),
+    (["--nnodes", "3:2", "t.py"], "--nnodes 3:2: MIN is more than MAX (valid: e.g. 2:4)"),
+    (["--spare-pods", "4", "t.py"], "--spare-pods 4: must be fewer than --nnodes 4 (some pod must train)"),
+    (["--nnodes", "2:3", "--spare-pods", "1", "t.py"], "--spare-pods 1 with --nnodes 2:3: an elastic job's spare pods are"),
     (["--node-rank", "4", "t.py"], "--node-rank 4: must be below --nnodes 4"),
     (["--nproc-per-node", "eight", "t.py"], "--nproc-per-node eight: must be a whole number, at least 1"),
     (["--max-restarts", "-1", "t.py"], "--max-restarts -1: must be a whole number, at least 0"),
@@ -54,10 +56,22 @@ def test_a_bad_argument_is_named_with_what_would_be_valid(argv: list[str], words
 
 
 def test_unbroken_run_with_a_bad_argument_exits_2_with_one_line_and_no_traceback() -> None:
-    result = run_cli("run", "--nnodes", "2:3", "train.py", check=False)
+    result = run_cli("run", "--nnodes", "3:2", "train.py", check=False)
     assert result.returncode == 2
-    assert result.stderr.strip() == ("error: unbroken run --nnodes 2:3: an elastic size (min:max) is not supported in a pod "
-                                     "yet; give the job's number of pods (the PyTorchJob's replicas)")
+    assert result.stderr.strip() == "error: unbroken run --nnodes 3:2: MIN is more than MAX (valid: e.g. 2:4)"
+
+
+def test_spare_pods_and_elastic_sizes_are_read_from_the_pods_environment() -> None:
+    # a fixed job of 4 replicas with 1 spare pod: 3 train (node rank 3 is told to stand by: coordinator.py)
+    run = arguments.parse(["--spare-pods", "1", "t.py"], {**PET, "PET_NODE_RANK": "3"})
+    assert (run.nnodes, run.fewest, run.node_rank, run.elastic) == (3, 3, 3, False)
+    # training-operator's elastic job: PET_NNODES is min:max
+    elastic = {**PET, "PET_NNODES": "2:3"}
+    assert (lambda r: (r.fewest, r.nnodes, r.elastic))(arguments.parse(["t.py"], elastic)) == (2, 3, True)
+    # without a Master, training-operator sets no PET_NODE_RANK: said plainly, not guessed
+    without_rank = {k: v for k, v in elastic.items() if k != "PET_NODE_RANK"}
+    with pytest.raises(ConfigError, match=r"no --node-rank and no PET_NODE_RANK: node rank 0 hosts the job's coordinator"):
+        arguments.parse(["t.py"], without_rank)
 
 
 def test_a_message_survives_the_wire_and_junk_is_refused() -> None:
@@ -69,12 +83,14 @@ def test_a_message_survives_the_wire_and_junk_is_refused() -> None:
 
 
 class Member:
-    """A launcher as the coordinator sees it: a TCP connection that says hello and reads what comes."""
+    """A launcher as the coordinator sees it: a TCP connection that says hello and reads what comes; ``first``: the
+    answer to its hello (round 0's "join", or "stand_by")."""
 
     def __init__(self, port: int, node_rank: int) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
         self.file = self.sock.makefile("rb")
         self.send(Message(Kind.HELLO, node_rank=node_rank))
+        self.first = self.receive()
 
     def send(self, message: Message) -> None:
         self.sock.sendall(message.line())
@@ -91,7 +107,7 @@ class Member:
 
 @pytest.fixture
 def coordinator() -> Iterator[Coordinator]:
-    result = Coordinator(3, free_port(), max_restarts=2, gather_timeout=30)
+    result = Coordinator(3, free_port(), max_restarts=2, gather_timeout=30, first_port=29500)
     result.start()
     yield result
     result.close()
@@ -105,6 +121,8 @@ def members(coordinator: Coordinator, n: int = 3) -> list[Member]:
 
 def test_a_broken_round_holds_every_pod_then_all_join_the_next_on_a_new_port(coordinator: Coordinator) -> None:
     pods = members(coordinator)
+    # each first-round pod's hello is answered with round 0's place: its store at MASTER_PORT
+    assert [p.first for p in pods] == [Message(Kind.JOIN, round=0, port=29500, group_rank=r, nnodes=3) for r in range(3)]
     pods[0].send(Message(Kind.BROKEN, round=0, why="rank 0: RuntimeError: Connection reset by peer"))
     assert [p.receive() for p in pods] == [Message(Kind.HOLD, round=0, why="node rank 0: rank 0: RuntimeError: Connection "
                                                                            "reset by peer")] * 3
@@ -131,18 +149,85 @@ def test_a_pod_gone_while_gathering_gives_up_for_a_full_restart(coordinator: Coo
     pods[1].send(Message(Kind.BROKEN, round=0, why="rank 1 exited with code 1", fault=True))
     assert [p.receive().kind for p in pods] == [Kind.HOLD] * 3
     pods[2].close()  # its node went down with it
-    assert pods[0].receive() == Message(Kind.GIVE_UP, why="the pod of node rank 2 is gone")
+    assert pods[0].receive() == Message(Kind.GIVE_UP, why="node rank 1: rank 1 exited with code 1; and the pod of node rank 2 "
+                                                          "is gone; 2 of the job's 3 pods are left and no spare pod is warm")
     assert pods[1].receive().kind is Kind.GIVE_UP
 
 
-def test_a_pod_gone_while_running_makes_the_next_break_a_full_restart(coordinator: Coordinator) -> None:
+def test_a_pod_gone_while_running_without_a_spare_pod_is_a_full_restart_at_once(coordinator: Coordinator) -> None:
     pods = members(coordinator)
     pods[0].send(Message(Kind.DONE))
     pods[0].close()  # finished: not lost
     pods[2].close()
-    wait_until(lambda: coordinator.state.lost == {2}, 5, "node rank 2 counted lost")
-    pods[1].send(Message(Kind.BROKEN, round=0, why="rank 1: RuntimeError: Connection closed by peer"))
-    assert pods[1].receive().why == "node rank 1: rank 1: RuntimeError: Connection closed by peer; and the pod of node rank 2 is gone"
+    assert pods[1].receive() == Message(Kind.GIVE_UP, why="the pod of node rank 2 is gone; 2 of the job's 3 pods are left "
+                                                          "and no spare pod is warm")
+
+
+def held_then_joined(pods: dict[int, Member], ready: list[int], round_number: int = 0) -> dict[int, Message]:
+    """Every pod of ``ready`` gets "hold" and says ready; what each of ``pods`` is told next."""
+    for node_rank in ready:
+        assert pods[node_rank].receive().kind is Kind.HOLD
+        pods[node_rank].send(Message(Kind.READY, round=round_number))
+    return {node_rank: pod.receive() for node_rank, pod in pods.items()}
+
+
+def test_a_lost_pods_place_goes_to_a_warm_spare_pod_and_a_cold_one_is_not_counted(coordinator: Coordinator) -> None:
+    pods = dict(enumerate(members(coordinator)))
+    spare, cold = Member(coordinator.port, 3), Member(coordinator.port, 4)  # spare pods: node ranks past the size
+    assert spare.first == cold.first == Message(Kind.STAND_BY)
+    spare.send(Message(Kind.STANDBY))
+    wait_until(lambda: coordinator.state.standby == [3], 5, "the warm spare pod counted")
+    pods[1].close()  # its node is gone
+    joins = held_then_joined({0: pods[0], 2: pods[2], 3: spare}, ready=[0, 2])
+    # the spare takes group rank 1, the lost pod's; the others keep theirs; the cold spare pod gets nothing
+    assert {n: (m.kind, m.round, m.group_rank, m.nnodes) for n, m in joins.items()} == \
+        {0: (Kind.JOIN, 1, 0, 3), 2: (Kind.JOIN, 1, 2, 3), 3: (Kind.JOIN, 1, 1, 3)}
+    assert coordinator.state.training == [0, 3, 2] and coordinator.state.standby == []
+    assert "the pod of node rank 1 is gone" in coordinator.state.cause
+    # the next loss finds no warm spare pod (node rank 4 never said standby): a full restart
+    spare.close()
+    assert pods[0].receive().why == "the pod of node rank 3 is gone; 2 of the job's 3 pods are left and no spare pod is warm"
+    cold.close()
+
+
+def test_an_elastic_job_shrinks_down_to_its_min_and_grows_back_when_a_pod_returns_without_a_restart_counted() -> None:
+    coordinator = Coordinator(3, free_port(), max_restarts=2, gather_timeout=30, fewest=2)
+    coordinator.start()
+    try:
+        pods = dict(enumerate(members(coordinator)))
+        pods[1].close()
+        joins = held_then_joined({0: pods[0], 2: pods[2]}, ready=[0, 2])
+        assert {n: (m.group_rank, m.nnodes) for n, m in joins.items()} == {0: (0, 2), 2: (1, 2)}  # closed up, in order
+        # node rank 1's pod, recreated on a node that came back, warms and stands by: the job grows at once
+        back = Member(coordinator.port, 1)
+        assert back.first == Message(Kind.STAND_BY)  # not round 0's join: its place was given up
+        back.send(Message(Kind.STANDBY))
+        joins = held_then_joined({0: pods[0], 2: pods[2], 1: back}, ready=[0, 2], round_number=1)
+        assert {n: (m.round, m.group_rank, m.nnodes) for n, m in joins.items()} == {0: (2, 0, 3), 2: (2, 1, 3), 1: (2, 2, 3)}
+        assert coordinator.state.restarts == 1  # the grow is not a restart
+        assert coordinator.state.cause == "spare pod (node rank 1) is warm: growing from 2 to 3 pods"
+        pods[2].close()  # shrinks again, to its min: the second restart of --max-restarts 2
+        joins = held_then_joined({0: pods[0], 1: back}, ready=[0, 1], round_number=2)
+        assert {n: (m.round, m.group_rank, m.nnodes) for n, m in joins.items()} == {0: (3, 0, 2), 1: (3, 1, 2)}
+        back.close()
+        assert pods[0].receive().why == "the pod of node rank 1 is gone; the 2 in-place restarts allowed (--max-restarts) are used"
+    finally:
+        coordinator.close()
+
+
+def test_below_an_elastic_jobs_min_is_a_full_restart() -> None:
+    coordinator = Coordinator(3, free_port(), max_restarts=5, gather_timeout=30, fewest=3 - 1)
+    coordinator.start()
+    try:
+        pods = members(coordinator)
+        pods[1].send(Message(Kind.BROKEN, round=0, why="rank 1 exited with code 1", fault=True))
+        assert pods[0].receive().kind is Kind.HOLD
+        pods[1].close()
+        pods[2].close()
+        assert pods[0].receive().why == ("node rank 1: rank 1 exited with code 1; and the pod of node rank 2 is gone; 1 pod "
+                                         "is left, no spare pod is warm, and the job needs at least 2 (--nnodes 2:3)")
+    finally:
+        coordinator.close()
 
 
 def test_restarts_past_max_restarts_and_a_launcher_started_again_give_up(coordinator: Coordinator) -> None:
@@ -160,10 +245,12 @@ def test_restarts_past_max_restarts_and_a_launcher_started_again_give_up(coordin
     other.start()
     try:
         first = Member(other.port, 0)
-        Member(other.port, 1)
+        old = Member(other.port, 1)
+        wait_until(lambda: other.state.seen == {0, 1}, 5, "both hellos")
         again = Member(other.port, 1)  # node rank 1's container restarted: its ranks are new, round 0
         assert first.receive() == Message(Kind.GIVE_UP, why="the launcher of node rank 1 started again")
         assert again.receive().kind is Kind.GIVE_UP
+        old.close()
     finally:
         other.close()
 

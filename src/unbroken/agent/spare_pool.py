@@ -30,9 +30,15 @@ log = logging.getLogger("unbroken.agent.spare_pool")
 class Spare:
     job: str
     process: subprocess.Popen[bytes]
+    ready_file: Path | None = None
+    """Created by the spare once warm (warm_spare.READY_FILE), if it was given one."""
 
     def alive(self) -> bool:
         return self.process.poll() is None
+
+    def ready(self) -> bool:
+        """Warm (torch imported), as far as is known: without a ready file, taken to be."""
+        return self.alive() and (self.ready_file is None or self.ready_file.exists())
 
 
 class SparePool:
@@ -81,11 +87,13 @@ class SparePool:
         return spare
 
 
-def start_spare(job: str, trampoline: str, env: dict[str, str], *, cwd: str | Path | None, out: IO[bytes] | int | None) -> Spare:
-    """A warm spare (agent/warm_spare.py) for ``job``, writing to ``out`` (None: our own stdout) until it is given an identity."""
+def start_spare(job: str, trampoline: str, env: dict[str, str], *, cwd: str | Path | None, out: IO[bytes] | int | None,
+                ready_file: Path | None = None) -> Spare:
+    """A warm spare (agent/warm_spare.py) for ``job``, writing to ``out`` (None: our own stdout) until it is given an
+    identity; ``ready_file``: the spare's ``warm_spare.READY_FILE`` in ``env``, if set there."""
     process = subprocess.Popen([sys.executable, "-c", trampoline, *warm_spare.SPARE_ARGV], cwd=cwd, env=env,
                                stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    return Spare(job, process)
+    return Spare(job, process, ready_file)
 
 
 def release(spare: Spare) -> None:

@@ -46,6 +46,9 @@ SPARE_ARGV = ("-c", "import sys; from unbroken.agent.warm_spare import main; sys
 READY_MARK = "warm spare ready"
 """Printed (to the spare's log) once torch is imported everywhere. The agent hands out a spare ready
 or not (a half-warm one is still ahead of a cold start); tests and benchmarks wait for the mark."""
+READY_FILE = "UNBROKEN_SPARE_READY_FILE"
+"""Where a spare also says it is ready, if set: a file created empty (a launcher that must know, pod_launcher/member.py,
+looks for it; its output goes to the pod's log, which the launcher does not read)."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,8 @@ def main() -> int:
     # request waits for the preload, so connecting once proves it.
     _wait_for_forkserver()
     print(f"{READY_MARK} (pid {os.getpid()}, {time.monotonic() - started:.1f} s)", flush=True)
+    if ready_file := os.environ.get(READY_FILE):
+        Path(ready_file).touch()
 
     line = sys.stdin.readline()
     if not line.strip():

@@ -6,8 +6,14 @@ torchrun takes each option from the command line, else from ``PET_<OPTION>``
 else its default; ``unbroken run`` does the same, so a pod's command changes from
 ``torchrun train.py`` to ``unbroken run train.py`` and nothing else. Options of
 torchrun's that an in-place restart decides for itself (the rendezvous, the
-monitor interval, the log redirects) are accepted and ignored; an elastic size
-(``--nnodes 1:4``) is refused with the reason.
+monitor interval, the log redirects) are accepted and ignored.
+
+Sizes. ``--nnodes N``: N pods train; ``--spare-pods S`` among them stand by
+(PET_NNODES counts every replica: the job trains on N - S, and the pods of node
+rank N - S and above are spare pods). ``--nnodes MIN:MAX`` (what training-operator
+sets for an ``elasticPolicy``): an elastic job, MAX pods train while they can,
+never fewer than MIN; pods past MAX are spare pods. Node rank 0 hosts the job's
+coordinator, so every pod needs its PET_NODE_RANK: a PyTorchJob with a Master.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ _IGNORED = ("rdzv-backend", "rdzv-endpoint", "rdzv-id", "rdzv-conf", "monitor-in
 @dataclass(frozen=True)
 class PodRun:
     nnodes: int
+    """The most pods that train (an elastic job's max, a job with spare pods' replicas less its spares)."""
     nproc_per_node: int
     node_rank: int
     master_addr: str
@@ -43,6 +50,16 @@ class PodRun:
     abort_timeout: float
     collective_timeout: float
     coordinator_port: int
+    fewest: int = 0
+    """The fewest pods the job trains on (an elastic job's min); 0: ``nnodes``."""
+
+    def __post_init__(self) -> None:
+        if not self.fewest:
+            object.__setattr__(self, "fewest", self.nnodes)
+
+    @property
+    def elastic(self) -> bool:
+        return self.fewest < self.nnodes
 
 
 def _env_default(env: Mapping[str, str], name: str, default: str | None) -> str | None:
@@ -60,10 +77,16 @@ def parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
         epilog="Example (a PyTorchJob's container command):  unbroken run --nproc-per-node 8 train.py --lr 3e-4\n"
                "Every torchrun option may come from PET_<OPTION> (training-operator sets them).",
         formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
-    p.add_argument("--nnodes", default=_env_default(env, "nnodes", "1"), help="pods in the job (a fixed number)")
+    p.add_argument("--nnodes", default=_env_default(env, "nnodes", "1"),
+                   help="pods in the job: N, or MIN:MAX for an elastic job that goes on with fewer pods after a loss "
+                        "(never fewer than MIN) and grows back when pods return")
+    p.add_argument("--spare-pods", dest="spare_pods", type=int, default=0,
+                   help="of the --nnodes pods, how many stand by with a warm spare and no ranks, to take a lost pod's "
+                        "place without a scheduling pass (the pods of the highest node ranks)")
     p.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node",
                    default=_env_default(env, "nproc_per_node", "1"), help="ranks in this pod")
-    p.add_argument("--node-rank", "--node_rank", dest="node_rank", default=_env_default(env, "node_rank", "0"),
+    p.add_argument("--node-rank", "--node_rank", dest="node_rank",
+                   default=_env_default(env, "node_rank", None),
                    help="this pod's place among --nnodes")
     p.add_argument("--master-addr", "--master_addr", dest="master_addr", default=_env_default(env, "master_addr", "127.0.0.1"),
                    help="the address of node rank 0's pod")
@@ -101,14 +124,17 @@ def parse(argv: list[str], env: Mapping[str, str] | None = None) -> PodRun:
     if args.no_python:
         raise ConfigError("unbroken run --no-python: the ranks must be Python processes running unbroken.init(); "
                           "use torchrun for other programs")
-    if ":" in str(args.nnodes):
-        raise ConfigError(f"unbroken run --nnodes {args.nnodes}: an elastic size (min:max) is not supported in a pod yet; "
-                          "give the job's number of pods (the PyTorchJob's replicas)")
-    nnodes = _whole("--nnodes", args.nnodes, 1)
+    fewest, nnodes, pods = _sizes(str(args.nnodes), args.spare_pods)
     nproc = _whole("--nproc-per-node", args.nproc_per_node, 1)
+    if args.node_rank is None and pods is not None:
+        args.node_rank = "0"  # torchrun's default
+    if args.node_rank is None:
+        raise ConfigError("unbroken run: no --node-rank and no PET_NODE_RANK: node rank 0 hosts the job's coordinator, "
+                          "so every pod needs its rank (a PyTorchJob sets it when it has a Master replica: add "
+                          "'Master: {replicas: 1}')")
     node_rank = _whole("--node-rank", args.node_rank, 0)
-    if node_rank >= nnodes:
-        raise ConfigError(f"unbroken run --node-rank {node_rank}: must be below --nnodes {nnodes}")
+    if pods is not None and node_rank >= pods:
+        raise ConfigError(f"unbroken run --node-rank {node_rank}: must be below --nnodes {pods}")
     master_port = _whole("--master-port", args.master_port, 1)
     for name, value in (("--abort-timeout", args.abort_timeout), ("--collective-timeout", args.collective_timeout)):
         if value <= 0:
@@ -118,7 +144,27 @@ def parse(argv: list[str], env: Mapping[str, str] | None = None) -> PodRun:
                   master_port=master_port, command=command, max_restarts=_whole("--max-restarts", args.max_restarts, 0),
                   warm_spare=bool(args.warm_spares), abort_timeout=args.abort_timeout,
                   collective_timeout=args.collective_timeout,
-                  coordinator_port=args.coordinator_port or master_port + 1)
+                  coordinator_port=args.coordinator_port or master_port + 1, fewest=fewest)
+
+
+def _sizes(value: str, spare_pods: int) -> tuple[int, int, int | None]:
+    """(fewest, most) pods that train, and the pods there are if known (a fixed --nnodes), from ``--nnodes`` and
+    ``--spare-pods``."""
+    if spare_pods < 0:
+        raise ConfigError(f"unbroken run --spare-pods {spare_pods}: must be 0 or more")
+    low, colon, high = value.partition(":")
+    if colon:
+        fewest, most = _whole("--nnodes", low, 1), _whole("--nnodes", high, 1)
+        if fewest > most:
+            raise ConfigError(f"unbroken run --nnodes {value}: MIN is more than MAX (valid: e.g. 2:4)")
+        if spare_pods:
+            raise ConfigError(f"unbroken run --spare-pods {spare_pods} with --nnodes {value}: an elastic job's spare "
+                              "pods are its replicas past MAX (elasticPolicy.maxReplicas); leave --spare-pods out")
+        return fewest, most, None
+    pods = _whole("--nnodes", value, 1)
+    if spare_pods >= pods:
+        raise ConfigError(f"unbroken run --spare-pods {spare_pods}: must be fewer than --nnodes {pods} (some pod must train)")
+    return pods - spare_pods, pods - spare_pods, pods
 
 
 def _whole(option: str, value: object, minimum: int) -> int:

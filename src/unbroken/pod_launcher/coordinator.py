@@ -1,10 +1,24 @@
 """The job's round coordinator, served by the launcher of node rank 0 (the Master pod).
 
-It decides when the ranks of every pod form their next process group:
+It decides which pods train in each round, and when they form their next process group:
 
-    Running(N) --a member reports round N broken--> Gathering(N): "hold" to every member
-    Gathering(N) --every member ready--> Running(N+1): "join" with the new store's port
-    any --a member's pod gone, a gather past its timeout, rounds used up--> GivenUp: "give_up" to every member
+    Running(N) --a pod reports round N broken, or a training pod is gone--> Gathering(N): "hold" to every training pod
+    Running(N) --a warm spare pod and the job below its size--> Gathering(N): a grow (no fault, not a restart)
+    Gathering(N) --every training pod left is ready--> Running(N+1): "join" to each pod of the new round, with its group rank
+    any --too few pods for the job (no spare pod, below an elastic job's min), a gather past its timeout, restarts used
+          up, a training pod's launcher started again--> GivenUp: "give_up" to every pod
+
+Which pods train. Round 0 is the pods of node ranks 0 .. size-1 (size: ``--nnodes``, an elastic job's max):
+the hello of each is answered with round 0's "join" (its store at MASTER_PORT). Every other hello (node
+ranks past the size, a lost pod recreated later) is answered "stand_by": a *spare pod*, scheduled, warm,
+without ranks, which says "standby" once its warm spare is ready. A training pod that is lost gives
+its place (its group rank) to a warm spare pod. With none, an elastic job goes on with the pods left, renumbered
+in order, never fewer than its min; a fixed-size job gives up (the operator recreates the pods). A spare pod
+that turns up later (a lost pod recreated by its controller, on a node that came back) grows a job below its
+size at once: the ranks leave their group at their next step (``rejoin.request_leave``) and the new round takes
+the model from their memory, so a grow costs a step, not a checkpoint interval.
+
+Node rank 0's pod hosts this coordinator and round 0's store: losing it is a full restart.
 
 One thread, one ``selectors`` loop, one TCP connection per pod: at 1,000 nodes a
 round is 2,000 lines of a few dozen bytes out and 2,000 in, and nothing touches
@@ -51,26 +65,55 @@ class _Member:
 class RoundState:
     """What the coordinator knows of the job's rounds; changed only by the loop's thread."""
 
-    nnodes: int
+    size: int
+    """The most pods that train (``--nnodes``, an elastic job's max)."""
+    fewest: int
+    """The fewest pods the job trains on (an elastic job's min; else ``size``)."""
     max_restarts: int
     gather_timeout: float
     round: int = 0
+    restarts: int = 0
+    """Rounds begun after a fault: grows are not counted against ``--max-restarts``."""
     phase: Phase = Phase.RUNNING
+    training: list[int] = field(default_factory=list)
+    """The node ranks of this round's pods, by group rank."""
+    standby: list[int] = field(default_factory=list)
+    """Spare pods with a warm spare, in the order they said so: the next to take a place first."""
+    gone: set[int] = field(default_factory=set)
+    """Training pods of this round whose launcher went away without saying done: the pod (or its node) is gone."""
     ready: set[int] = field(default_factory=set)
     gather_started: float = 0.0
     cause: str = ""
     """What broke the current round (or why the coordinator gave up): a failed rank's pod's word when it came."""
     fault_known: bool = False
-    lost: set[int] = field(default_factory=set)
-    """Node ranks whose launcher went away without saying done: their pod (or its node) is gone."""
     seen: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if not self.training:
+            self.training = list(range(self.size))
+
+    def staying(self) -> set[int]:
+        return {n for n in self.training if n not in self.gone}
+
+    def plan(self) -> list[int] | None:
+        """The next round's pods by group rank, or None if too few are left: a lost pod's place goes to the first
+        warm spare pod; a job below its size takes spare pods up to it; an elastic one closes up its gaps."""
+        spares = list(self.standby)
+        places = [n if n not in self.gone else (spares.pop(0) if spares else None) for n in self.training]
+        pods = [n for n in places if n is not None]
+        pods += spares[: max(0, self.size - len(pods))]
+        return pods if len(pods) >= self.fewest else None
 
 
 class Coordinator:
     """Listens on ``port`` (all addresses); ``start()`` runs the loop in a thread, ``close()`` ends it."""
 
-    def __init__(self, nnodes: int, port: int, *, max_restarts: int, gather_timeout: float, host: str = "") -> None:
-        self.state = RoundState(nnodes=nnodes, max_restarts=max_restarts, gather_timeout=gather_timeout)
+    def __init__(self, size: int, port: int, *, max_restarts: int, gather_timeout: float, fewest: int | None = None,
+                 first_port: int = 0, host: str = "") -> None:
+        """``first_port``: round 0's store port (MASTER_PORT)."""
+        self.state = RoundState(size=size, fewest=size if fewest is None else fewest, max_restarts=max_restarts,
+                                gather_timeout=gather_timeout)
+        self.first_port = first_port
         self._listener = socket.create_server((host, port), reuse_port=False)
         self._listener.setblocking(False)
         self._selector = selectors.DefaultSelector()
@@ -135,30 +178,59 @@ class Coordinator:
         self._selector.unregister(member.sock)
         del self._members[member.sock.fileno()]
         member.sock.close()
-        if member.node_rank is None or member.done:
+        state, node_rank = self.state, member.node_rank
+        if node_rank is None or member.done:
             return
-        self.state.lost.add(member.node_rank)
-        log.warning("the launcher of node rank %d went away (its pod or node is gone)", member.node_rank)
-        if self.state.phase is Phase.GATHERING:
-            self._give_up(f"the pod of node rank {member.node_rank} is gone")
+        if node_rank in state.standby:
+            state.standby.remove(node_rank)
+            log.warning("spare pod (node rank %d) went away", node_rank)
+            return
+        if node_rank not in state.staying():
+            return
+        state.gone.add(node_rank)
+        log.warning("the launcher of node rank %d went away (its pod or node is gone)", node_rank)
+        if state.phase is Phase.RUNNING:
+            self._gather(f"the pod of node rank {node_rank} is gone", fault=True)
+        elif state.phase is Phase.GATHERING:
+            if state.plan() is None:
+                self._give_up(f"{state.cause}; and the pod of node rank {node_rank} is gone; {self._too_few()}")
+            else:
+                self._check_ready()
 
     def _handle(self, member: _Member, message: Message) -> None:
         state = self.state
         if message.kind is Kind.HELLO:
-            if message.node_rank is None or not 0 <= message.node_rank < state.nnodes:
-                log.warning("ignored a hello with node rank %s (the job has %d nodes)", message.node_rank, state.nnodes)
+            if message.node_rank is None or message.node_rank < 0 or member.node_rank is not None:
+                log.warning("ignored a hello with node rank %s%s", message.node_rank,
+                            "" if member.node_rank is None else f" from the launcher of node rank {member.node_rank}")
                 return
-            member.node_rank = message.node_rank
-            if message.node_rank in state.seen:
-                # a launcher started again in its pod (the container restarted): its ranks are new processes of
-                # round 0, and the others' group is gone with the old ones: only a full restart brings them together
-                self._give_up(f"the launcher of node rank {message.node_rank} started again")
-            state.seen.add(message.node_rank)
+            node_rank = member.node_rank = message.node_rank
+            if node_rank in state.seen and node_rank in state.staying():
+                # a launcher started again in its pod (the container restarted) while its place is still taken
+                # by the ranks it had: those are gone with the old launcher, and the others' group with them
+                self._give_up(f"the launcher of node rank {node_rank} started again")
+            first = node_rank not in state.seen
+            state.seen.add(node_rank)
             if state.phase is Phase.GIVEN_UP:
                 self._send(member, Message(Kind.GIVE_UP, why=state.cause))
+            elif first and state.round == 0 and state.phase is Phase.RUNNING and node_rank in state.training:
+                self._send(member, Message(Kind.JOIN, round=0, port=self.first_port,
+                                           group_rank=state.training.index(node_rank), nnodes=len(state.training)))
+            else:
+                self._send(member, Message(Kind.STAND_BY))
+            return
+        if member.node_rank is None:
+            log.warning("ignored a %s from a launcher that did not say hello", message.kind.value)
             return
         if message.kind is Kind.DONE:
             member.done = True
+        elif message.kind is Kind.STANDBY and member.node_rank not in state.staying() and member.node_rank not in state.standby:
+            state.standby.append(member.node_rank)
+            log.info("spare pod (node rank %d) is warm and stands by", member.node_rank)
+            if state.phase is Phase.GATHERING:
+                self._check_ready()
+            else:
+                self._maybe_grow()
         elif message.kind is Kind.BROKEN and message.round == state.round and state.phase is Phase.RUNNING:
             self._gather(f"node rank {member.node_rank}: {message.why}", fault=message.fault)
         elif message.kind is Kind.BROKEN and message.round == state.round and state.phase is Phase.GATHERING \
@@ -167,37 +239,69 @@ class Coordinator:
             state.cause, state.fault_known = f"node rank {member.node_rank}: {message.why}", True
             log.warning("round %d: the cause: %s", state.round, state.cause, extra={"round": state.round})
         elif message.kind is Kind.READY and message.round == state.round and state.phase is Phase.GATHERING:
-            assert member.node_rank is not None
             state.ready.add(member.node_rank)
-            if len(state.ready) == state.nnodes:
-                self._next_round()
+            self._check_ready()
 
-    def _gather(self, cause: str, *, fault: bool) -> None:
+    def _gather(self, cause: str, *, fault: bool, grow: bool = False) -> None:
         state = self.state
-        if state.lost:
-            self._give_up(f"{cause}; and the pod of node rank {min(state.lost)} is gone")
-            return
-        if state.round >= state.max_restarts:
+        if not grow and state.restarts >= state.max_restarts:
             self._give_up(f"{cause}; the {state.max_restarts} in-place restarts allowed (--max-restarts) are used")
             return
+        if state.plan() is None:
+            self._give_up(f"{cause}; {self._too_few()}")
+            return
+        state.restarts += 0 if grow else 1
         state.phase, state.ready, state.gather_started, state.cause = Phase.GATHERING, set(), time.monotonic(), cause
         state.fault_known = fault
-        log.warning("round %d broken (%s): every pod leaves it", state.round, cause, extra={"round": state.round})
-        self._broadcast(Message(Kind.HOLD, round=state.round, why=cause))
+        log.warning("round %d %s (%s): every pod leaves it", state.round, "ends" if grow else "broken", cause,
+                    extra={"round": state.round})
+        for member in self._members.values():
+            if member.node_rank in state.staying():
+                self._send(member, Message(Kind.HOLD, round=state.round, why=cause))
+        self._check_ready()
+
+    def _maybe_grow(self) -> None:
+        state = self.state
+        if state.phase is Phase.RUNNING and state.standby and len(state.training) < state.size:
+            grown = min(state.size, len(state.training) + len(state.standby))
+            self._gather(f"spare pod (node rank {state.standby[0]}) is warm: growing from {len(state.training)} to "
+                         f"{grown} pods", fault=False, grow=True)
+
+    def _too_few(self) -> str:
+        state = self.state
+        left = len(state.staying())
+        if state.fewest == state.size:
+            return f"{left} of the job's {state.size} pods are left and no spare pod is warm"
+        pods = "1 pod is" if left == 1 else f"{left} pods are"
+        return f"{pods} left, no spare pod is warm, and the job needs at least {state.fewest} (--nnodes {state.fewest}:{state.size})"
+
+    def _check_ready(self) -> None:
+        state = self.state
+        if state.phase is Phase.GATHERING and state.staying() <= state.ready:
+            self._next_round()
 
     def _next_round(self) -> None:
         state = self.state
+        pods = state.plan()
+        if pods is None:
+            self._give_up(f"{state.cause}; {self._too_few()}")
+            return
         state.round += 1
         state.phase = Phase.RUNNING
+        state.standby = [n for n in state.standby if n not in pods]
+        state.training, state.gone = pods, set()
         port = free_port("0.0.0.0")
-        log.info("round %d: every pod is ready after %.2f s; the store is on port %d", state.round,
-                 time.monotonic() - state.gather_started, port, extra={"round": state.round})
-        self._broadcast(Message(Kind.JOIN, round=state.round, port=port))
+        log.info("round %d: %d pods (node ranks %s) are ready after %.2f s; the store is on port %d", state.round,
+                 len(pods), pods, time.monotonic() - state.gather_started, port, extra={"round": state.round})
+        by_rank = {m.node_rank: m for m in self._members.values() if m.node_rank is not None}
+        for group_rank, node_rank in enumerate(pods):
+            if (member := by_rank.get(node_rank)) is not None:
+                self._send(member, Message(Kind.JOIN, round=state.round, port=port, group_rank=group_rank, nnodes=len(pods)))
 
     def _check_gather_timeout(self) -> None:
         state = self.state
         if state.phase is Phase.GATHERING and time.monotonic() - state.gather_started > state.gather_timeout:
-            missing = sorted(set(range(state.nnodes)) - state.ready)
+            missing = sorted(state.staying() - state.ready)
             self._give_up(f"node ranks {missing} were not ready for round {state.round + 1} within {state.gather_timeout:g} s")
 
     def _give_up(self, why: str) -> None:

@@ -1,12 +1,18 @@
 """One pod's launcher: its node-local torchrun, kept across the job's rounds.
 
-    Running(N) --a rank here died, left the group, or "hold" came--> Leaving(N)
+    Standby --"join" 0 (the answer to the hello of a first-round pod)--> Running(0)
+    Standby --"stand_by", then "join" N (a spare pod given a place)--> Running(N): its ranks start on the warm spare
+    Running(N) --a rank here died, left the group, or "hold" came (its ranks are asked to leave)--> Leaving(N)
     Leaving(N) --every rank here left round N: held--> Ready(N)
     Leaving(N) --a rank here died, or abort_timeout: the torchrun killed--> Ready(N) (replaced at the join)
-    Ready(N) --"join" N+1--> Running(N+1): held ranks get the notice (rejoin.py), a replaced torchrun starts
-                            again (from the warm spare when there is one) in round N+1
+    Ready(N) --"join" N+1--> Running(N+1): held ranks get the notice (rejoin.py), maybe with a new group rank and
+                            size; a replaced torchrun starts again (from the warm spare when there is one)
     Running --every rank exited 0--> done (exit 0)
     any --"give_up", the coordinator lost when it is needed, a torchrun that fails alone--> failed (exit 1)
+
+Every launcher starts in Standby and asks the coordinator (node rank 0's launcher) whether its pod trains
+now. A spare pod (a node rank past the job's size, or a lost pod recreated) is told to stand by: it warms
+a spare, with no ranks, and says so once the spare is warm (coordinator.py gives it a place).
 
 A failed pod's ranks are killed, not asked to leave: a rank whose sibling died
 holds nothing the next round needs (the model comes from the surviving ranks'
@@ -25,7 +31,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from unbroken import rank_registry, rejoin
-from unbroken.agent import launcher, spare_pool
+from unbroken.agent import launcher, spare_pool, warm_spare
 from unbroken.agent.rank_watch import RankDeath, RankWatch
 from unbroken.agent.spare_pool import Spare
 from unbroken.errors import ConfigError
@@ -44,11 +50,14 @@ RANK_ENTRYPOINT = "unbroken.pod_launcher.rank"
 """What torchrun starts: the job-wide variables for scripts that do not call unbroken.init(), then the script (rank.py)."""
 POLL_SECONDS = 0.01
 """The loop's wait for a message, between looks at the ranks: a restart's latency is a few of these."""
+FIRST_WORD_SECONDS = 600.0
+"""How long a starting launcher waits for node rank 0's to answer its hello (torchrun's rendezvous waits as long)."""
 READY_GRACE_SECONDS = 10.0
 """A member that said ready waits this much longer than the coordinator's gather timeout before it gives up alone."""
 
 
 class Phase(StrEnum):
+    STANDBY = "Standby"
     RUNNING = "Running"
     LEAVING = "Leaving"
     READY = "Ready"
@@ -75,7 +84,14 @@ class PodLauncher:
         self.attempt = int(os.environ.get(ATTEMPT) or "0")
         """The operator's attempt, from the pod (its annotation): the same in every round."""
         self.round = 0
-        self.phase = Phase.RUNNING
+        self.group_rank = run.node_rank
+        self.nnodes = run.nnodes
+        """This pod's place in the current round and the round's size (the coordinator's word after round 0)."""
+        self.phase = Phase.STANDBY
+        self._spare_pod = False
+        """The coordinator said this pod has no place now: it keeps a warm spare and waits for one."""
+        self._announced = False
+        """A spare pod said it stands by (once its warm spare is ready)."""
         self.ranks: launcher.RunningWorker | None = None
         self.spare: Spare | None = None
         self._phase_started = time.monotonic()
@@ -89,7 +105,6 @@ class PodLauncher:
 
     def main(self) -> int:
         try:
-            self._start_ranks(f"{self.run.master_addr}:{self.run.master_port}")
             while True:
                 message = self._next_message()
                 done = self._step(message)
@@ -114,7 +129,9 @@ class PodLauncher:
             raise Failed(f"the coordinator gave up: {message.why}")
         if self.phase is Phase.RUNNING:
             return self._running(message)
-        if self.phase is Phase.LEAVING:
+        if self.phase is Phase.STANDBY:
+            self._standby(message)
+        elif self.phase is Phase.LEAVING:
             self._leaving()
         else:
             self._ready(message)
@@ -136,8 +153,36 @@ class PodLauncher:
         if left:
             self._leave(left[min(left)], fault=False)
         elif message is not None and message.kind is Kind.HOLD and message.round == self.round:
+            # the round ends elsewhere (a peer failed, a pod is lost, the job grows): ranks that did not see it
+            # fail leave at their next step instead of at their next collective's failure (never, for a grow)
+            assert self.ranks.rejoin_dir is not None
+            rejoin.request_leave(self.ranks.rejoin_dir, self.round, message.why)
             self._enter(Phase.LEAVING)
         return False
+
+    def _standby(self, message: Message | None) -> None:
+        if message is not None and message.kind is Kind.JOIN and message.port and message.round is not None:
+            self.round, self.group_rank = message.round, message.group_rank or 0
+            self.nnodes = message.nnodes or self.nnodes
+            if self._spare_pod:
+                log.info("round %d: this spare pod takes group rank %d of %d", self.round, self.group_rank, self.nnodes,
+                         extra={"round": self.round})
+            self._start_ranks(f"{self.run.master_addr}:{message.port}")
+            self._round_started = time.time()
+            self._enter(Phase.RUNNING)
+        elif message is not None and message.kind is Kind.STAND_BY and not self._spare_pod:
+            self._spare_pod = True
+            log.info("spare pod (node rank %d): no place in the job now; warming a spare, no ranks until one is free",
+                     self.run.node_rank)
+        elif self.link.lost.is_set():
+            raise Failed("the coordinator is gone (node rank 0's pod)")
+        elif self._spare_pod and not self._announced and (self.spare is None or self.spare.ready()) \
+                and (self.spare is not None or not self.run.warm_spare):
+            self.link.send(Message(Kind.STANDBY))
+            self._announced = True
+        elif not self._spare_pod and time.monotonic() - self._phase_started > FIRST_WORD_SECONDS:
+            raise Failed(f"no word from the coordinator at {self.link.host}:{self.link.port} (node rank 0's pod) within "
+                         f"{FIRST_WORD_SECONDS:g} s")
 
     def _leave(self, why: str, *, fault: bool) -> None:
         """Round ``self.round`` broke here: say why, and whether a rank of this pod failed (``fault``) or its
@@ -173,13 +218,16 @@ class PodLauncher:
         if message is not None and message.kind is Kind.JOIN and message.round == self.round + 1 and message.port:
             rendezvous = f"{self.run.master_addr}:{message.port}"
             self.round += 1
+            if message.group_rank is not None and message.nnodes is not None:
+                self.group_rank, self.nnodes = message.group_rank, message.nnodes
             if self.ranks is not None:
                 assert self.ranks.rejoin_dir is not None
                 self._watch_ranks()
                 rejoin.post_notice(self.ranks.rejoin_dir, rejoin.RejoinNotice(
-                    attempt=self.attempt, group_rank=self.run.node_rank, nnodes=self.run.nnodes, rendezvous=rendezvous,
+                    attempt=self.attempt, group_rank=self.group_rank, nnodes=self.nnodes, rendezvous=rendezvous,
                     round=self.round))
-                log.info("round %d: the held ranks rejoin at %s", self.round, rendezvous, extra={"round": self.round})
+                log.info("round %d: the held ranks rejoin at %s as group rank %d of %d", self.round, rendezvous,
+                         self.group_rank, self.nnodes, extra={"round": self.round})
             else:
                 self._start_ranks(rendezvous)
             self._round_started = time.time()
@@ -199,7 +247,7 @@ class PodLauncher:
         """This pod's torchrun for ``self.round``: the warm spare if there is one, else a new one."""
         log_dir = self.run_dir / f"round-{self.round}"
         log_dir.mkdir(parents=True, exist_ok=True)
-        group = GroupPlacement(group_rank=self.run.node_rank, nnodes=self.run.nnodes, rendezvous=rendezvous,
+        group = GroupPlacement(group_rank=self.group_rank, nnodes=self.nnodes, rendezvous=rendezvous,
                                rejoin_dir=log_dir / "rejoin", collective_timeout=self.run.collective_timeout, round=self.round)
         spare, self.spare = self.spare, None
         if spare is not None and not spare.alive():
@@ -211,8 +259,9 @@ class PodLauncher:
                                             rejoin_dir=group.rejoin_dir, ranks=self.run.nproc_per_node,
                                             abort_timeout=self.run.abort_timeout)
         self._watch_ranks()  # forgets round - 1's: the torchrun this one replaces
-        log.info("round %d: started this pod's %d ranks%s (store %s)", self.round, self.run.nproc_per_node,
-                 " on the warm spare" if warm else "", rendezvous, extra={"round": self.round, "pid": process.pid})
+        log.info("round %d: started this pod's %d ranks%s as group rank %d of %d (store %s)", self.round,
+                 self.run.nproc_per_node, " on the warm spare" if warm else "", self.group_rank, self.nnodes, rendezvous,
+                 extra={"round": self.round, "pid": process.pid})
 
     def _watch_ranks(self) -> None:
         """Watch the current torchrun's ranks under this round's number (``_death`` lets older rounds' deaths go)."""
@@ -258,12 +307,15 @@ class PodLauncher:
         """Start the warm spare once every rank of this pod has stepped in this round (relay.py): warming imports
         torch, which must not slow a round's startup."""
         stepped = self.relay.stepped_since(self._round_started)  # read every pass: it empties the relay's queue
-        if not self.run.warm_spare or self.spare is not None or self.phase is not Phase.RUNNING or self.ranks is None:
+        if not self.run.warm_spare or (self.spare is not None and self.spare.alive()):
             return
-        if stepped < self.run.nproc_per_node:
+        spare_pod = self.phase is Phase.STANDBY and self._spare_pod
+        if not spare_pod and (self.phase is not Phase.RUNNING or self.ranks is None or stepped < self.run.nproc_per_node):
             return
-        self.spare = spare_pool.start_spare(f"pod-{self.run.node_rank}", launcher.TRAMPOLINE, self._base_env,
-                                            cwd=os.getcwd(), out=None)
+        ready_file = self.run_dir / f"spare-{time.monotonic_ns()}.ready"
+        self.spare = spare_pool.start_spare(f"pod-{self.run.node_rank}", launcher.TRAMPOLINE,
+                                            {**self._base_env, warm_spare.READY_FILE: str(ready_file)},
+                                            cwd=os.getcwd(), out=None, ready_file=ready_file)
         log.info("warm spare started: it imports torch, then prints that it is ready", extra={"pid": self.spare.process.pid})
 
     def _next_message(self) -> Message | None:
@@ -292,7 +344,8 @@ def serve(run: PodRun, run_dir: Path) -> int:
     coordinator = None
     if run.node_rank == 0:
         try:
-            coordinator = Coordinator(run.nnodes, run.coordinator_port, max_restarts=run.max_restarts, gather_timeout=gather_timeout)
+            coordinator = Coordinator(run.nnodes, run.coordinator_port, max_restarts=run.max_restarts,
+                                      gather_timeout=gather_timeout, fewest=run.fewest, first_port=run.master_port)
         except OSError as exc:
             raise ConfigError(f"unbroken run --coordinator-port {run.coordinator_port}: cannot listen there ({os.strerror(exc.errno) if exc.errno else exc}); "
                               "give a free port (default: --master-port + 1)") from exc

@@ -5,12 +5,15 @@ what it sees; the coordinator answers with what every member does next:
 
 | from | message | says |
 |---|---|---|
-| member | ``hello`` (node_rank) | "I am the launcher of this node rank" |
+| member | ``hello`` (node_rank) | "I am the launcher of this pod" (node_rank: its PET_NODE_RANK, the pod's identity) |
+| member | ``standby`` | "I am a spare pod with a warm spare, no ranks: give me a place" |
 | member | ``broken`` (round, why, fault) | "round N's process group broke here": a rank of mine failed (fault), or my ranks left the failed group |
 | member | ``ready`` (round) | "my ranks left round N (held) or are gone (replaced): I can join the next one" |
 | member | ``done`` | "my ranks all exited 0" |
+| coordinator | ``stand_by`` | "no place for your pod now: warm a spare and say ``standby``" (the answer to a hello that gets no ``join``) |
 | coordinator | ``hold`` (round, why) | "round N is over: leave it and say ready" |
-| coordinator | ``join`` (round, port) | "form round N's process group; global rank 0 hosts its store on this port" |
+| coordinator | ``join`` (round, port, group_rank, nnodes) | (round 0's too: the answer to the hello of a pod of the first round) |
+| coordinator | ``join`` (round, port, group_rank, nnodes) | "form round N's process group of nnodes pods, this pod's ranks as group rank G; global rank 0 hosts its store on this port" |
 | coordinator | ``give_up`` (why) | "no in-place restart: stop and exit 1 (the operator recreates the pods)" |
 """
 
@@ -24,9 +27,11 @@ from typing import Any
 
 class Kind(StrEnum):
     HELLO = "hello"
+    STANDBY = "standby"
     BROKEN = "broken"
     READY = "ready"
     DONE = "done"
+    STAND_BY = "stand_by"
     HOLD = "hold"
     JOIN = "join"
     GIVE_UP = "give_up"
@@ -38,6 +43,8 @@ class Message:
     node_rank: int | None = None
     round: int | None = None
     port: int | None = None
+    group_rank: int | None = None
+    nnodes: int | None = None
     why: str = ""
     fault: bool = False
 
@@ -51,7 +58,8 @@ class Message:
         try:
             data = json.loads(line)
             return cls(kind=Kind(data["kind"]), node_rank=_int(data.get("node_rank")), round=_int(data.get("round")),
-                       port=_int(data.get("port")), why=str(data.get("why", "")), fault=data.get("fault") is True)
+                       port=_int(data.get("port")), group_rank=_int(data.get("group_rank")),
+                       nnodes=_int(data.get("nnodes")), why=str(data.get("why", "")), fault=data.get("fault") is True)
         except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as exc:
             raise ValueError(f"not a launcher message: {line[:200]!r}") from exc
 
