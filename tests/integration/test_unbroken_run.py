@@ -40,25 +40,35 @@ class Pod:
         return [int(p.stem) for p in (self.run_dir / f"round-{round_number}" / "rejoin").glob("*.json")]
 
 
+def start_pod(tmp_path: Path, node_rank: int, port: int, *, nnodes: str = "2", nproc: int = 2, options: tuple[str, ...] = (),
+              steps: int = STEPS, name: str | None = None) -> Pod:
+    """One "pod": ``unbroken run`` with training-operator's PET_* environment for ``node_rank`` of a job whose
+    node rank 0 listens at ``port``."""
+    name = name or f"pod-{node_rank}"
+    run_dir, log = tmp_path / f"run-{name}", tmp_path / f"{name}.log"
+    env = {**os.environ, "PET_NNODES": nnodes, "PET_NPROC_PER_NODE": str(nproc), "PET_NODE_RANK": str(node_rank),
+           "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port), "UNBROKEN_RUN_DIR": str(run_dir),
+           "UNBROKEN_CHECKPOINT_DIR": str(tmp_path / "ckpt")}
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "unbroken", "run", *options, "-m", "unbroken.workloads.mlp", "--steps", str(steps),
+             "--checkpoint-every", "10", "--step-time", "0.4", "--output", str(tmp_path / "final.pt")],
+            cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return Pod(process, log, run_dir)
+
+
+def stop(pods: list[Pod]) -> None:
+    for pod in pods:
+        procs.kill_now(procs.tree(pod.process.pid))
+        pod.process.wait()
+
+
 @pytest.fixture
 def pods(tmp_path: Path) -> Iterator[list[Pod]]:
     port = free_port()
-    started = []
-    for node_rank in range(2):
-        run_dir, log = tmp_path / f"run-{node_rank}", tmp_path / f"pod-{node_rank}.log"
-        env = {**os.environ, "PET_NNODES": "2", "PET_NPROC_PER_NODE": "2", "PET_NODE_RANK": str(node_rank),
-               "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port), "UNBROKEN_RUN_DIR": str(run_dir),
-               "UNBROKEN_CHECKPOINT_DIR": str(tmp_path / "ckpt")}
-        with open(log, "wb") as out:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "unbroken", "run", "-m", "unbroken.workloads.mlp", "--steps", str(STEPS),
-                 "--checkpoint-every", "10", "--step-time", "0.4", "--output", str(tmp_path / "final.pt")],
-                cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        started.append(Pod(process, log, run_dir))
+    started = [start_pod(tmp_path, node_rank, port) for node_rank in range(2)]
     yield started
-    for pod in started:
-        procs.kill_now(procs.tree(pod.process.pid))
-        pod.process.wait()
+    stop(started)
 
 
 def test_a_rank_killed_is_replaced_in_place_from_the_warm_spare_and_the_model_ends_as_uninterrupted(
@@ -88,6 +98,57 @@ def test_a_pod_lost_whole_makes_the_other_launcher_give_up_and_exit_1(pods: list
     assert "the pod of node rank 1 is gone" in master.text(), master.text()[-3000:]
     assert "exiting for a full restart by the operator" in master.text()
     wait_until(lambda: not [p for p in master.rank_pids(0) if psutil.pid_exists(p)], 10, "the master pod's ranks gone")
+
+
+def test_a_lost_pods_place_is_taken_by_the_spare_pod_and_the_model_ends_as_uninterrupted(
+        tmp_path: Path, reference: Path) -> None:
+    """Three "pods", one of them a spare (``--spare-pods 1``): the worker pod is lost whole; the spare pod's warm
+    spare takes its place (its group rank, so its ranks and data), from the master's memory, with no restart."""
+    port = free_port()
+    pods = [start_pod(tmp_path, node_rank, port, nnodes="3", options=("--spare-pods", "1")) for node_rank in range(3)]
+    try:
+        master, worker, spare = pods
+        wait_until(lambda: "spare pod (node rank 2) is warm and stands by" in master.text()
+                   and "first step" in master.text() and "first step" in worker.text(), 120,
+                   "the job training on two pods with the spare pod warm")
+        procs.kill_now(procs.tree(worker.process.pid))  # the node lost
+
+        assert master.process.wait(timeout=120) == 0, master.text()[-3000:]
+        assert spare.process.wait(timeout=30) == 0, spare.text()[-3000:]
+        assert "round 1: this spare pod takes group rank 1 of 2" in spare.text()
+        assert "on the warm spare as group rank 1 of 2" in spare.text()
+        assert "round 0 broken (the pod of node rank 1 is gone)" in master.text()
+        assert len(re.findall(r"rank \d: resumed at step \d+ from live peer", spare.text())) == 2, spare.text()[-3000:]
+        assert_same_parameters(tmp_path / "final.pt", reference)
+    finally:
+        stop(pods)
+
+
+def test_an_elastic_job_goes_on_smaller_after_a_pod_is_lost_and_grows_back_when_it_returns(tmp_path: Path) -> None:
+    """``--nnodes 2:3`` (an elasticPolicy's PET_NNODES), one rank a pod: a lost pod leaves the job on two; the pod
+    recreated (same node rank) stands by once warm and the job grows back to three at once, never restarted whole."""
+    port = free_port()
+    pods = [start_pod(tmp_path, node_rank, port, nnodes="2:3", nproc=1, steps=90) for node_rank in range(3)]
+    try:
+        master, first, lost = pods
+        wait_until(lambda: all("first step" in pod.text() for pod in pods), 120, "three pods training")
+        procs.kill_now(procs.tree(lost.process.pid))
+        wait_until(lambda: "round 1: 2 pods (node ranks [0, 1])" in master.text(), 60, "the job on two pods")
+        wait_until(lambda: "rejoins as attempt 0 (round 1)" in first.text() and "first step" in first.text().split("round 1")[-1],
+                   60, "training on at two")
+
+        back = start_pod(tmp_path, 2, port, nnodes="2:3", nproc=1, steps=90, name="pod-2-back")
+        pods.append(back)
+        assert master.process.wait(timeout=150) == 0, master.text()[-3000:]
+        assert first.process.wait(timeout=30) == 0 and back.process.wait(timeout=30) == 0, back.text()[-3000:]
+        assert "spare pod (node rank 2) is warm: growing from 2 to 3 pods" in master.text()
+        assert "round 2: 3 pods (node ranks [0, 1, 2])" in master.text()
+        assert "round 2: this spare pod takes group rank 2 of 3" in back.text()
+        assert "live peer (rank 0)" in back.text(), back.text()[-3000:]  # (rank 2: resumed at step N from ...; lines may interleave)
+        # the grow was asked of ranks that were training well: they left at a step's end, holding that step
+        assert "asked to leave after step" in first.text(), first.text()[-3000:]
+    finally:
+        stop(pods)
 
 
 PLAIN_SCRIPT = """
