@@ -187,6 +187,19 @@ def test_node_pending_replacement_restarts_the_job():
     assert "node node-2 is UnschedulablePendingReplacement: heartbeat lost: last seen 4.2 s ago" in d.reason
 
 
+def test_a_job_whose_pods_regroup_goes_on_without_a_lost_node_but_never_without_node_rank_0_or_past_its_losses():
+    """``node_losses_in_place`` (spare pods, an elastic job's slack): the pods regroup without the lost one."""
+    lost = NodeState.PENDING_REPLACEMENT
+    s = spec(nodes=3, node_losses_in_place=1)
+    three = (worker(1, "node-1"), worker(2, "node-2"), worker(3, "node-3"))
+    assert running(*three, s=s, ns=nodes(node("node-1"), node("node-2"), node("node-3", lost))).action is Action.WAIT
+    two_lost = running(*three, s=s, ns=nodes(node("node-1"), node("node-2", lost), node("node-3", lost)))
+    assert two_lost.action is Action.RESTART and "node node-2 is UnschedulablePendingReplacement" in two_lost.reason
+    master_lost = running(*three, s=s, ns=nodes(node("node-1", lost), node("node-2"), node("node-3")))
+    assert master_lost.action is Action.RESTART, "node rank 0 hosts the rendezvous: its loss is a restart"
+    assert running(*three, ns=nodes(node("node-1"), node("node-2"), node("node-3", lost)), s=spec(nodes=3)).action is Action.RESTART
+
+
 def test_missing_node_restarts_the_job():
     d = running(worker(1, "node-1"), worker(2, "node-9"))
     assert d.action is Action.RESTART and "node node-9 is missing" in d.reason

@@ -91,6 +91,27 @@ def test_a_module_command_runs_under_torchrun_and_in_process_restarts_and_warm_s
         parse_label_selector(["nope"])
 
 
+def test_spare_pods_and_an_elastic_size_render_as_extra_replicas_and_an_elastic_policy_under_unbroken_run() -> None:
+    body = render_pytorchjob(spec(), Placement(image="i", spare_pods=1))
+    assert PYTORCHJOB.node_count(body) == 4 and body["metadata"]["annotations"][names.SPARE_PODS] == "1"
+    assert command_of(body)[:8] == ["python", "-m", "unbroken", "run", "--spare-pods", "1", "--warm-spares", "1"]
+    assert job_annotations.parse(body["metadata"]["annotations"]).spare_pods == 1  # what the operator reads
+    # training-operator sets PET_NNODES to every replica: the last one stands by
+    run = arguments.parse(command_of(body)[4:], {"PET_NNODES": "4", "PET_NODE_RANK": "3", "PET_MASTER_ADDR": "m"})
+    assert (run.nnodes, run.fewest, run.node_rank) == (3, 3, 3)
+
+    elastic = render_pytorchjob(spec(nodes="2:3"), Placement(image="i"))
+    assert elastic["spec"]["elasticPolicy"] == {"minReplicas": 2, "maxReplicas": 3}
+    assert {k: v["replicas"] for k, v in elastic["spec"]["pytorchReplicaSpecs"].items()} == {"Master": 1, "Worker": 2}
+    assert PYTORCHJOB.fewest_pods(elastic) == 2 and PYTORCHJOB.model(elastic).spec.elastic_policy.min_replicas == 2
+    assert command_of(elastic)[:4] == ["python", "-m", "unbroken", "run"] and "--spare-pods" not in command_of(elastic)
+    run = arguments.parse(command_of(elastic)[4:], {"PET_NNODES": "2:3", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "m"})
+    assert (run.fewest, run.nnodes, run.elastic) == (2, 3, True)
+    with pytest.raises(UsageError, match=r"nodes 2-3 \(elastic\) needs a PyTorchJob \(--kind PyTorchJob\): the Trainer has no "
+                                         r"elastic policy yet \(kubeflow/trainer#2903\)"):
+        render_trainjob(spec(nodes="2:3"), Placement(image="i"))
+
+
 def test_the_tiered_checkpoint_is_an_annotation_for_the_agents_and_env_and_mounts_for_the_ranks() -> None:
     body = render_pytorchjob(spec(checkpoint={"memory": {"every_steps": 10, "replicas": 1},
                                               "persistent": {"uri": "s3://bucket/llama", "every_steps": 100}}), Placement(image="i"))

@@ -190,6 +190,17 @@ def test_a_lost_pods_place_goes_to_a_warm_spare_pod_and_a_cold_one_is_not_counte
     cold.close()
 
 
+def test_a_spare_pod_never_needed_is_told_when_every_training_pod_is_done(coordinator: Coordinator) -> None:
+    pods = members(coordinator)
+    spare = Member(coordinator.port, 3)
+    for pod in pods[:2]:
+        pod.send(Message(Kind.DONE))
+    wait_until(lambda: coordinator.state.done == {0, 1}, 5, "two pods done")
+    assert not coordinator.state.finished
+    pods[2].send(Message(Kind.DONE))
+    assert spare.receive() == Message(Kind.DONE) and coordinator.state.finished
+
+
 def test_an_elastic_job_shrinks_down_to_its_min_and_grows_back_when_a_pod_returns_without_a_restart_counted() -> None:
     coordinator = Coordinator(3, free_port(), max_restarts=2, gather_timeout=30, fewest=2)
     coordinator.start()

@@ -51,6 +51,9 @@ DeepOption = Annotated[bool | None, typer.Option("--deep-health-check-passed-nod
 ClaimOption = Annotated[str | None, typer.Option("--checkpoint-claim", help="PersistentVolumeClaim every pod mounts at "
                                                  "checkpoint.dir (default /checkpoints)", show_default=False,
                                                  rich_help_panel=PANEL)]
+SparePodsOption = Annotated[int, typer.Option(
+    "--spare-pods", min=0, help="Extra pods, scheduled and warm with no ranks, that take a lost node's pod's place without a "
+    "scheduling pass (runs `unbroken run`; a PyTorchJob only)", rich_help_panel=PANEL)]
 KindOption = Annotated[str, typer.Option("--kind", help="PyTorchJob (training-operator v1) or TrainJob (Kubeflow Trainer v2)",
                                          rich_help_panel=PANEL)]
 RuntimeOption = Annotated[str, typer.Option("--runtime", help="A TrainJob's ClusterTrainingRuntime", rich_help_panel=PANEL)]
@@ -76,6 +79,7 @@ class Submission:
     checkpoint_claim: str | None = None
     kind: str = DEFAULT_KIND
     runtime: str = DEFAULT_RUNTIME
+    spare_pods: int = 0
 
     def spec(self) -> JobSpec:
         overrides: dict[str, Any] = {}
@@ -93,7 +97,7 @@ class Submission:
             raise UsageError(f"--kind {self.kind!r} is not a workload unbroken runs: use one of {', '.join(KINDS)}")
         placement = Placement(image=self.image, namespace=self.namespace, gpus_per_node=self.gpus_per_node,
                               node_selector=parse_label_selector(self.label_selector), deep_health_only=self.deep_only,
-                              checkpoint_claim=self.checkpoint_claim, runtime=self.runtime)
+                              checkpoint_claim=self.checkpoint_claim, runtime=self.runtime, spare_pods=self.spare_pods)
         return render(self.spec(), placement, kind)
 
     def create(self) -> str:
@@ -122,7 +126,7 @@ def render(file: FileOption, image: ImageOption, namespace: NamespaceOption = "d
            node_count: NodesOption = None, tasks_per_node: TasksOption = None, entry_script: EntryScriptOption = None,
            gpus_per_node: GpusOption = 0, label_selector: SelectorOption = None, auto_resume: ResumeOption = None,
            max_retry: RetryOption = None, deep_only: DeepOption = None, checkpoint_claim: ClaimOption = None,
-           kind: KindOption = DEFAULT_KIND, runtime: RuntimeOption = DEFAULT_RUNTIME,
+           kind: KindOption = DEFAULT_KIND, runtime: RuntimeOption = DEFAULT_RUNTIME, spare_pods: SparePodsOption = 0,
            output: OutputOption = Output.table) -> None:
     """Print the PyTorchJob (or TrainJob) `k8s start` would create, as YAML (or JSON with -o json). Nothing is sent.
 
@@ -131,7 +135,7 @@ def render(file: FileOption, image: ImageOption, namespace: NamespaceOption = "d
     body = Submission(file=file, image=image, namespace=namespace, name=name, nodes=node_count, tasks_per_node=tasks_per_node,
                       entry_script=entry_script, gpus_per_node=gpus_per_node, label_selector=label_selector or [],
                       auto_resume=auto_resume, max_retry=max_retry, deep_only=deep_only, checkpoint_claim=checkpoint_claim,
-                      kind=kind, runtime=runtime).render()
+                      kind=kind, runtime=runtime, spare_pods=spare_pods).render()
     if output is Output.json:
         print_json(body)
     else:
@@ -143,7 +147,7 @@ def start(file: FileOption, image: ImageOption, namespace: NamespaceOption = "de
           node_count: NodesOption = None, tasks_per_node: TasksOption = None, entry_script: EntryScriptOption = None,
           gpus_per_node: GpusOption = 0, label_selector: SelectorOption = None, auto_resume: ResumeOption = None,
           max_retry: RetryOption = None, deep_only: DeepOption = None, checkpoint_claim: ClaimOption = None,
-          kind: KindOption = DEFAULT_KIND, runtime: RuntimeOption = DEFAULT_RUNTIME) -> None:
+          kind: KindOption = DEFAULT_KIND, runtime: RuntimeOption = DEFAULT_RUNTIME, spare_pods: SparePodsOption = 0) -> None:
     """Create the job on the cluster of --kubeconfig/--context (default: the kubeconfig's current context).
 
     The operator adopts it (auto-resume annotations) and restarts it through faults; follow it with
@@ -155,4 +159,4 @@ def start(file: FileOption, image: ImageOption, namespace: NamespaceOption = "de
     Submission(file=file, image=image, namespace=namespace, name=name, nodes=node_count, tasks_per_node=tasks_per_node,
                entry_script=entry_script, gpus_per_node=gpus_per_node, label_selector=label_selector or [],
                auto_resume=auto_resume, max_retry=max_retry, deep_only=deep_only, checkpoint_claim=checkpoint_claim,
-               kind=kind, runtime=runtime).create()
+               kind=kind, runtime=runtime, spare_pods=spare_pods).create()

@@ -88,6 +88,12 @@ class ResilienceSpec(_Strict):
     ``ctx.run`` (no new process, no imports, no CUDA context or data loader rebuilt). Needs the
     script to train inside ``ctx.run(train)``; a worker whose ranks do not abort within
     ``in_process_abort_timeout`` is restarted in full, as without it. Local backend only."""
+    node_losses_in_place: int = Field(default=0, ge=0, le=1000)
+    """Kubernetes: how many of an attempt's pods may be lost with their nodes while the job goes on without a
+    restart -- spare pods take their places, or an elastic job trains on fewer (``unbroken run``, or torchrun's
+    elastic agent, regroups the pods left). The lost pods are deleted as any on a lost node, and their controller
+    recreates them: new spare pods, or pods the job grows back onto. Node rank 0's pod (the Master) is never one:
+    it hosts the rendezvous. Set by the operator from ``unbroken.dev/spare-pods`` and ``elasticPolicy``."""
     in_process_abort_timeout: float = Field(default=10.0, gt=0)
     """Seconds a held worker's ranks have to leave the broken process group (a rank in a long step
     reaches its next collective first). Also every collective's timeout under in-process restarts,

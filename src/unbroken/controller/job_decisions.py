@@ -223,12 +223,13 @@ def detect_failure(now: float, spec: JobSpec, workers: list[Worker], nodes: dict
     for w in workers:
         if w.phase is WorkerPhase.STOPPED and w.desired is Desired.RUN:
             return Failure(f"worker on {w.node} {w.message or 'stopped unexpectedly'}", True)
-    for w in workers:
+    lost = [w for w in workers if not w.phase.is_terminal and not _node_usable_for_running(nodes.get(w.node))]
+    if lost and not _goes_on_without(spec, lost):
+        w = lost[0]
         node = nodes.get(w.node)
-        if not w.phase.is_terminal and not _node_usable_for_running(node):
-            detail = f": {node.fault_reason}" if node and node.fault_reason else ""
-            state = node.state.value if node else "missing"
-            return Failure(f"node {w.node} is {state}{detail}", True)
+        detail = f": {node.fault_reason}" if node and node.fault_reason else ""
+        state = node.state.value if node else "missing"
+        return Failure(f"node {w.node} is {state}{detail}", True)
     timeout = hang or hang_timeout.in_force(spec, workers)
     starting = startup or hang_timeout.startup_in_force(spec, None)
     for w in workers:
@@ -252,6 +253,12 @@ def detect_failure(now: float, spec: JobSpec, workers: list[Worker], nodes: dict
                 f"{starting.seconds:g} s ({starting.why})", True,
             )
     return None
+
+
+def _goes_on_without(spec: JobSpec, lost: list[Worker]) -> bool:
+    """The job's pods regroup without these workers, lost with their nodes (``resilience.node_losses_in_place``):
+    no more of them than that, and never node rank 0, which hosts the rendezvous."""
+    return len(lost) <= spec.resilience.node_losses_in_place and all(w.node_rank != 0 for w in lost)
 
 
 def _with_suspects(now: float, failure: Failure, workers: list[Worker], nodes: dict[str, Node], silent_after: float) -> Failure:

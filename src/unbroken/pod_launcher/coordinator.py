@@ -87,6 +87,13 @@ class RoundState:
     """What broke the current round (or why the coordinator gave up): a failed rank's pod's word when it came."""
     fault_known: bool = False
     seen: set[int] = field(default_factory=set)
+    done: set[int] = field(default_factory=set)
+    """Training pods whose ranks all exited 0."""
+
+    @property
+    def finished(self) -> bool:
+        """Every training pod is done: the job is over, and its spare pods are told so."""
+        return self.phase is Phase.RUNNING and bool(self.training) and set(self.training) <= self.done
 
     def __post_init__(self) -> None:
         if not self.training:
@@ -224,6 +231,12 @@ class Coordinator:
             return
         if message.kind is Kind.DONE:
             member.done = True
+            state.done.add(member.node_rank)
+            if state.finished:
+                log.info("every pod's ranks are done: the spare pods %s end too", state.standby)
+                for other in list(self._members.values()):
+                    if other.node_rank is not None and other.node_rank not in state.training:
+                        self._send(other, Message(Kind.DONE))
         elif message.kind is Kind.STANDBY and member.node_rank not in state.staying() and member.node_rank not in state.standby:
             state.standby.append(member.node_rank)
             log.info("spare pod (node rank %d) is warm and stands by", member.node_rank)

@@ -21,6 +21,7 @@ memory, else the checkpoint), and a kill takes no time.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -41,6 +42,7 @@ from unbroken.pod_launcher.link import CoordinatorLink
 from unbroken.pod_launcher.protocol import Kind, Message
 from unbroken.pod_launcher.relay import ProgressRelay, relay_path
 from unbroken.ports import free_port
+from unbroken.waiting import WaitTimeout, wait_until
 
 log = logging.getLogger("unbroken.pod_launcher")
 
@@ -50,6 +52,8 @@ RANK_ENTRYPOINT = "unbroken.pod_launcher.rank"
 """What torchrun starts: the job-wide variables for scripts that do not call unbroken.init(), then the script (rank.py)."""
 POLL_SECONDS = 0.01
 """The loop's wait for a message, between looks at the ranks: a restart's latency is a few of these."""
+FINISH_GRACE_SECONDS = 30.0
+"""How long node rank 0's launcher, done, keeps the coordinator up for the other pods to say they are done too."""
 FIRST_WORD_SECONDS = 600.0
 """How long a starting launcher waits for node rank 0's to answer its hello (torchrun's rendezvous waits as long)."""
 READY_GRACE_SECONDS = 10.0
@@ -130,6 +134,9 @@ class PodLauncher:
         if self.phase is Phase.RUNNING:
             return self._running(message)
         if self.phase is Phase.STANDBY:
+            if message is not None and message.kind is Kind.DONE:
+                log.info("the job is done: this spare pod ends unused")
+                return True
             self._standby(message)
         elif self.phase is Phase.LEAVING:
             self._leaving()
@@ -356,7 +363,12 @@ def serve(run: PodRun, run_dir: Path) -> int:
     agent_socket = os.environ.get(AGENT_SOCKET)
     relay = ProgressRelay(relay_path(run_dir), Path(agent_socket) if agent_socket else None)
     try:
-        return PodLauncher(run, run_dir, link, gather_timeout=gather_timeout, relay=relay).main()
+        code = PodLauncher(run, run_dir, link, gather_timeout=gather_timeout, relay=relay).main()
+        if code == 0 and coordinator is not None:
+            # the other pods (spare pods above all) hear that the job is over from this coordinator: let them
+            with contextlib.suppress(WaitTimeout):
+                wait_until(lambda: coordinator.state.finished, FINISH_GRACE_SECONDS, "every pod done")
+        return code
     finally:
         relay.close()
         if coordinator is not None:

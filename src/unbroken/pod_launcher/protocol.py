@@ -14,6 +14,7 @@ what it sees; the coordinator answers with what every member does next:
 | coordinator | ``hold`` (round, why) | "round N is over: leave it and say ready" |
 | coordinator | ``join`` (round, port, group_rank, nnodes) | (round 0's too: the answer to the hello of a pod of the first round) |
 | coordinator | ``join`` (round, port, group_rank, nnodes) | "form round N's process group of nnodes pods, this pod's ranks as group rank G; global rank 0 hosts its store on this port" |
+| coordinator | ``done`` | (to a spare pod) "every training pod is done: the job is over, exit 0" |
 | coordinator | ``give_up`` (why) | "no in-place restart: stop and exit 1 (the operator recreates the pods)" |
 """
 

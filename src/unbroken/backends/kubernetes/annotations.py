@@ -8,6 +8,7 @@ HyperPod's pair, under unbroken's prefix::
     unbroken.dev/require-deep-health-passed: "true"   # optional, default false
     unbroken.dev/startup-timeout-seconds: "600"       # optional: no first step this long after the container started
     unbroken.dev/checkpoint-tiers: '{"memory": {"every_steps": 10, "replicas": 1}}'   # optional: the job's TierPolicy
+    unbroken.dev/spare-pods: "1"                      # optional: pods under `unbroken run --spare-pods 1`
 
 A job without ``enable-job-auto-resume: "true"`` is not unbroken's: it is never
 read further, never patched, never restarted. A bad value is an
@@ -54,6 +55,8 @@ class AutoResume:
     checkpoint_tiers: TierPolicy | None = None
     """The tiered checkpoint the ranks use (their ``UNBROKEN_CHECKPOINT_TIERS``); the node agents
     keep the memory tier's replicas and drains by it. None: the job checkpoints to files only."""
+    spare_pods: int = 0
+    """Of the job's pods, how many stand by under ``unbroken run --spare-pods`` to take a lost pod's place."""
 
 
 def managed(annotations: Mapping[str, str] | None) -> bool:
@@ -79,6 +82,7 @@ def parse(annotations: Mapping[str, str] | None) -> AutoResume | None:
     if deep not in _TRUE | _FALSE:
         problems.append(f'annotation {names.REQUIRE_DEEP_HEALTH}: "{deep}" is not a boolean (valid: "true" or "false")')
     tiers = _tiers(annotations, problems=problems)
+    spare_pods = _integer(annotations, names.SPARE_PODS, default=0, low=0, high=MAX_RETRY_LIMIT, problems=problems)
     restart_cost = _number(annotations, names.STRAGGLER_RESTART_COST, problems=problems)
     stragglers = annotations.get(names.STRAGGLER_POLICY, StragglerPolicy.REPORT.value).strip()
     if stragglers not in {p.value for p in StragglerPolicy}:
@@ -88,7 +92,7 @@ def parse(annotations: Mapping[str, str] | None) -> AutoResume | None:
         raise AnnotationError(problems)
     return AutoResume(max_retry=max_retry, hang_timeout=hang, require_deep_health_passed=deep in _TRUE,
                       startup_timeout=startup, checkpoint_tiers=tiers, straggler_policy=StragglerPolicy(stragglers),
-                      straggler_restart_cost=restart_cost or STRAGGLER_RESTART_COST_S)
+                      straggler_restart_cost=restart_cost or STRAGGLER_RESTART_COST_S, spare_pods=spare_pods)
 
 
 def _tiers(annotations: Mapping[str, str], *, problems: list[str]) -> TierPolicy | None:

@@ -7,14 +7,19 @@ serialized by the Kubernetes client, so what is printed is what the SDK would
 send; the pod template inside a PyTorchJob is the JSON that ``rank_env`` edits
 (the tests validate it against the Kubernetes Pod schema). A PyTorchJob:
 
-* one Master and ``nodes - 1`` Workers, ``nprocPerNode`` = ``procs_per_node``,
+* one Master and ``nodes - 1`` Workers (plus ``--spare-pods``), ``nprocPerNode`` = ``procs_per_node``,
   ``restartPolicy: OnFailure`` (with ``Never`` training-operator fails the whole
   job at the first failed pod, and a failed PyTorchJob cannot be resumed);
 * the container runs ``python -m torch.distributed.run`` with the job's
   command: torchrun reads training-operator's ``PET_*`` environment, so the
-  job's rendezvous needs no flags; a job with ``in_process_restart`` or
-  ``warm_spares`` runs ``python -m unbroken run`` instead (pod_launcher/, the
-  same arguments and environment), which restarts failed ranks in the pods;
+  job's rendezvous needs no flags; a job with ``in_process_restart``,
+  ``warm_spares``, spare pods or an elastic size runs ``python -m unbroken run``
+  instead (pod_launcher/, the same arguments and environment), which restarts
+  failed ranks in the pods, gives a lost pod's place to a spare pod and
+  regroups an elastic job;
+* an elastic job (``nodes: "2:4"``) gets ``elasticPolicy`` min/max replicas
+  (training-operator's PET_NNODES ``2:4``) and keeps its Master: node rank 0
+  hosts ``unbroken run``'s coordinator;
 * ``resilience`` becomes the annotations (``enable-job-auto-resume``,
   ``job-max-retry-count``, ``hang-timeout-seconds``,
   ``require-deep-health-passed``), and the pods get the node agent's socket
@@ -51,7 +56,9 @@ from pathlib import Path
 from typing import Any
 
 import kubernetes
-from kubeflow.training.models import KubeflowOrgV1PyTorchJob, KubeflowOrgV1PyTorchJobSpec, KubeflowOrgV1ReplicaSpec, KubeflowOrgV1RunPolicy
+from kubeflow.training.models import (
+    KubeflowOrgV1ElasticPolicy, KubeflowOrgV1PyTorchJob, KubeflowOrgV1PyTorchJobSpec, KubeflowOrgV1ReplicaSpec, KubeflowOrgV1RunPolicy,
+)
 from kubeflow_trainer_api import models as trainer
 
 from unbroken import launch_env
@@ -83,6 +90,8 @@ class Placement:
     termination_grace_seconds: int = 30
     runtime: str = names.TRAINJOB_DEFAULT_RUNTIME
     """A TrainJob's ClusterTrainingRuntime (a PyTorchJob has none)."""
+    spare_pods: int = 0
+    """Pods past the job's size that stand by warm (``unbroken run --spare-pods``; an elastic job's are past its max)."""
 
 
 def parse_label_selector(items: list[str]) -> dict[str, str]:
@@ -96,15 +105,17 @@ def parse_label_selector(items: list[str]) -> dict[str, str]:
     return selector
 
 
-def torchrun_command(spec: JobSpec) -> list[str]:
-    """torchrun, or ``unbroken run`` (pod_launcher/) for a job with in-process restarts or warm spares: the pods then
-    restart failed ranks in place, from a spare with torch imported, instead of being recreated."""
+def torchrun_command(spec: JobSpec, spare_pods: int = 0) -> list[str]:
+    """torchrun, or ``unbroken run`` (pod_launcher/) for a job with in-process restarts, warm spares, spare pods or an
+    elastic size: the pods then restart failed ranks in place, from a spare with torch imported, give a lost pod's
+    place to a spare pod, and regroup an elastic job, instead of being recreated."""
     command = list(spec.command)
     script = ["--module", *command[1:]] if command[0] == "-m" else command
     resilience = spec.resilience
-    if not (resilience.in_process_restart or resilience.warm_spares):
+    if not (resilience.in_process_restart or resilience.warm_spares or spare_pods or spec.elastic):
         return ["python", "-m", "torch.distributed.run", *script]
-    return ["python", "-m", "unbroken", "run", "--warm-spares", "1" if resilience.warm_spares else "0",
+    spares = ["--spare-pods", str(spare_pods)] if spare_pods and not spec.elastic else []
+    return ["python", "-m", "unbroken", "run", *spares, "--warm-spares", "1" if resilience.warm_spares or spare_pods else "0",
             "--abort-timeout", f"{resilience.in_process_abort_timeout:g}",
             "--collective-timeout", f"{resilience.hang_timeout or HANG_TIMEOUT_FALLBACK_S:g}", *script]
 
@@ -129,6 +140,8 @@ def job_annotations(spec: JobSpec, placement: Placement) -> dict[str, str]:
         annotations[names.HANG_TIMEOUT] = f"{resilience.hang_timeout:g}"
     if (tiers := tiers_json(spec)) is not None:
         annotations[names.CHECKPOINT_TIERS] = tiers
+    if placement.spare_pods and not spec.elastic:  # an elastic job's are read from its elasticPolicy
+        annotations[names.SPARE_PODS] = str(placement.spare_pods)
     return annotations
 
 
@@ -144,10 +157,7 @@ def render(spec: JobSpec, placement: Placement, kind: WorkloadKind = PYTORCHJOB)
 
 
 def _checkpoint_dir(spec: JobSpec) -> Path:
-    """Refuse what only the local backend runs; the checkpoint directory in the container."""
-    if spec.elastic:
-        raise UsageError(f"job {spec.name}: nodes {spec.fewest_nodes}-{spec.nodes} (elastic) runs on the local backend only in "
-                         f"this version; on Kubernetes give a fixed size (nodes: {spec.nodes})")
+    """The checkpoint directory in the container."""
     checkpoint_dir = spec.checkpoint.dir or DEFAULT_CHECKPOINT_DIR
     if not checkpoint_dir.is_absolute():
         raise UsageError(f"job {spec.name}: checkpoint.dir {str(checkpoint_dir)!r} must be an absolute path in the container "
@@ -182,23 +192,31 @@ def _metadata(spec: JobSpec, placement: Placement) -> dict[str, Any]:
 def render_pytorchjob(spec: JobSpec, placement: Placement) -> dict[str, Any]:
     checkpoint_dir = _checkpoint_dir(spec)
     mounts, claim = _claim(placement, checkpoint_dir)
-    container = {"name": CONTAINER, "image": placement.image, "command": torchrun_command(spec),  # the working directory is the image's
+    container = {"name": CONTAINER, "image": placement.image, "command": torchrun_command(spec, placement.spare_pods),  # the working directory is the image's
                  "env": _job_env(spec, checkpoint_dir), "volumeMounts": mounts or None, "resources": _gpu_limits(placement)}
     pod = {"containers": [container], "volumes": claim or None, "nodeSelector": placement.node_selector or None,
            "terminationGracePeriodSeconds": placement.termination_grace_seconds}
     template = rank_env.with_rank_env(_plain({"spec": pod}), PYTORCHJOB.pod_label, tiers_json=tiers_json(spec))
     replicas = {"Master": KubeflowOrgV1ReplicaSpec(replicas=1, restart_policy="OnFailure", template=template)}
-    if spec.nodes > 1:
-        replicas["Worker"] = KubeflowOrgV1ReplicaSpec(replicas=spec.nodes - 1, restart_policy="OnFailure", template=template)
+    workers = spec.nodes - 1 + placement.spare_pods
+    if workers or spec.elastic:  # training-operator refuses an elasticPolicy without Workers
+        replicas["Worker"] = KubeflowOrgV1ReplicaSpec(replicas=workers, restart_policy="OnFailure", template=template)
+    # min/max count every pod, the Master too (PET_NNODES, which torchrun and unbroken run read)
+    elastic = KubeflowOrgV1ElasticPolicy(min_replicas=spec.fewest_nodes, max_replicas=spec.nodes) if spec.elastic else None
     job = KubeflowOrgV1PyTorchJob(
         api_version=PYTORCHJOB.api_version, kind=PYTORCHJOB.kind, metadata=_metadata(spec, placement),
         spec=KubeflowOrgV1PyTorchJobSpec(nproc_per_node=str(spec.procs_per_node), pytorch_replica_specs=replicas,
-                                         run_policy=KubeflowOrgV1RunPolicy(clean_pod_policy="None")),
+                                         elastic_policy=elastic, run_policy=KubeflowOrgV1RunPolicy(clean_pod_policy="None")),
     )
     return _plain(job)
 
 
 def render_trainjob(spec: JobSpec, placement: Placement) -> dict[str, Any]:
+    if spec.elastic or placement.spare_pods:
+        what = f"nodes {spec.fewest_nodes}-{spec.nodes} (elastic)" if spec.elastic else f"--spare-pods {placement.spare_pods}"
+        raise UsageError(f"job {spec.name}: {what} needs a PyTorchJob (--kind PyTorchJob): the Trainer has no elastic "
+                         f"policy yet (kubeflow/trainer#2903) and a TrainJob's pods all train; or give a fixed size "
+                         f"(nodes: {spec.nodes})")
     checkpoint_dir = _checkpoint_dir(spec)
     tiers = tiers_json(spec)
     env = [*_job_env(spec, checkpoint_dir), *rank_env.all_env(TRAINJOB.pod_label, tiers_json=tiers)]

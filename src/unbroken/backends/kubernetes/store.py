@@ -632,9 +632,12 @@ class KubernetesStore:
         kind = kind_of(obj)
         if problems := kind.problems(obj):
             raise AnnotationError(problems)  # left alone like a bad annotation; invalid_jobs() reports it
+        pods = max(1, kind.node_count(obj))
+        fewest = kind.fewest_pods(obj)
+        losable = pods - fewest if fewest is not None else settings.spare_pods
         spec = JobSpec.model_validate({
             "name": meta["name"],
-            "nodes": max(1, kind.node_count(obj)),
+            "nodes": pods,
             "procs_per_node": kind.procs_per_node(obj),
             "command": [f"{kind.kind} {meta['namespace']}/{meta['name']}"],
             "resilience": ResilienceSpec(
@@ -643,6 +646,7 @@ class KubernetesStore:
                 startup_timeout=settings.startup_timeout or NO_HANG_TIMEOUT,
                 require_deep_health_passed=settings.require_deep_health_passed, straggler_policy=settings.straggler_policy,
                 straggler_restart_cost=settings.straggler_restart_cost,
+                node_losses_in_place=min(max(0, losable), pods - 1),
             ).model_dump(),
             "checkpoint": ({} if settings.checkpoint_tiers is None else
                            settings.checkpoint_tiers.model_dump(exclude_none=True)),

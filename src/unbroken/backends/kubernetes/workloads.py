@@ -75,6 +75,9 @@ class WorkloadKind(Protocol):
 
     def procs_per_node(self, obj: Obj) -> int: ...
 
+    def fewest_pods(self, obj: Obj) -> int | None:
+        """The fewest pods the workload trains on when some are lost (an elastic job's min); None: all of them."""
+
     def problems(self, obj: Obj) -> list[str]:
         """Why unbroken cannot manage this object (empty: it can)."""
 
@@ -148,6 +151,12 @@ class PyTorchJobKind:
     def procs_per_node(self, obj: Obj) -> int:
         value = (obj.get("spec") or {}).get("nprocPerNode")
         return int(value) if value is not None and str(value).isdigit() else 1
+
+    def fewest_pods(self, obj: Obj) -> int | None:
+        """``elasticPolicy.minReplicas`` (PET_NNODES' MIN: torchrun and ``unbroken run`` count every pod by it)."""
+        policy = (obj.get("spec") or {}).get("elasticPolicy")
+        low = policy.get("minReplicas") if isinstance(policy, dict) else None
+        return low if isinstance(low, int) and not isinstance(low, bool) and low >= 1 else None
 
     def problems(self, obj: Obj) -> list[str]:
         if not self._replica_specs(obj):
@@ -226,6 +235,9 @@ class TrainJobKind:
     def procs_per_node(self, obj: Obj) -> int:
         count = self._trainer(obj).get("numProcPerNode")
         return int(count) if count is not None and str(count).isdigit() and int(count) > 0 else 1
+
+    def fewest_pods(self, obj: Obj) -> int | None:
+        return None  # the Trainer has no elastic policy yet (kubeflow/trainer#2903)
 
     def problems(self, obj: Obj) -> list[str]:
         if not isinstance(self._trainer(obj).get("numNodes"), int):
