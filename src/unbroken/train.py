@@ -60,6 +60,8 @@ class Context:
     _backend: str | None = field(repr=False, default=None)
     _structured_logs: bool = field(repr=False, default=False)
     _group_sockets: GroupSockets | None = field(repr=False, default=None)
+    _leave_asked: str | None = field(repr=False, default=None)
+    """Why the launcher asked this rank to leave the current round (``_break_group``); None: not asked."""
     _sections: dict[str, float] = field(repr=False, default_factory=dict)
     """Seconds in each ``section`` since the last ``progress``, keyed as the agent reads them."""
 
@@ -78,7 +80,7 @@ class Context:
             try:
                 return train(self)
             except Exception as exc:  # noqa: BLE001 - only collective failures are kept; the rest re-raise below
-                if self._env.group is None or not (isinstance(exc, LeaveRequested) or _is_collective_failure(exc)):
+                if self._env.group is None or not (self._leave_asked is not None or _is_collective_failure(exc)):
                     raise
                 live, self._live, self._live_state = self._live_state, None, None  # the next entry offers its own
                 notice = self._leave_process_group(exc)
@@ -140,10 +142,29 @@ class Context:
             self._sections.clear()
         self._send(MessageKind.PROGRESS, step, values)
         group = self._env.group
-        if group is not None:
+        if group is not None and self._leave_asked is None:
             why = rejoin.leave_requested(group.rejoin_dir, self.attempt if group.round is None else group.round)
             if why is not None:
-                raise LeaveRequested(f"asked to leave after step {step}: {why}")
+                self._break_group(step, why)
+
+    def _break_group(self, step: int, why: str) -> None:
+        """Asked by the launcher to leave this round: end this rank's side of the process group now, so that its
+        next collective fails and ``run`` holds it as after a peer's failure. Not an exception here: the script's
+        own code after ``progress`` (a log line, a scheduler step) still runs for this step, which the live state
+        (taken above) holds; what is lost is the next step's start."""
+        import torch.distributed as dist
+
+        self._leave_asked = why
+        print(f"unbroken: rank {self.rank} asked to leave after step {step} ({why}); it leaves at its next collective",
+              flush=True)
+        if self._group_sockets is not None:
+            self._group_sockets.shut_down()
+            self._group_sockets = None
+        elif dist.is_initialized():
+            try:
+                dist.distributed_c10d._abort_process_group()  # NCCL: the communicator's abort
+            except Exception:  # noqa: BLE001 - the group is left either way
+                pass
 
     def _send(self, kind: MessageKind, step: int | None, metrics: dict[str, float] | None = None, detail: str = "") -> None:
         self._sender.send(
@@ -203,16 +224,12 @@ class Context:
         self.rank, self.world_size = _enter_group(group, self.local_rank)
         _register(group, self.rank, self.local_rank)
         self.attempt = notice.attempt
+        self._leave_asked = None
         if self._structured_logs:
             _setup_logs(self._env, self.rank, self.local_rank)
         self.checkpoint = self._make_checkpointer(self._env, self.rank, self.world_size, live)
         self._send(MessageKind.HELLO, None)
         self._group_sockets = _init_process_group(self._backend, self.local_rank, group)
-
-
-class LeaveRequested(Exception):
-    """Raised by ``ctx.progress`` when this rank's launcher asks it to leave its process group (the round ends
-    elsewhere, or the job grows): ``ctx.run`` holds the rank for the next round as after a peer's failure."""
 
 
 REJOIN_WAIT_SECONDS = 300.0

@@ -190,10 +190,16 @@ LAUNCHER = (sys.executable, "-m", "unbroken", "run")
 
 def pytorchjob(name: str, checkpoints: Path, *, steps: int, step_time: float = 0.05, annotations: dict[str, str] | None = None,
                nodes: int = 2, report_progress: bool = False, tiers_json: str | None = None,
-               launcher: tuple[str, ...] = TORCHRUN, workload_args: tuple[str, ...] = (), checkpoint_every: int = 10) -> dict[str, Any]:
+               launcher: tuple[str, ...] = TORCHRUN, workload_args: tuple[str, ...] = (), checkpoint_every: int = 10,
+               spare_pods: int = 0, elastic: tuple[int, int] | None = None) -> dict[str, Any]:
     """A PyTorchJob as a user writes it: Master + Workers, torchrun (or ``launcher``) reading training-operator's PET_* env;
+    ``spare_pods`` more Workers that ``unbroken run --spare-pods`` keeps standing by (the annotation tells the operator);
+    ``elastic`` (min, max): an elasticPolicy, ``nodes`` being max;
     with ``report_progress``, its pods mount the node agent's socket and name their job (backends/kubernetes/rank_env.py);
     with ``tiers_json`` they checkpoint through the tiered checkpoint (the node's memory tier, peer replicas)."""
+    if spare_pods:
+        launcher = (*launcher, "--spare-pods", str(spare_pods))
+        annotations = {**(annotations or {}), names.SPARE_PODS: str(spare_pods)}
     container = {
         "name": "pytorch", "image": "unbroken:dev",
         "command": [*launcher, "-m", "unbroken.workloads.mlp",
@@ -210,11 +216,13 @@ def pytorchjob(name: str, checkpoints: Path, *, steps: int, step_time: float = 0
         annotations = {**(annotations or {}), names.CHECKPOINT_TIERS: tiers_json}
     replica = {"replicas": 1, "restartPolicy": "OnFailure", "template": template}
     specs = {"Master": replica}
-    if nodes > 1:
-        specs["Worker"] = {**replica, "replicas": nodes - 1}
+    if nodes + spare_pods > 1:
+        specs["Worker"] = {**replica, "replicas": nodes - 1 + spare_pods}
+    spec: dict[str, Any] = {"nprocPerNode": "1", "pytorchReplicaSpecs": specs}
+    if elastic is not None:
+        spec["elasticPolicy"] = {"minReplicas": elastic[0], "maxReplicas": elastic[1]}
     return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
-            "metadata": {"name": name, "namespace": JOBS, "annotations": annotations or {}},
-            "spec": {"nprocPerNode": "1", "pytorchReplicaSpecs": specs}}
+            "metadata": {"name": name, "namespace": JOBS, "annotations": annotations or {}}, "spec": spec}
 
 
 def auto_resume(retries: int) -> dict[str, str]:

@@ -1,4 +1,6 @@
-"""``unbroken run`` in PyTorchJob pods on a real control plane: a rank restarts in place, no pod is recreated.
+"""``unbroken run`` in PyTorchJob pods on a real control plane: a rank restarts in place, no pod is recreated; a
+lost node's pod's place is taken by a spare pod; an elastic PyTorchJob shrinks after a node loss and grows back
+when a node joins.
 
 The control plane, training-operator and the operator are real (test_kubernetes.py says how; pods are
 processes of the test kubelet, sharing 127.0.0.1). Each pod's container runs ``unbroken run`` where a user's
@@ -20,7 +22,7 @@ import pytest
 import torch
 
 from controlplane.unbroken_cluster import (
-    LAUNCHER, Cluster, auto_resume, pytorchjob, rank_log, rank_process, submit, unbroken_cluster,
+    JOBS, LAUNCHER, Cluster, auto_resume, pytorchjob, rank_log, rank_process, submit, unbroken_cluster,
 )
 from unbroken.backends.kubernetes import names
 from unbroken.waiting import wait_until
@@ -87,3 +89,68 @@ def test_a_rank_killed_under_unbroken_run_restarts_in_place_with_no_pod_recreate
     assert final.keys() == reference.keys() and all(torch.equal(final[k], reference[k]) for k in final)
     statuses = [json.loads(line) for line in master_log.splitlines() if line.startswith("{") and '"component": "launcher"' in line]
     assert any(s["msg"].startswith("round 1: every pod is ready") for s in statuses), statuses[-10:]
+
+
+def pod_uids(cluster: Cluster, name: str) -> dict[str, str]:
+    return {p.metadata.name: p.metadata.uid for p in cluster.pods(name)}
+
+
+def test_a_lost_nodes_pod_is_replaced_by_the_spare_pod_without_a_restart(cluster: Cluster, tmp_path: Path) -> None:
+    """Master + Worker + 1 spare pod on the three nodes; the Worker's node fails (power lost: its processes die, its
+    kubelet goes silent). The spare pod's warm spare takes the Worker's place at once, from the Master's memory: the
+    operator restarts nothing, the two pods left keep their uids, and the job ends as an uninterrupted run."""
+    cluster.start_operator()
+    progress, output = tmp_path / "progress.log", tmp_path / "final.pt"
+    body = pytorchjob("spare", tmp_path / "ckpt", steps=STEPS, annotations=auto_resume(2), launcher=LAUNCHER, spare_pods=1,
+                      workload_args=("--progress-log", str(progress), "--output", str(output)))
+    name = submit(cluster, body)
+    master, worker, spare = f"{name}-master-0", f"{name}-worker-0", f"{name}-worker-1"
+    wait_until(lambda: "spare pod (node rank 2) is warm and stands by" in rank_log(cluster, master)
+               and len(progress_steps(progress)) >= 40, 120, "training past step 40 with the spare pod warm")
+    uids = pod_uids(cluster, name)
+    dead = cluster.core.read_namespaced_pod(worker, JOBS).spec.node_name
+    cluster.kubelet.fail_node(dead)
+
+    wait_until(lambda: "round 1: this spare pod takes group rank 1 of 2" in rank_log(cluster, spare), 30, "the spare pod in place")
+    wait_until(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Succeeded", 240, "the job to finish")
+    assert "JobRestarting" not in cluster.reasons(name), cluster.events(name)
+    assert {n: u for n, u in pod_uids(cluster, name).items() if n != worker} == {n: uids[n] for n in (master, spare)}
+    master_log, spare_log = rank_log(cluster, master), rank_log(cluster, spare)
+    assert "round 0 broken (the pod of node rank 1 is gone)" in master_log, master_log[-3000:]
+    assert re.search(r"rank 1: resumed at step \d+ from live peer", spare_log), spare_log[-3000:]
+    steps = progress_steps(progress)
+    assert steps == list(range(1, STEPS + 1)), (steps[:5], steps[-5:])
+    final, reference = torch.load(output), reference_parameters(tmp_path)
+    assert final.keys() == reference.keys() and all(torch.equal(final[k], reference[k]) for k in final)
+
+
+def test_an_elastic_pytorchjob_shrinks_after_a_node_loss_and_grows_back_when_a_node_joins(cluster: Cluster, tmp_path: Path) -> None:
+    """elasticPolicy min 2, max 3: Master + 2 Workers. A Worker's node fails: the two pods left go on at once (no
+    restart); the lost pod is deleted and recreated by training-operator, Pending until a fourth node joins; there it
+    stands by warm and the job grows back to three, again in place."""
+    cluster.start_operator()
+    progress = tmp_path / "progress.log"
+    body = pytorchjob("elastic", tmp_path / "ckpt", steps=2400, annotations=auto_resume(2), launcher=LAUNCHER, nodes=3,
+                      elastic=(2, 3), workload_args=("--progress-log", str(progress)))
+    name = submit(cluster, body)
+    master, lost = f"{name}-master-0", f"{name}-worker-1"
+    wait_until(lambda: len(progress_steps(progress)) >= 40, 120, "training past step 40 on three pods")
+    uids = pod_uids(cluster, name)
+    cluster.kubelet.fail_node(cluster.core.read_namespaced_pod(lost, JOBS).spec.node_name)
+
+    wait_until(lambda: "round 1: 2 pods (node ranks [0, 1])" in rank_log(cluster, master), 30, "the job on two pods")
+    shrunk_at = len(progress_steps(progress))
+    wait_until(lambda: len(progress_steps(progress)) >= shrunk_at + 20, 60, "training on at two pods")
+    # the lost pod is deleted once its node is lost, and recreated: Pending with no node to go to
+    wait_until(lambda: (p := next((p for p in cluster.pods(name) if p.metadata.name == lost), None)) is not None
+               and p.metadata.uid != uids[lost], 120, "the lost pod recreated")
+    cluster.kubelet.add_node("node-4", allocatable={"nvidia.com/gpu": "1"})
+
+    wait_until(lambda: "round 2: 3 pods (node ranks [0, 1, 2])" in rank_log(cluster, master), 120, "the job grown back to three")
+    assert "spare pod (node rank 2) is warm: growing from 2 to 3 pods" in rank_log(cluster, master)
+    assert "round 2: this spare pod takes group rank 2 of 3" in rank_log(cluster, lost)
+    wait_until(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Succeeded", 240, "the job to finish")
+    assert "JobRestarting" not in cluster.reasons(name), cluster.events(name)
+    assert {n: u for n, u in pod_uids(cluster, name).items() if n != lost} == {n: u for n, u in uids.items() if n != lost}
+    steps = progress_steps(progress)
+    assert sorted(set(steps)) == list(range(1, 2401)), "every step trained"
