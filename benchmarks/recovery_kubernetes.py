@@ -19,6 +19,10 @@ Systems, the same job (2 pods of 1 rank, 50 ms steps, a checkpoint file every 20
   (pod_launcher/): a failed rank is replaced in place from the pod's warm spare and takes the model from the
   surviving rank's memory; the launchers give up, and the operator recreates the pods, when a round cannot be
   made (a lost node). A hang is left to the operator's hang timeout (``--collective-timeout`` is 300 s here).
+* ``unbroken+spare-pod``: as ``unbroken+launcher`` with one spare pod (a third pod, ``--spare-pods 1``): a lost
+  node's pod's place goes to the spare pod's warm spare, which takes the model from the master's memory.
+* ``unbroken+elastic``: as ``unbroken+launcher``, an elastic job (``elasticPolicy`` min 1, max 2): after a lost
+  node the master pod goes on alone at once; recovery ends at its first step at the smaller size.
 
 Faults: ``kill-worker`` (SIGKILL worker-0's rank), ``hang-worker`` (SIGSTOP it), ``kill-node`` (the kubelet fails worker-0's node: its processes,
 the node agent's among them, die, its Lease and status stop).
@@ -57,7 +61,9 @@ from processes import stop_process  # noqa: E402
 from recovery import _RESUMED, poll  # noqa: E402
 from unbroken.backends.kubernetes import names  # noqa: E402
 
-SYSTEMS = ("training-operator", "unbroken", "unbroken+launcher")
+SYSTEMS = ("training-operator", "unbroken", "unbroken+launcher", "unbroken+spare-pod", "unbroken+elastic")
+IN_PLACE = ("unbroken+launcher", "unbroken+spare-pod", "unbroken+elastic")
+"""The systems whose pods run ``unbroken run``: their recoveries may happen in place, with no pod recreated."""
 FAULTS = ("kill-worker", "hang-worker", "kill-node")
 STEP_TIME = 0.05
 CHECKPOINT_EVERY = 20
@@ -80,7 +86,9 @@ def system_job(name: str, system: str, workdir: Path, progress: Path, *, steps: 
     managed = system.startswith("unbroken")
     return pytorchjob(name, workdir / "ckpt", steps=steps, step_time=STEP_TIME, checkpoint_every=CHECKPOINT_EVERY,
                       report_progress=managed, annotations=auto_resume(retries) if managed else None,
-                      launcher=LAUNCHER if system == "unbroken+launcher" else TORCHRUN, workload_args=("--progress-log", str(progress)))
+                      launcher=LAUNCHER if system in IN_PLACE else TORCHRUN, workload_args=("--progress-log", str(progress)),
+                      spare_pods=1 if system == "unbroken+spare-pod" else 0,
+                      elastic=(1, 2) if system == "unbroken+elastic" else None)
 
 
 def _restarting_at(cluster: Cluster, name: str) -> float | None:
@@ -93,7 +101,7 @@ def _restarting_at(cluster: Cluster, name: str) -> float | None:
 
 def _all_running(cluster: Cluster, name: str, attempt: str) -> bool:
     pods = cluster.pods(name)
-    return len(pods) == 2 and all((p.metadata.annotations or {}).get(names.ATTEMPT) == attempt and p.status.phase == "Running"
+    return len(pods) >= 2 and all((p.metadata.annotations or {}).get(names.ATTEMPT) == attempt and p.status.phase == "Running"
                                   and p.metadata.deletion_timestamp is None for p in pods)
 
 
@@ -114,8 +122,9 @@ def run(system: str, fault: str, workdir: Path) -> dict[str, Any]:
                 print(f"# {system}: the master pod's log ends: {rank_log(cluster, f'{name}-master-0')[-2000:]}", file=sys.stderr)
                 return result
             # steady state: every pod's spare warm (warming one imports torch, which would slow the restart on 2 cores)
-            if system == "unbroken+launcher" and not poll(
-                    lambda: all("warm spare ready" in rank_log(cluster, f"{name}-{pod}") for pod in ("master-0", "worker-0")), 60):
+            if system in IN_PLACE and not poll(
+                    lambda: all("warm spare ready" in rank_log(cluster, f"{name}-{pod}") for pod in ("master-0", "worker-0"))
+                    and (system != "unbroken+spare-pod" or "is warm and stands by" in rank_log(cluster, f"{name}-master-0")), 60):
                 result["note"] = "the pods' warm spares were not ready within 60 s"
                 return result
             old_pids = {pid for _, _, pid, _ in read_timeline(progress)}
@@ -130,18 +139,26 @@ def run(system: str, fault: str, workdir: Path) -> dict[str, Any]:
             else:
                 rank_process(cluster, f"{name}-worker-0").send_signal(signal.SIGKILL if fault == "kill-worker" else signal.SIGSTOP)
 
+            replacement = f"{name}-worker-1" if system == "unbroken+spare-pod" else f"{name}-worker-0"
+            replacement_offset = 0 if system == "unbroken+spare-pod" else worker_offset
+
             def resumed() -> tuple[int, float] | None:
                 new = [(step, at) for step, at, pid, _ in read_timeline(progress) if pid not in old_pids and at > fault_at]
-                if system == "unbroken+launcher" and not new:  # in place: rank 0 lives on; the replacement's first step
-                    return _first_step_line(rank_log(cluster, f"{name}-worker-0")[worker_offset:], fault_at)
-                return new[0] if new else None
+                if new or system not in IN_PLACE:
+                    return new[0] if new else None
+                if system == "unbroken+elastic":  # in place, smaller: rank 0 lives on; its first step in round 1
+                    rounds = _round_times(rank_log(cluster, f"{name}-master-0")[log_offset:])
+                    later = [(step, at) for step, at, *_ in read_timeline(progress) if rounds and at > rounds[1]]
+                    return later[0] if later else None
+                # in place: rank 0 lives on; the replacement's first step
+                return _first_step_line(rank_log(cluster, replacement)[replacement_offset:], fault_at)
 
             running_at = None
             if system == "unbroken":  # the new attempt's pods come up before its first step: watch for them first
                 running_at = poll(lambda: _all_running(cluster, name, "1") and time.time(), GIVE_UP_AFTER)
             first = poll(resumed, GIVE_UP_AFTER)
             in_place = None
-            if system == "unbroken+launcher" and first is not None:
+            if system in IN_PLACE and first is not None:
                 in_place = _round_times(rank_log(cluster, f"{name}-master-0")[log_offset:])
                 if in_place is None:  # the launchers gave up: the pods were recreated, as for unbroken
                     running_at = poll(lambda: _all_running(cluster, name, "1") and time.time(), 1.0)
@@ -175,6 +192,7 @@ def run(system: str, fault: str, workdir: Path) -> dict[str, Any]:
 
 
 _FIRST_STEP = re.compile(r"rank \d+: first step (\d+) at (\d+\.\d+)")
+_ROUND_1_READY = re.compile(r"round 1: \d+ pods \(node ranks \[[\d, ]+\]\) are ready")
 
 
 def _first_step_line(log: str, after: float) -> tuple[int, float] | None:
@@ -196,6 +214,6 @@ def _round_times(master_log: str) -> tuple[float, float] | None:
         at = datetime.fromisoformat(record["ts"]).timestamp()
         if record["msg"].startswith("round 0 broken") and broken is None:
             broken = at
-        elif record["msg"].startswith("round 1: every pod is ready"):
+        elif _ROUND_1_READY.match(record["msg"]):
             ready = at
     return (broken, ready) if broken is not None and ready is not None else None

@@ -77,6 +77,11 @@ class WebhookController:
     keep: Callable[[dict[str, Any]], bool] = lambda hook: True
 
 
+_HANDED_OUT: set[int] = set()
+"""Ports ``listen_port`` gave out in this process: never given twice, as a port given to one component is free until
+it binds it (two components of one plane picking the same port, each free when checked, lost a scheduler once)."""
+
+
 def listen_port() -> int:
     """A port free now for a component to listen on, below the kernel's ephemeral range.
 
@@ -90,11 +95,14 @@ def listen_port() -> int:
     low = max(1024, ephemeral_low - 12000)
     for _ in range(200):
         port = random.randrange(low, ephemeral_low)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind((LOOPBACK, port))
             except OSError:
                 continue
+            _HANDED_OUT.add(port)
             return port
     raise ControlPlaneError(f"no free port to listen on in {low}-{ephemeral_low - 1}")
 

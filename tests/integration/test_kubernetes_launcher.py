@@ -88,7 +88,7 @@ def test_a_rank_killed_under_unbroken_run_restarts_in_place_with_no_pod_recreate
     final, reference = torch.load(output), reference_parameters(tmp_path)
     assert final.keys() == reference.keys() and all(torch.equal(final[k], reference[k]) for k in final)
     statuses = [json.loads(line) for line in master_log.splitlines() if line.startswith("{") and '"component": "launcher"' in line]
-    assert any(s["msg"].startswith("round 1: every pod is ready") for s in statuses), statuses[-10:]
+    assert any(s["msg"].startswith("round 1: 2 pods (node ranks [0, 1]) are ready") for s in statuses), statuses[-10:]
 
 
 def pod_uids(cluster: Cluster, name: str) -> dict[str, str]:
@@ -152,5 +152,6 @@ def test_an_elastic_pytorchjob_shrinks_after_a_node_loss_and_grows_back_when_a_n
     wait_until(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Succeeded", 240, "the job to finish")
     assert "JobRestarting" not in cluster.reasons(name), cluster.events(name)
     assert {n: u for n, u in pod_uids(cluster, name).items() if n != lost} == {n: u for n, u in uids.items() if n != lost}
+    # no step lost or trained twice: rank 0 (held through both rounds) took every step once, from its own memory
     steps = progress_steps(progress)
-    assert sorted(set(steps)) == list(range(1, 2401)), "every step trained"
+    assert steps == list(range(1, 2401)), (steps[:5], steps[-5:], len(steps))

@@ -62,9 +62,10 @@ class LiveFirst:
 
     def restore(self) -> Restored | None:
         live, self.live = self.live, None  # a later restore in the same attempt reads the checkpoints
-        if not collectives.distributed():
-            return self.inner.restore()
         started = time.perf_counter()
+        if not collectives.distributed():
+            # a group of one (an elastic job shrunk to one rank): the survivor's own memory, if it held a step
+            return self.inner.restore() if live is None else self._restored(live.step, live.state, live.rng, "own memory", started)
         held = collectives.everyones(live.step if live is not None else -1)
         newest = max(held)
         if newest < 0:
@@ -73,13 +74,16 @@ class LiveFirst:
         mine = (live.state, live.rng) if self.rank == sender and live is not None else None
         state, sender_rng = collectives.from_rank(sender, mine)
         # a survivor at the newest step keeps its own RNG stream; anyone else takes the sender's
-        rng.apply(live.rng if live is not None and live.step == newest else sender_rng)
-        source = "own memory" if self.rank == sender else f"live peer (rank {sender})"
+        own_rng = live.rng if live is not None and live.step == newest else sender_rng
+        return self._restored(newest, state, own_rng, "own memory" if self.rank == sender else f"live peer (rank {sender})", started)
+
+    def _restored(self, step: int, state: dict[str, Any], rng_state: dict[str, Any], source: str, started: float) -> Restored:
+        rng.apply(rng_state)
         if self.observer is not None:
-            self.observer.restored(RestoreReport(newest, "peer" if self.rank != sender else "memory",
+            self.observer.restored(RestoreReport(step, "memory" if source == "own memory" else "peer",
                                                  time.perf_counter() - started))
-        print(f"unbroken: restored step {newest} from {source}", flush=True)
-        return Restored(step=newest, state=state, source=source)
+        print(f"unbroken: restored step {step} from {source}", flush=True)
+        return Restored(step=step, state=state, source=source)
 
 
 __all__ = ["LiveFirst", "LiveState"]
