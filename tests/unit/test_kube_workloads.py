@@ -172,6 +172,25 @@ def test_a_trainjob_without_a_node_count_or_with_a_taken_name_is_invalid_not_a_j
     assert fresh.get_job(f"{namespace}/quiet").spec().command == [f"TrainJob {namespace}/quiet"]
 
 
+def test_a_trainjob_with_a_node_range_or_spare_pods_gets_a_warning_naming_what_to_do_instead(
+        api: kubernetes.client.ApiClient, namespace: str) -> None:
+    store = KubernetesStore(api, NAMESPACE, job_namespace=namespace)
+    ranged = train_job("ranged", annotations={names.AUTO_RESUME: "true"})
+    ranged["spec"]["trainer"]["env"] = [{"name": "PET_NNODES", "value": "2:4"}]
+    create(api, namespace, ranged)
+    create(api, namespace, train_job("spared", annotations={names.AUTO_RESUME: "true", names.SPARE_PODS: "1"}))
+    create(api, namespace, train_job("fixed", annotations={names.AUTO_RESUME: "true", names.SPARE_PODS: "0"}))
+
+    invalid = {i.name: i.problems for i in store.invalid_jobs()}
+    assert set(invalid) == {f"{namespace}/ranged", f"{namespace}/spared"}
+    assert invalid[f"{namespace}/ranged"] == ('spec.trainer.env PET_NNODES "2:4" is a node range: the Trainer has no elastic '
+                                              "policy yet (kubeflow/trainer#2903), so its pods would not regroup as an "
+                                              "elastic job; give a fixed numNodes, or run it as a PyTorchJob with "
+                                              "elasticPolicy min/max under unbroken run",)
+    assert "spare pods need a PyTorchJob" in invalid[f"{namespace}/spared"][0]
+    assert [j.name for j in store.list_jobs()] == [f"{namespace}/fixed"]
+
+
 def test_a_kind_whose_crd_is_not_installed_has_no_jobs(api: kubernetes.client.ApiClient, namespace: str) -> None:
     absent = dataclasses.replace(TRAINJOB, group=f"absent-{uuid.uuid4().hex[:4]}.example.com")
     store = KubernetesStore(api, NAMESPACE, job_namespace=namespace, kinds=(PYTORCHJOB, absent))

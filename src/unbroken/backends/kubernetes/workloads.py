@@ -240,10 +240,22 @@ class TrainJobKind:
         return None  # the Trainer has no elastic policy yet (kubeflow/trainer#2903)
 
     def problems(self, obj: Obj) -> list[str]:
-        if not isinstance(self._trainer(obj).get("numNodes"), int):
+        trainer_spec = self._trainer(obj)
+        if not isinstance(trainer_spec.get("numNodes"), int):
             return ["spec.trainer.numNodes is not set: unbroken needs the node count on the TrainJob itself "
                     "(the runtime's mlPolicy.numNodes is not read)"]
-        return []
+        env = trainer_spec.get("env") if isinstance(trainer_spec.get("env"), list) else []
+        nnodes = next((str(e.get("value")) for e in env if isinstance(e, dict) and e.get("name") == "PET_NNODES"), "")
+        problems = []
+        if ":" in nnodes:
+            problems.append(f'spec.trainer.env PET_NNODES "{nnodes}" is a node range: the Trainer has no elastic policy yet '
+                            "(kubeflow/trainer#2903), so its pods would not regroup as an elastic job; give a fixed "
+                            "numNodes, or run it as a PyTorchJob with elasticPolicy min/max under unbroken run")
+        spares = ((obj.get("metadata") or {}).get("annotations") or {}).get(names.SPARE_PODS, "0").strip()
+        if spares not in ("", "0"):
+            problems.append(f'annotation {names.SPARE_PODS}: "{spares}" on a TrainJob: every pod of a TrainJob trains; '
+                            "spare pods need a PyTorchJob (k8s render --kind PyTorchJob --spare-pods N)")
+        return problems
 
     def suspend_patch(self, suspend: bool) -> Obj:
         return {"spec": {"suspend": suspend}}
