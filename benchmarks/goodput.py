@@ -46,7 +46,7 @@ Every system's rank 0 writes its step timeline (``--progress-log``), read the sa
 
     .venv/bin/python benchmarks/goodput.py [--minutes 10] [--mtbf-seconds 120] [--seed 1]
         [--unbroken-checkpoint tiers|file] [--hang-timeout 10|auto] [--json]
-    .venv/bin/python benchmarks/goodput.py --backend kubernetes [--systems k8s:training-operator,k8s:unbroken,k8s:unbroken+launcher]
+    .venv/bin/python benchmarks/goodput.py --backend kubernetes [--systems k8s:training-operator,k8s:unbroken,k8s:unbroken+launcher,k8s:unbroken+spare-pod]
 
 ``--backend kubernetes`` runs a PyTorchJob on the real control plane with the process kubelet
 (goodput_kubernetes.py): training-operator alone, unbroken recreating pods, and unbroken with
@@ -82,7 +82,7 @@ from unbroken.layout import ClusterLayout  # noqa: E402
 from unbroken.runtime import local_cluster  # noqa: E402
 
 FAULTS = ("kill-worker", "hang-worker", "kill-node", "xid79")
-KUBERNETES_SYSTEMS = ("k8s:training-operator", "k8s:unbroken", "k8s:unbroken+launcher")
+KUBERNETES_SYSTEMS = ("k8s:training-operator", "k8s:unbroken", "k8s:unbroken+launcher", "k8s:unbroken+spare-pod")
 """``--backend kubernetes`` (goodput_kubernetes.py, which keeps the same tuple)."""
 STEP_TIME = 0.05
 CHECKPOINT_EVERY = 20

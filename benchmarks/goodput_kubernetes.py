@@ -4,9 +4,11 @@ own each, the faults of goodput.py's seeded schedule on worker-0, read from rank
 its own (``analyse``).
 
 Systems: ``k8s:training-operator`` (the job as Kubeflow documents it, nothing of unbroken), ``k8s:unbroken`` (pods
-recreated at each restart) and ``k8s:unbroken+launcher`` (``unbroken run`` in the pods: ranks restarted in place).
-Faults in turn: kill-worker (SIGKILL a rank of worker-0), hang-worker (SIGSTOP it), kill-node (the kubelet fails
-worker-0's node; it does not come back: 3 nodes, the job needs 2). Xid 79 is not injected here (recovery from it is the
+recreated at each restart), ``k8s:unbroken+launcher`` (``unbroken run`` in the pods: ranks restarted in place, hangs
+too) and ``k8s:unbroken+spare-pod`` (the same with a third pod standing by, which takes a lost node's pod's place).
+Faults in turn, on the worker pod that trains (worker-0, or the spare pod once it took worker-0's place):
+kill-worker (SIGKILL its rank), hang-worker (SIGSTOP it), kill-node (the kubelet fails its node; it does not come back:
+3 nodes, the job needs 2). Xid 79 is not injected here (recovery from it is the
 same restart as a lost node's, after the agent's report).
 """
 
@@ -18,12 +20,18 @@ import sys
 import time
 from pathlib import Path
 
-from controlplane.unbroken_cluster import JOBS, rank_log, rank_pids, submit, unbroken_cluster
+from controlplane.unbroken_cluster import JOBS, Cluster, rank_log, rank_pids, submit, unbroken_cluster
 from goodput import Fault, Outcome, analyse, read_timeline, run_faults
 from processes import stop_process
 from recovery_kubernetes import start_system, system_job
 
 FAULTS = ("kill-worker", "hang-worker", "kill-node")
+
+
+def training_worker(cluster: Cluster, name: str) -> str:
+    """The job's worker pod that trains now: the first, by name, with a rank running (a spare pod has none)."""
+    workers = sorted(p.metadata.name for p in cluster.pods(name) if "-worker-" in p.metadata.name)
+    return next((w for w in workers if rank_pids(cluster, w)), f"{name}-worker-0")
 
 
 def kubernetes_faults(faults: list[Fault]) -> list[Fault]:
@@ -42,9 +50,9 @@ def run(system: str, faults: list[Fault], minutes: float, root: Path) -> Outcome
             body = system_job("goodput", base, workdir, timeline, steps=10_000_000, retries=50)
             started = time.time()
             name = submit(cluster, body)
-            worker = f"{name}-worker-0"
 
             def inject(fault: Fault) -> None:
+                worker = training_worker(cluster, name)
                 if fault.kind == "kill-node":
                     node = cluster.core.read_namespaced_pod(worker, JOBS).spec.node_name
                     if not node:

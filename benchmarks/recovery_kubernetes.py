@@ -18,7 +18,8 @@ Systems, the same job (2 pods of 1 rank, 50 ms steps, a checkpoint file every 20
 * ``unbroken+launcher``: as ``unbroken``, with the pods' command ``unbroken run`` instead of torchrun
   (pod_launcher/): a failed rank is replaced in place from the pod's warm spare and takes the model from the
   surviving rank's memory; the launchers give up, and the operator recreates the pods, when a round cannot be
-  made (a lost node). A hang is left to the operator's hang timeout (``--collective-timeout`` is 300 s here).
+  made (a lost node). A hang is seen by the launchers from their ranks' step times (half the operator's hang
+  timeout) and restarted in place too: the hung rank's pod's ranks are replaced, the others held.
 * ``unbroken+spare-pod``: as ``unbroken+launcher`` with one spare pod (a third pod, ``--spare-pods 1``): a lost
   node's pod's place goes to the spare pod's warm spare, which takes the model from the master's memory.
 * ``unbroken+elastic``: as ``unbroken+launcher``, an elastic job (``elasticPolicy`` min 1, max 2): after a lost

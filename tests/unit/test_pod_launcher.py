@@ -322,3 +322,25 @@ def test_node_rank_0_whose_coordinator_port_is_taken_exits_2_naming_the_port() -
     assert result.returncode == 2
     assert f"error: unbroken run --coordinator-port {port}: cannot listen there (Address already in use)" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_the_step_clock_times_a_hang_at_half_the_operators_timeout_and_a_leave_in_a_few_steps() -> None:
+    from unbroken.pod_launcher.hang import StepClock
+
+    clock = StepClock()
+    clock.new_round(1000.0)
+    assert clock.timeout() is None and clock.silent_for(1001.0) is None  # nothing measured: no hang declared
+    assert clock.leave_timeout(10.0) == 10.0
+    for step in range(12):  # 50 ms steps on local ranks 0 and 1; one pause of 0.4 s (a checkpoint)
+        at = 1000.1 + step * 0.05 + (0.4 if step >= 6 else 0.0)
+        clock.observe(0, at)
+        clock.observe(1, at + 0.01)
+    assert clock.median_step() == pytest.approx(0.05)
+    # the operator's rule, halved: max(3 s floor, 20 x 50 ms, 2 x the 0.45 s pause) / 2
+    assert clock.timeout() == pytest.approx(1.5) and clock.timeout(job_timeout=60.0) == 30.0
+    assert clock.silent_for(1000.1 + 11 * 0.05 + 0.4 + 2.0) == pytest.approx(2.0 - 0.01)
+    assert clock.leave_timeout(10.0) == 0.5 and clock.leave_timeout(0.2) == 0.2
+    # a new round forgets the last one's steps (the restart's pause is not the job's) but not its pauses
+    clock.new_round(2000.0)
+    clock.observe(0, 1999.0)
+    assert clock.silent_for(2001.0) is None and clock.timeout() == pytest.approx(1.5)

@@ -51,6 +51,8 @@ class PodRun:
     collective_timeout: float
     coordinator_port: int
     fewest: int = 0
+    hang_timeout: float | None = None
+    """The job's own hang timeout (None: from step times; 0: off)."""
     """The fewest pods the job trains on (an elastic job's min); 0: ``nnodes``."""
 
     def __post_init__(self) -> None:
@@ -108,6 +110,10 @@ def parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
                         "are replaced too")
     p.add_argument("--collective-timeout", dest="collective_timeout", type=float, default=HANG_TIMEOUT_FALLBACK_S,
                    help="seconds a rank waits in a collective for a silent peer (a hang) before it leaves the group")
+    p.add_argument("--hang-timeout", dest="hang_timeout", type=float, default=None,
+                   help="the job's hang timeout in seconds, if it sets one (the launcher acts at half of it, before the "
+                        "operator); default: from the ranks' step times, as the operator's; 0: the launcher leaves hangs "
+                        "to the operator")
     p.add_argument("--coordinator-port", dest="coordinator_port", type=int, default=None,
                    help="where node rank 0's launcher agrees the rounds (default: --master-port + 1)")
     for name in _IGNORED:
@@ -139,12 +145,14 @@ def parse(argv: list[str], env: Mapping[str, str] | None = None) -> PodRun:
     for name, value in (("--abort-timeout", args.abort_timeout), ("--collective-timeout", args.collective_timeout)):
         if value <= 0:
             raise ConfigError(f"unbroken run {name} {value:g}: must be a number of seconds above 0")
+    if args.hang_timeout is not None and args.hang_timeout < 0:
+        raise ConfigError(f"unbroken run --hang-timeout {args.hang_timeout:g}: must be 0 (off) or a number of seconds")
     command = (["-m", args.script] if args.module else [args.script]) + list(args.script_args)
     return PodRun(nnodes=nnodes, nproc_per_node=nproc, node_rank=node_rank, master_addr=args.master_addr,
                   master_port=master_port, command=command, max_restarts=_whole("--max-restarts", args.max_restarts, 0),
                   warm_spare=bool(args.warm_spares), abort_timeout=args.abort_timeout,
                   collective_timeout=args.collective_timeout,
-                  coordinator_port=args.coordinator_port or master_port + 1, fewest=fewest)
+                  coordinator_port=args.coordinator_port or master_port + 1, fewest=fewest, hang_timeout=args.hang_timeout)
 
 
 def _sizes(value: str, spare_pods: int) -> tuple[int, int, int | None]:

@@ -96,6 +96,8 @@ class PodLauncher:
         """The coordinator said this pod has no place now: it keeps a warm spare and waits for one."""
         self._announced = False
         """A spare pod said it stands by (once its warm spare is ready)."""
+        self._hang_backoff = 1.0
+        """The hang timeout's multiplier: doubled by every hang this launcher declares (``_hung``)."""
         self.ranks: launcher.RunningWorker | None = None
         self.spare: Spare | None = None
         self._phase_started = time.monotonic()
@@ -160,12 +162,33 @@ class PodLauncher:
         if left:
             self._leave(left[min(left)], fault=False)
         elif message is not None and message.kind is Kind.HOLD and message.round == self.round:
-            # the round ends elsewhere (a peer failed, a pod is lost, the job grows): ranks that did not see it
-            # fail leave at their next step instead of at their next collective's failure (never, for a grow)
-            assert self.ranks.rejoin_dir is not None
-            rejoin.request_leave(self.ranks.rejoin_dir, self.round, message.why)
+            # the round ends elsewhere (a peer failed, a pod is lost, a hang, the job grows): the ranks are asked to
+            # leave, and do at once (a rank blocked in a collective) or at their next collective (one computing)
+            self._ask_to_leave(message.why)
             self._enter(Phase.LEAVING)
+        elif (hung := self._hung()) is not None:
+            log.warning("round %d: %s", self.round, hung, extra={"round": self.round})
+            self._leave(hung, fault=False)
         return False
+
+    def _hung(self) -> str | None:
+        """Why this pod's ranks are hung (silent past the hang timeout, hang.py), or None."""
+        if self.run.hang_timeout == 0:
+            return None
+        clock = self.relay.clock
+        timeout, silent = clock.timeout(self.run.hang_timeout), clock.silent_for(time.time())
+        if timeout is None or silent is None or silent <= timeout * self._hang_backoff:
+            return None
+        timeout *= self._hang_backoff
+        # A pause this launcher had not seen yet (a first long checkpoint) may be taken for a hang: that round costs
+        # little (no step lost) but must not repeat at every such pause, so each hang seen doubles the next timeout.
+        self._hang_backoff *= 2
+        return (f"no step from this pod's ranks for {silent:.1f} s (a hang: the launchers' timeout is {timeout:.1f} s, "
+                f"from {'the job' if self.run.hang_timeout else 'the ranks step times'})")
+
+    def _ask_to_leave(self, why: str) -> None:
+        if self.ranks is not None and self.ranks.rejoin_dir is not None and self.ranks.exited() is None:
+            rejoin.request_leave(self.ranks.rejoin_dir, self.round, why)
 
     def _standby(self, message: Message | None) -> None:
         if message is not None and message.kind is Kind.JOIN and message.port and message.round is not None:
@@ -175,7 +198,7 @@ class PodLauncher:
                 log.info("round %d: this spare pod takes group rank %d of %d", self.round, self.group_rank, self.nnodes,
                          extra={"round": self.round})
             self._start_ranks(f"{self.run.master_addr}:{message.port}")
-            self._round_started = time.time()
+            self._begin_round()
             self._enter(Phase.RUNNING)
         elif message is not None and message.kind is Kind.STAND_BY and not self._spare_pod:
             self._spare_pod = True
@@ -196,6 +219,7 @@ class PodLauncher:
         ranks only saw the group fail (a peer elsewhere did)."""
         if self.link.lost.is_set():
             raise Failed(f"{why}; and the coordinator is gone")
+        self._ask_to_leave(why)  # this pod's other ranks, maybe blocked on the failed one, leave now
         self.link.send(Message(Kind.BROKEN, round=self.round, why=why, fault=fault))
         self._enter(Phase.LEAVING)
 
@@ -209,9 +233,10 @@ class PodLauncher:
             self.ranks = None
         elif len(self._left()) == self.run.nproc_per_node:
             log.info("round %d: this pod's %d ranks left the process group and are held", self.round, self.run.nproc_per_node)
-        elif time.monotonic() - self._phase_started > self.run.abort_timeout:
-            log.warning("round %d: local ranks %s of %d did not leave the process group within %g s; replacing them",
-                        self.round, sorted(self._left()), self.run.nproc_per_node, self.run.abort_timeout)
+        elif time.monotonic() - self._phase_started > (limit := self.relay.clock.leave_timeout(self.run.abort_timeout)):
+            log.warning("round %d: local ranks %s of %d left the process group, the others not within %.2f s (a few "
+                        "steps, at most --abort-timeout); replacing them", self.round, sorted(self._left()),
+                        self.run.nproc_per_node, limit, extra={"round": self.round})
             self.ranks.kill()
             self.ranks = None
         else:
@@ -237,12 +262,16 @@ class PodLauncher:
                          self.group_rank, self.nnodes, extra={"round": self.round})
             else:
                 self._start_ranks(rendezvous)
-            self._round_started = time.time()
+            self._begin_round()
             self._enter(Phase.RUNNING)
         elif self.link.lost.is_set():
             raise Failed("the coordinator is gone (node rank 0's pod) before the next round began")
         elif time.monotonic() - self._phase_started > self.gather_timeout + READY_GRACE_SECONDS:
             raise Failed(f"no next round within {self.gather_timeout + READY_GRACE_SECONDS:g} s")
+
+    def _begin_round(self) -> None:
+        self._round_started = time.time()
+        self.relay.clock.new_round(self._round_started)
 
     def _enter(self, phase: Phase) -> None:
         self.phase = phase

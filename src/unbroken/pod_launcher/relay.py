@@ -18,6 +18,7 @@ from pathlib import Path
 
 from unbroken.channel import AgentReceiver, MessageKind
 from unbroken.launch_env import ENDPOINT_FILE
+from unbroken.pod_launcher.hang import StepClock
 
 
 class ProgressRelay:
@@ -33,12 +34,15 @@ class ProgressRelay:
             endpoint.symlink_to(agent_socket.parent / ENDPOINT_FILE)
         self._stepped: dict[int, float] = {}
         """Local rank -> when it sent its last step (its own time stamp)."""
+        self.clock = StepClock()
+        """The ranks' step times, for the hang timeout (hang.py); fed by ``stepped_since``."""
 
     def stepped_since(self, since: float) -> int:
         """How many local ranks reported a step after ``since`` (a ``time.time()``: the ranks stamp their messages)."""
         for message in self._receiver.drain():
             if message.kind is MessageKind.PROGRESS:
                 self._stepped[message.local_rank] = max(message.ts, self._stepped.get(message.local_rank, 0.0))
+                self.clock.observe(message.local_rank, message.ts)
         return sum(1 for at in self._stepped.values() if at > since)
 
     def close(self) -> None:

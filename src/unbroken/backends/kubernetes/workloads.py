@@ -244,7 +244,8 @@ class TrainJobKind:
         if not isinstance(trainer_spec.get("numNodes"), int):
             return ["spec.trainer.numNodes is not set: unbroken needs the node count on the TrainJob itself "
                     "(the runtime's mlPolicy.numNodes is not read)"]
-        env = trainer_spec.get("env") if isinstance(trainer_spec.get("env"), list) else []
+        env = trainer_spec.get("env")
+        env = env if isinstance(env, list) else []
         nnodes = next((str(e.get("value")) for e in env if isinstance(e, dict) and e.get("name") == "PET_NNODES"), "")
         problems = []
         if ":" in nnodes:

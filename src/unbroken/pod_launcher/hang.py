@@ -1,0 +1,76 @@
+"""When a pod's ranks are hung, from their own step times (relayed to the launcher, relay.py).
+
+A hang stops every rank of the job: the hung one, and the others blocked in their
+next collective on it. Every pod's launcher sees its ranks go silent; the first to
+say so breaks the round (coordinator.py), every rank is asked to leave
+(``rejoin.request_leave``: the blocked ones leave at once), and the ranks that do
+not leave in a few steps' time (the hung one) are replaced from the warm spare.
+
+The timeout follows the operator's rule (controller/hang_timeout.py: a floor, a
+multiple of the median step, a multiple of the longest pause seen) at half its
+size: the pods act first and in place, and the operator, seeing the same silence
+later, recreates the pods only when they could not. A false alarm costs a round
+(a fraction of a second, no step lost) and counts against ``--max-restarts``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+from unbroken.controller import hang_timeout
+
+SHARE_OF_THE_OPERATORS = 0.5
+"""The launcher's timeout as a share of the operator's: it must act, and be done, before the operator does."""
+LEAVE_STEPS = 3.0
+"""A held rank that has not left within this many median steps after it was asked is hung: its pod's ranks are
+replaced (a healthy rank reaches its next collective, and fails there, within a step)."""
+LEAVE_FLOOR_S = 0.5
+
+
+class StepClock:
+    """The steps of one pod's ranks: their median step, their longest pause, and how long they have been silent."""
+
+    def __init__(self) -> None:
+        self._last: dict[int, float] = {}
+        self._intervals: deque[float] = deque(maxlen=200)
+        self._longest = 0.0
+        self._since = 0.0
+
+    def new_round(self, started: float) -> None:
+        """Steps from ``started`` on (a ``time.time()``) are the new round's; a pause across the round's start is
+        the restart's, not the job's, and is not learned."""
+        self._since = started
+        self._last.clear()
+
+    def observe(self, local_rank: int, at: float) -> None:
+        if at <= self._since:
+            return
+        previous = self._last.get(local_rank)
+        self._last[local_rank] = max(at, previous or 0.0)
+        if previous is not None and local_rank == min(self._last) and at > previous:
+            self._intervals.append(at - previous)
+            self._longest = max(self._longest, at - previous)
+
+    def median_step(self) -> float | None:
+        """None until ``hang_timeout.MIN_STEPS`` steps were measured."""
+        return statistics.median(self._intervals) if len(self._intervals) >= hang_timeout.MIN_STEPS else None
+
+    def timeout(self, job_timeout: float | None = None) -> float | None:
+        """Seconds of silence that make the pod's ranks hung (the share of ``job_timeout``, the job's own hang
+        timeout, when it sets one); None until their steps are measured."""
+        median = self.median_step()
+        if median is None:
+            return None
+        operators = job_timeout or max(hang_timeout.FLOOR_S, hang_timeout.STEP_MULTIPLE * median,
+                                       hang_timeout.GAP_MULTIPLE * self._longest)
+        return SHARE_OF_THE_OPERATORS * operators
+
+    def silent_for(self, now: float) -> float | None:
+        """Seconds since any of the pod's ranks stepped in this round (None: none has)."""
+        return now - max(self._last.values()) if self._last else None
+
+    def leave_timeout(self, cap: float) -> float:
+        """How long the pod's ranks have to leave a round once asked, at most ``cap`` (``--abort-timeout``)."""
+        median = self.median_step()
+        return cap if median is None else min(cap, max(LEAVE_FLOOR_S, LEAVE_STEPS * median))
