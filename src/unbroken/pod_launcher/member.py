@@ -183,8 +183,9 @@ class PodLauncher:
         # A pause this launcher had not seen yet (a first long checkpoint) may be taken for a hang: that round costs
         # little (no step lost) but must not repeat at every such pause, so each hang seen doubles the next timeout.
         self._hang_backoff *= 2
+        source = "the job" if self.run.hang_timeout else "the ranks' step times"
         return (f"no step from this pod's ranks for {silent:.1f} s (a hang: the launchers' timeout is {timeout:.1f} s, "
-                f"from {'the job' if self.run.hang_timeout else 'the ranks step times'})")
+                f"from {source})")
 
     def _ask_to_leave(self, why: str) -> None:
         if self.ranks is not None and self.ranks.rejoin_dir is not None and self.ranks.exited() is None:
