@@ -163,6 +163,8 @@ def run(system: str, fault: str, workdir: Path) -> dict[str, Any]:
                 in_place = _round_times(rank_log(cluster, f"{name}-master-0")[log_offset:])
                 if in_place is None:  # the launchers gave up: the pods were recreated, as for unbroken
                     running_at = poll(lambda: _all_running(cluster, name, "1") and time.time(), 1.0)
+                    if running_at and running_at > first[1]:  # seen only after the first step: not a measure of either
+                        running_at = None
             detected = _restarting_at(cluster, name) if managed and in_place is None else None
             if detected is not None:
                 result["detect_s"] = round(detected - fault_at, 2)
