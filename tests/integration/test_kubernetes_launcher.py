@@ -72,6 +72,8 @@ def test_a_rank_killed_under_unbroken_run_restarts_in_place_with_no_pod_recreate
     wait_until(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Succeeded", 180, "the job to finish")
     worker_log, master_log = rank_log(cluster, worker), rank_log(cluster, f"{name}-master-0")
     # in place: the same pods (uids), the operator never restarted the job, round 1 formed on the warm spare
+    Path("/tmp/debug-master.log").write_text(master_log); Path("/tmp/debug-worker.log").write_text(worker_log)
+    Path("/tmp/debug-status.txt").write_text(str([p.status.container_statuses for p in cluster.pods(name)]))
     assert {p.metadata.name: p.metadata.uid for p in cluster.pods(name)} == uids
     assert names.RESTART_COUNT not in cluster.annotations(name) or cluster.annotations(name)[names.RESTART_COUNT] == "0"
     assert "JobRestarting" not in cluster.reasons(name)

@@ -336,11 +336,15 @@ def test_the_step_clock_times_a_hang_at_half_the_operators_timeout_and_a_leave_i
         clock.observe(0, at)
         clock.observe(1, at + 0.01)
     assert clock.median_step() == pytest.approx(0.05)
-    # the operator's rule, halved: max(3 s floor, 20 x 50 ms, 2 x the 0.45 s pause) / 2
-    assert clock.timeout() == pytest.approx(1.5) and clock.timeout(job_timeout=60.0) == 30.0
+    # the operator's rule, its multiples halved, its floor kept: max(3 s, (20 x 50 ms, 2 x the 0.45 s pause) / 2)
+    assert clock.timeout() == pytest.approx(3.0) and clock.timeout(job_timeout=60.0) == 30.0
     assert clock.silent_for(1000.1 + 11 * 0.05 + 0.4 + 2.0) == pytest.approx(2.0 - 0.01)
     assert clock.leave_timeout(10.0) == 0.5 and clock.leave_timeout(0.2) == 0.2
-    # a new round forgets the last one's steps (the restart's pause is not the job's) but not its pauses
+    # a new round forgets the last one's steps (the restart's pause is not the job's) but not its pauses, and
+    # declares no hang before it took 10 steps of its own (a restore, a spare warming beside it)
     clock.new_round(2000.0)
     clock.observe(0, 1999.0)
-    assert clock.silent_for(2001.0) is None and clock.timeout() == pytest.approx(1.5)
+    assert clock.silent_for(2001.0) is None and clock.timeout() is None
+    for step in range(11):
+        clock.observe(0, 2000.1 + step * 0.05)
+    assert clock.timeout() == pytest.approx(3.0)

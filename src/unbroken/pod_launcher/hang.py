@@ -7,10 +7,14 @@ say so breaks the round (coordinator.py), every rank is asked to leave
 not leave in a few steps' time (the hung one) are replaced from the warm spare.
 
 The timeout follows the operator's rule (controller/hang_timeout.py: a floor, a
-multiple of the median step, a multiple of the longest pause seen) at half its
-size: the pods act first and in place, and the operator, seeing the same silence
-later, recreates the pods only when they could not. A false alarm costs a round
-(a fraction of a second, no step lost) and counts against ``--max-restarts``.
+multiple of the median step, a multiple of the longest pause seen), its multiples
+at half their size and its floor as it is: the pods act first and in place, and
+the operator, which sees the same silence later (through the agents' reports),
+recreates the pods only when they could not. The floor is not halved: on a busy
+machine (a spare importing torch beside the ranks) a healthy job stalled 1.5 s. Nor
+is a hang declared before the round's ranks took ``MIN_STEPS`` steps: a round's
+start (a restore, the spare warming) is no hang. A false alarm costs a round (a
+fraction of a second, no step lost) and counts against ``--max-restarts``.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from collections import deque
 from unbroken.controller import hang_timeout
 
 SHARE_OF_THE_OPERATORS = 0.5
-"""The launcher's timeout as a share of the operator's: it must act, and be done, before the operator does."""
+"""The launcher's multiples (and a job's own timeout) as a share of the operator's: it must act, and be done, before
+the operator does."""
 LEAVE_STEPS = 3.0
 """A held rank that has not left within this many median steps after it was asked is hung: its pod's ranks are
 replaced (a healthy rank reaches its next collective, and fails there, within a step)."""
@@ -33,6 +38,7 @@ class StepClock:
 
     def __init__(self) -> None:
         self._last: dict[int, float] = {}
+        self._round_steps = 0
         self._intervals: deque[float] = deque(maxlen=200)
         self._longest = 0.0
         self._since = 0.0
@@ -42,6 +48,7 @@ class StepClock:
         the restart's, not the job's, and is not learned."""
         self._since = started
         self._last.clear()
+        self._round_steps = 0
 
     def observe(self, local_rank: int, at: float) -> None:
         if at <= self._since:
@@ -49,6 +56,7 @@ class StepClock:
         previous = self._last.get(local_rank)
         self._last[local_rank] = max(at, previous or 0.0)
         if previous is not None and local_rank == min(self._last) and at > previous:
+            self._round_steps += 1
             self._intervals.append(at - previous)
             self._longest = max(self._longest, at - previous)
 
@@ -60,11 +68,12 @@ class StepClock:
         """Seconds of silence that make the pod's ranks hung (the share of ``job_timeout``, the job's own hang
         timeout, when it sets one); None until their steps are measured."""
         median = self.median_step()
-        if median is None:
+        if median is None or self._round_steps < hang_timeout.MIN_STEPS:
             return None
-        operators = job_timeout or max(hang_timeout.FLOOR_S, hang_timeout.STEP_MULTIPLE * median,
-                                       hang_timeout.GAP_MULTIPLE * self._longest)
-        return SHARE_OF_THE_OPERATORS * operators
+        if job_timeout:
+            return SHARE_OF_THE_OPERATORS * job_timeout
+        multiples = max(hang_timeout.STEP_MULTIPLE * median, hang_timeout.GAP_MULTIPLE * self._longest)
+        return max(hang_timeout.FLOOR_S, SHARE_OF_THE_OPERATORS * multiples)
 
     def silent_for(self, now: float) -> float | None:
         """Seconds since any of the pod's ranks stepped in this round (None: none has)."""
