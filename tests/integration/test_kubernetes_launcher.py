@@ -152,6 +152,7 @@ def test_an_elastic_pytorchjob_shrinks_after_a_node_loss_and_grows_back_when_a_n
     assert "spare pod (node rank 2) is warm: growing from 2 to 3 pods" in rank_log(cluster, master)
     assert "round 2: this spare pod takes group rank 2 of 3" in rank_log(cluster, lost)
     wait_until(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Succeeded", 240, "the job to finish")
+    Path("/tmp/dbg-elastic.txt").write_text("\n".join(map(str, cluster.events(name))) + "\n=====\n" + rank_log(cluster, master) + "\n=====\n" + rank_log(cluster, lost) + "\n=====\n" + rank_log(cluster, f"{name}-worker-0"))
     assert "JobRestarting" not in cluster.reasons(name), cluster.events(name)
     assert {n: u for n, u in pod_uids(cluster, name).items() if n != lost} == {n: u for n, u in uids.items() if n != lost}
     # no step lost or trained twice: rank 0 (held through both rounds) took every step once, from its own memory

@@ -66,7 +66,7 @@ def stop(pods: list[Pod]) -> None:
 @pytest.fixture
 def pods(tmp_path: Path) -> Iterator[list[Pod]]:
     port = free_port()
-    started = [start_pod(tmp_path, node_rank, port) for node_rank in range(2)]
+    started = [start_pod(tmp_path, node_rank, port, options=("--hang-timeout", "auto")) for node_rank in range(2)]
     yield started
     stop(started)
 

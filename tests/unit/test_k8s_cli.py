@@ -79,11 +79,11 @@ def test_a_module_command_runs_under_torchrun_and_in_process_restarts_and_warm_s
     inplace = render_pytorchjob(spec(command=["-m", "pkg.train"], resilience={"in_process_restart": True, "warm_spares": 1,
                                                                               "hang_timeout": 120}), Placement(image="i"))
     assert command_of(inplace) == ["python", "-m", "unbroken", "run", "--warm-spares", "1", "--abort-timeout", "10",
-                                   "--collective-timeout", "120", "--hang-timeout", "120", "--module", "pkg.train"]
+                                   "--collective-timeout", "120", "--module", "pkg.train"]
     # and what it renders is what unbroken run reads: torchrun's options, PET_* from training-operator
     run = arguments.parse(command_of(inplace)[4:], {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "m", "PET_MASTER_PORT": "23456"})
-    assert (run.command, run.warm_spare, run.collective_timeout, run.nnodes, run.hang_timeout) == \
-        (["-m", "pkg.train"], True, 120.0, 2, 120.0)
+    assert (run.command, run.warm_spare, run.collective_timeout, run.nnodes, run.hang_in_place) == \
+        (["-m", "pkg.train"], True, 120.0, 2, False)
     assert command_of(render_pytorchjob(spec(resilience={"in_process_restart": True}), Placement(image="i")))[4:6] == ["--warm-spares", "0"]
     with pytest.raises(UsageError, match="must be an absolute path in the container"):
         render_pytorchjob(spec(checkpoint={"dir": "ckpt"}), Placement(image="i"))

@@ -38,6 +38,9 @@ def test_the_pods_environment_is_read_as_torchrun_reads_it_and_the_command_line_
     # torchrun's rendezvous and logging options are accepted (a pod's command may carry them) and not used
     run = arguments.parse(["--rdzv-backend", "c10d", "--rdzv_endpoint", "x:1", "--tee", "3", "--max-restarts", "2", "t.py"], PET)
     assert run.max_restarts == 2 and run.command == ["t.py"]
+    assert (run.hang_in_place, run.hang_timeout) == (False, None)  # hangs are the operator's unless asked
+    assert (lambda r: (r.hang_in_place, r.hang_timeout))(arguments.parse(["--hang-timeout", "auto", "t.py"], PET)) == (True, None)
+    assert arguments.parse(["--hang-timeout", "120", "t.py"], PET).hang_timeout == 120.0
 
 
 @pytest.mark.parametrize(("argv", "words"), [
@@ -48,6 +51,7 @@ def test_the_pods_environment_is_read_as_torchrun_reads_it_and_the_command_line_
     (["--nproc-per-node", "eight", "t.py"], "--nproc-per-node eight: must be a whole number, at least 1"),
     (["--max-restarts", "-1", "t.py"], "--max-restarts -1: must be a whole number, at least 0"),
     (["--abort-timeout", "0", "t.py"], "--abort-timeout 0: must be a number of seconds above 0"),
+    (["--hang-timeout", "soon", "t.py"], "--hang-timeout soon: must be off, auto, or a number of seconds above 0"),
     (["--no-python", "t.sh"], "--no-python: the ranks must be Python processes"),
 ])
 def test_a_bad_argument_is_named_with_what_would_be_valid(argv: list[str], words: str) -> None:

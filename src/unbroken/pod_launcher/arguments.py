@@ -52,7 +52,9 @@ class PodRun:
     coordinator_port: int
     fewest: int = 0
     hang_timeout: float | None = None
-    """The job's own hang timeout (None: from step times; 0: off)."""
+    """The job's own hang timeout (None: from the ranks' step times); used only with ``hang_in_place``."""
+    hang_in_place: bool = False
+    """The launchers restart a hang in place (hang.py); off: hangs are left to the operator."""
     """The fewest pods the job trains on (an elastic job's min); 0: ``nnodes``."""
 
     def __post_init__(self) -> None:
@@ -110,10 +112,10 @@ def parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
                         "are replaced too")
     p.add_argument("--collective-timeout", dest="collective_timeout", type=float, default=HANG_TIMEOUT_FALLBACK_S,
                    help="seconds a rank waits in a collective for a silent peer (a hang) before it leaves the group")
-    p.add_argument("--hang-timeout", dest="hang_timeout", type=float, default=None,
-                   help="the job's hang timeout in seconds, if it sets one (the launcher acts at half of it, before the "
-                        "operator); default: from the ranks' step times, as the operator's; 0: the launcher leaves hangs "
-                        "to the operator")
+    p.add_argument("--hang-timeout", dest="hang_timeout", default="off",
+                   help="restart a hang in place: 'auto' (a timeout from the ranks' step times, half the operator's "
+                        "multiples, its 3 s floor) or the job's hang timeout in seconds (the launchers act at half of "
+                        "it); default 'off': hangs are left to the operator, which recreates the pods")
     p.add_argument("--coordinator-port", dest="coordinator_port", type=int, default=None,
                    help="where node rank 0's launcher agrees the rounds (default: --master-port + 1)")
     for name in _IGNORED:
@@ -145,14 +147,27 @@ def parse(argv: list[str], env: Mapping[str, str] | None = None) -> PodRun:
     for name, value in (("--abort-timeout", args.abort_timeout), ("--collective-timeout", args.collective_timeout)):
         if value <= 0:
             raise ConfigError(f"unbroken run {name} {value:g}: must be a number of seconds above 0")
-    if args.hang_timeout is not None and args.hang_timeout < 0:
-        raise ConfigError(f"unbroken run --hang-timeout {args.hang_timeout:g}: must be 0 (off) or a number of seconds")
+    hang_in_place, hang_timeout = _hang(str(args.hang_timeout))
     command = (["-m", args.script] if args.module else [args.script]) + list(args.script_args)
     return PodRun(nnodes=nnodes, nproc_per_node=nproc, node_rank=node_rank, master_addr=args.master_addr,
                   master_port=master_port, command=command, max_restarts=_whole("--max-restarts", args.max_restarts, 0),
                   warm_spare=bool(args.warm_spares), abort_timeout=args.abort_timeout,
                   collective_timeout=args.collective_timeout,
-                  coordinator_port=args.coordinator_port or master_port + 1, fewest=fewest, hang_timeout=args.hang_timeout)
+                  coordinator_port=args.coordinator_port or master_port + 1, fewest=fewest, hang_timeout=hang_timeout,
+                  hang_in_place=hang_in_place)
+
+
+def _hang(value: str) -> tuple[bool, float | None]:
+    """``--hang-timeout`` as (in place, the job's timeout or None for one from step times)."""
+    if value in ("off", "auto"):
+        return value == "auto", None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if seconds <= 0:
+        raise ConfigError(f"unbroken run --hang-timeout {value}: must be off, auto, or a number of seconds above 0")
+    return True, seconds
 
 
 def _sizes(value: str, spare_pods: int) -> tuple[int, int, int | None]:

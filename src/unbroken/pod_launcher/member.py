@@ -173,7 +173,7 @@ class PodLauncher:
 
     def _hung(self) -> str | None:
         """Why this pod's ranks are hung (silent past the hang timeout, hang.py), or None."""
-        if self.run.hang_timeout == 0:
+        if not self.run.hang_in_place:
             return None
         clock = self.relay.clock
         timeout, silent = clock.timeout(self.run.hang_timeout), clock.silent_for(time.time())

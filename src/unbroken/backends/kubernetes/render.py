@@ -117,8 +117,7 @@ def torchrun_command(spec: JobSpec, spare_pods: int = 0) -> list[str]:
     spares = ["--spare-pods", str(spare_pods)] if spare_pods and not spec.elastic else []
     return ["python", "-m", "unbroken", "run", *spares, "--warm-spares", "1" if resilience.warm_spares or spare_pods else "0",
             "--abort-timeout", f"{resilience.in_process_abort_timeout:g}",
-            "--collective-timeout", f"{resilience.hang_timeout or HANG_TIMEOUT_FALLBACK_S:g}",
-            *(["--hang-timeout", f"{resilience.hang_timeout:g}"] if resilience.hang_timeout else []), *script]
+            "--collective-timeout", f"{resilience.hang_timeout or HANG_TIMEOUT_FALLBACK_S:g}", *script]
 
 
 def job_annotations(spec: JobSpec, placement: Placement) -> dict[str, str]:
