@@ -72,8 +72,6 @@ def test_a_rank_killed_under_unbroken_run_restarts_in_place_with_no_pod_recreate
     wait_until(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Succeeded", 180, "the job to finish")
     worker_log, master_log = rank_log(cluster, worker), rank_log(cluster, f"{name}-master-0")
     # in place: the same pods (uids), the operator never restarted the job, round 1 formed on the warm spare
-    Path("/tmp/debug-master.log").write_text(master_log); Path("/tmp/debug-worker.log").write_text(worker_log)
-    Path("/tmp/debug-status.txt").write_text(str([p.status.container_statuses for p in cluster.pods(name)]))
     assert {p.metadata.name: p.metadata.uid for p in cluster.pods(name)} == uids
     assert names.RESTART_COUNT not in cluster.annotations(name) or cluster.annotations(name)[names.RESTART_COUNT] == "0"
     assert "JobRestarting" not in cluster.reasons(name)
@@ -152,7 +150,6 @@ def test_an_elastic_pytorchjob_shrinks_after_a_node_loss_and_grows_back_when_a_n
     assert "spare pod (node rank 2) is warm: growing from 2 to 3 pods" in rank_log(cluster, master)
     assert "round 2: this spare pod takes group rank 2 of 3" in rank_log(cluster, lost)
     wait_until(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Succeeded", 240, "the job to finish")
-    Path("/tmp/dbg-elastic.txt").write_text("\n".join(map(str, cluster.events(name))) + "\n=====\n" + rank_log(cluster, master) + "\n=====\n" + rank_log(cluster, lost) + "\n=====\n" + rank_log(cluster, f"{name}-worker-0"))
     assert "JobRestarting" not in cluster.reasons(name), cluster.events(name)
     assert {n: u for n, u in pod_uids(cluster, name).items() if n != lost} == {n: u for n, u in uids.items() if n != lost}
     # no step lost or trained twice: rank 0 (held through both rounds) took every step once, from its own memory
