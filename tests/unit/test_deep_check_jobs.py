@@ -168,8 +168,11 @@ def test_a_peer_the_cross_node_sweep_blames_is_taken_out_and_the_joining_node_pa
         # The real Job controller writes this Job's status too (it sees the pod): a write that races
         # it is refused (409, or 422 when the two disagree on startTime), and tried again.
         try:
+            # the controller's own startTime once it wrote one: another is refused (422) at every try
+            started = batch.read_namespaced_job_status(job.metadata.name, namespace).status.start_time
+            start = started.strftime("%Y-%m-%dT%H:%M:%SZ") if started else now
             batch.patch_namespaced_job_status(job.metadata.name, namespace, {"status": {
-                "startTime": now, "completionTime": now, "succeeded": job.spec.completions, "active": 0,
+                "startTime": start, "completionTime": max(start, now), "succeeded": job.spec.completions, "active": 0,
                 "completedIndexes": f"0-{job.spec.completions - 1}",
                 "conditions": [{"type": "SuccessCriteriaMet", "status": "True", "lastTransitionTime": now},
                                {"type": "Complete", "status": "True", "lastTransitionTime": now}]}})
