@@ -18,7 +18,6 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -63,8 +62,6 @@ class Context:
     _group_sockets: GroupSockets | None = field(repr=False, default=None)
     _leave_asked: str | None = field(repr=False, default=None)
     """Why the launcher asked this rank to leave the current round (``_break_group``); None: not asked."""
-    _leave_stop: threading.Event | None = field(repr=False, default=None)
-    """Ends the current round's leave watch (``_watch_for_leave``)."""
     _sections: dict[str, float] = field(repr=False, default_factory=dict)
     """Seconds in each ``section`` since the last ``progress``, keyed as the agent reads them."""
 
@@ -144,43 +141,28 @@ class Context:
             values.update(self._sections)
             self._sections.clear()
         self._send(MessageKind.PROGRESS, step, values)
-
-    def _watch_for_leave(self) -> None:
-        """Under a launcher (in-process restarts), a thread that ends this rank's side of the round's process group
-        when the launcher asks it to leave (``rejoin.request_leave``: the round broke elsewhere, a pod is lost, the
-        job grows, a peer hangs). Then the collective this rank is in, or its next, fails at once and ``run`` holds
-        the rank as after a peer's failure, with the live state of its last ``progress``: a rank blocked on a hung
-        or lost peer leaves now, not at its collective's timeout; a healthy one after its current step's compute.
-        A thread, not a check in ``progress``: a rank blocked in a collective never reaches ``progress`` (torch
-        releases the GIL there, so the thread runs). A failed ``open`` every 50 ms is what it costs."""
         group = self._env.group
-        if group is None:
-            return
-        if self._leave_stop is not None:
-            self._leave_stop.set()
-        stop = self._leave_stop = threading.Event()
-        round_number = self.attempt if group.round is None else group.round
+        if group is not None and self._leave_asked is None:
+            why = rejoin.leave_requested(group.rejoin_dir, self.attempt if group.round is None else group.round)
+            if why is not None:
+                self._break_group(step, why)
 
-        def watch() -> None:
-            while not stop.wait(LEAVE_POLL_SECONDS):
-                why = rejoin.leave_requested(group.rejoin_dir, round_number)
-                if why is not None:
-                    self._break_group(why)
-                    return
-
-        threading.Thread(target=watch, name="unbroken-leave-watch", daemon=True).start()
-
-    def _break_group(self, why: str) -> None:
+    def _break_group(self, step: int, why: str) -> None:
+        """Asked by the launcher to leave this round: end this rank's side of the process group now, so that its
+        next collective fails and ``run`` holds it as after a peer's failure. Not an exception here: the script's
+        own code after ``progress`` (a log line, a scheduler step) still runs for this step, which the live state
+        (taken above) holds; what is lost is the next step's start."""
         import torch.distributed as dist
 
         self._leave_asked = why
-        print(f"unbroken: rank {self.rank} asked to leave its process group ({why})", flush=True)
-        sockets = self._group_sockets
-        if sockets is not None:
-            sockets.shut_down()  # gloo; shutting down twice (again when leaving) is harmless
+        print(f"unbroken: rank {self.rank} asked to leave after step {step} ({why}); it leaves at its next collective",
+              flush=True)
+        if self._group_sockets is not None:
+            self._group_sockets.shut_down()
+            self._group_sockets = None
         elif dist.is_initialized():
             try:
-                dist.distributed_c10d._abort_process_group()  # NCCL: the communicator's abort, made for other threads
+                dist.distributed_c10d._abort_process_group()  # NCCL: the communicator's abort
             except Exception:  # noqa: BLE001 - the group is left either way
                 pass
 
@@ -200,8 +182,6 @@ class Context:
 
         group = self._env.group
         assert group is not None
-        if self._leave_stop is not None:
-            self._leave_stop.set()  # this round is over for this rank: a late request to leave it means nothing
         left = time.monotonic()
         print(f"unbroken: rank {self.rank} leaves attempt {self.attempt}'s process group ({type(cause).__name__}: "
               f"{_one_line(cause)}); waiting for the next attempt", flush=True)
@@ -250,11 +230,8 @@ class Context:
         self.checkpoint = self._make_checkpointer(self._env, self.rank, self.world_size, live)
         self._send(MessageKind.HELLO, None)
         self._group_sockets = _init_process_group(self._backend, self.local_rank, group)
-        self._watch_for_leave()
 
 
-LEAVE_POLL_SECONDS = 0.05
-"""How often a rank under a launcher looks for its request to leave: a leave's latency, at the cost of a failed open."""
 REJOIN_WAIT_SECONDS = 300.0
 """How long a rank that left its process group waits for the next attempt. The agent decides sooner:
 it adopts the worker into the next attempt, or stops it (then this wait ends with the process)."""
@@ -402,7 +379,6 @@ def init(
 
         if not dist.is_initialized():
             ctx._group_sockets = _init_process_group(backend, local_rank, env.group)
-    ctx._watch_for_leave()
     return ctx
 
 
