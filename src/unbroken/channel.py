@@ -47,6 +47,9 @@ class MessageKind(StrEnum):
     """The rank resumed from a checkpoint of this step (``detail``: from where; ``metrics["seconds"]``)."""
     SAVED = "saved"
     """The rank saved this step (``detail``: the tier; ``metrics``: ``stall_seconds``, ``bytes``)."""
+    FINISHED = "finished"
+    """``ctx.run``'s training returned: the rank is on its way out, and its silence from now on is no hang
+    (``unbroken run``'s launcher reads it; an exit can take seconds: the output, a last save, torch's teardown)."""
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from unbroken.channel import SECTION_NAME, SECTION_PREFIX, WAIT_PREFIX, MessageK
 from unbroken.checkpoint.api import Checkpointer, RestoreReport, SaveReport
 from unbroken.group_sockets import GroupSockets
 from unbroken.launch_env import GroupPlacement, LaunchEnv
+from unbroken.leave_watch import LeaveWatch
 from unbroken.rejoin import RejoinNotice
 
 if TYPE_CHECKING:
@@ -62,6 +63,8 @@ class Context:
     _group_sockets: GroupSockets | None = field(repr=False, default=None)
     _leave_asked: str | None = field(repr=False, default=None)
     """Why the launcher asked this rank to leave the current round (``_break_group``); None: not asked."""
+    _leave_watch: LeaveWatch | None = field(repr=False, default=None)
+    """Under ``unbroken run``: the current round's watch for a request to leave it (leave_watch.py)."""
     _sections: dict[str, float] = field(repr=False, default_factory=dict)
     """Seconds in each ``section`` since the last ``progress``, keyed as the agent reads them."""
 
@@ -78,8 +81,9 @@ class Context:
         """
         while True:
             try:
-                return train(self)
+                result = train(self)
             except Exception as exc:  # noqa: BLE001 - only collective failures are kept; the rest re-raise below
+                self._stop_leave_watch()
                 if self._env.group is None or not (self._leave_asked is not None or _is_collective_failure(exc)):
                     raise
                 live, self._live, self._live_state = self._live_state, None, None  # the next entry offers its own
@@ -87,6 +91,11 @@ class Context:
                 if notice is None:
                     raise
                 self._join(notice, live)
+            else:
+                self._stop_leave_watch()  # done: nothing may keep this rank from exiting now
+                if self._env.group is not None:
+                    self._send(MessageKind.FINISHED, None)  # its launcher takes no silence from here for a hang
+                return result
 
     @property
     def is_main(self) -> bool:
@@ -141,30 +150,25 @@ class Context:
             values.update(self._sections)
             self._sections.clear()
         self._send(MessageKind.PROGRESS, step, values)
+
+    def _start_leave_watch(self) -> None:
+        """Under ``unbroken run`` (a group with rounds): watch this round for the launcher's request to leave it."""
         group = self._env.group
-        if group is not None and self._leave_asked is None:
-            why = rejoin.leave_requested(group.rejoin_dir, self.attempt if group.round is None else group.round)
-            if why is not None:
-                self._break_group(step, why)
+        if group is not None and group.round is not None:
+            self._leave_watch = LeaveWatch(group.rejoin_dir, group.round, self._break_group).start()
 
-    def _break_group(self, step: int, why: str) -> None:
-        """Asked by the launcher to leave this round: end this rank's side of the process group now, so that its
-        next collective fails and ``run`` holds it as after a peer's failure. Not an exception here: the script's
-        own code after ``progress`` (a log line, a scheduler step) still runs for this step, which the live state
-        (taken above) holds; what is lost is the next step's start."""
-        import torch.distributed as dist
+    def _stop_leave_watch(self) -> None:
+        if self._leave_watch is not None:
+            self._leave_watch.stop()
+            self._leave_watch = None
 
+    def _break_group(self, why: str) -> None:
+        """Asked by the launcher to leave this round (from the leave watch's thread): end this rank's side of the
+        process group, so that the collective it is blocked in, or its next, fails and ``run`` holds it as after a
+        peer's failure, with the live state of its last ``progress``."""
         self._leave_asked = why
-        print(f"unbroken: rank {self.rank} asked to leave after step {step} ({why}); it leaves at its next collective",
-              flush=True)
-        if self._group_sockets is not None:
-            self._group_sockets.shut_down()
-            self._group_sockets = None
-        elif dist.is_initialized():
-            try:
-                dist.distributed_c10d._abort_process_group()  # NCCL: the communicator's abort
-            except Exception:  # noqa: BLE001 - the group is left either way
-                pass
+        print(f"unbroken: rank {self.rank} asked to leave its process group ({why})", flush=True)
+        _end_group_connections(self._group_sockets)
 
     def _send(self, kind: MessageKind, step: int | None, metrics: dict[str, float] | None = None, detail: str = "") -> None:
         self._sender.send(
@@ -185,14 +189,12 @@ class Context:
         left = time.monotonic()
         print(f"unbroken: rank {self.rank} leaves attempt {self.attempt}'s process group ({type(cause).__name__}: "
               f"{_one_line(cause)}); waiting for the next attempt", flush=True)
-        if self._group_sockets is not None:
-            # first: a peer blocked on this rank sees it leave now, not at its collective timeout
-            self._group_sockets.shut_down()
-            self._group_sockets = None
+        # first: a peer blocked on this rank sees it leave now, not at its collective timeout
+        _end_group_connections(self._group_sockets)
+        self._group_sockets = None
         if dist.is_initialized():
-            # Abort, not only destroy: the failed attempt's objects (DDP in the traceback's frames) can keep
-            # the group alive. NCCL's abort ends its communicator; gloo's leaves its connections open, which
-            # is why they were shut down above.
+            # Abort, not only destroy, gloo's too: the failed round's objects (DDP in the traceback's frames) can
+            # keep the group alive.
             try:
                 dist.distributed_c10d._abort_process_group()
             except Exception:  # noqa: BLE001 - a group broken by a dead peer may fail to tear down; it is dropped either way
@@ -230,6 +232,22 @@ class Context:
         self.checkpoint = self._make_checkpointer(self._env, self.rank, self.world_size, live)
         self._send(MessageKind.HELLO, None)
         self._group_sockets = _init_process_group(self._backend, self.local_rank, group)
+        self._start_leave_watch()
+
+
+def _end_group_connections(sockets: GroupSockets | None) -> None:
+    """End this rank's side of its process group so that the collective it is in, or its next, fails now; safe from
+    another thread: gloo's connections shut down (``sockets``; twice is harmless), NCCL's communicator aborted (its
+    abort is made for another thread to call)."""
+    import torch.distributed as dist
+
+    if sockets is not None:
+        sockets.shut_down()
+    elif dist.is_initialized():
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except Exception:  # noqa: BLE001 - a group broken by a dead peer may fail to tear down; it is left either way
+            pass
 
 
 REJOIN_WAIT_SECONDS = 300.0
@@ -379,6 +397,7 @@ def init(
 
         if not dist.is_initialized():
             ctx._group_sockets = _init_process_group(backend, local_rank, env.group)
+    ctx._start_leave_watch()
     return ctx
 
 

@@ -1,6 +1,6 @@
 """``unbroken run`` in PyTorchJob pods on a real control plane: a rank restarts in place, no pod is recreated; a
-lost node's pod's place is taken by a spare pod; an elastic PyTorchJob shrinks after a node loss and grows back
-when a node joins.
+hung rank is replaced in place; a lost node's pod's place is taken by a spare pod; an elastic PyTorchJob shrinks
+after a node loss and grows back when a node joins.
 
 The control plane, training-operator and the operator are real (test_kubernetes.py says how; pods are
 processes of the test kubelet, sharing 127.0.0.1). Each pod's container runs ``unbroken run`` where a user's
@@ -89,6 +89,40 @@ def test_a_rank_killed_under_unbroken_run_restarts_in_place_with_no_pod_recreate
     assert final.keys() == reference.keys() and all(torch.equal(final[k], reference[k]) for k in final)
     statuses = [json.loads(line) for line in master_log.splitlines() if line.startswith("{") and '"component": "launcher"' in line]
     assert any(s["msg"].startswith("round 1: 2 pods (node ranks [0, 1]) are ready") for s in statuses), statuses[-10:]
+
+
+def test_a_hung_rank_under_unbroken_run_is_replaced_in_place_and_its_peer_keeps_its_steps(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """The Worker's rank is SIGSTOPped (a hang: it never answers its peer's all-reduce again). The launchers see no
+    step past their timeout, from the ranks' own step times; the Master's rank, blocked in its all-reduce, leaves
+    when asked and holds its state; the stopped rank, which cannot leave, is replaced from the Worker's warm spare.
+    No pod recreated, no step lost, the same model as an uninterrupted run. The pods report to no node agent, so
+    the operator sees no silence: this is the launchers' work alone."""
+    cluster.start_operator()
+    progress, output = tmp_path / "progress.log", tmp_path / "final.pt"
+    body = pytorchjob("hang", tmp_path / "ckpt", steps=STEPS, annotations=auto_resume(2), launcher=(*LAUNCHER, "--hang-timeout", "auto"),
+                      workload_args=("--progress-log", str(progress), "--output", str(output)))
+    name = submit(cluster, body)
+    master, worker = f"{name}-master-0", f"{name}-worker-0"
+    wait_until(lambda: "warm spare ready" in rank_log(cluster, worker) and len(progress_steps(progress)) >= 60, 120,
+               "training past step 60 with the worker's warm spare ready")
+    uids = pod_uids(cluster, name)
+    stopped = rank_process(cluster, worker)
+    stopped.suspend()
+
+    wait_until(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Succeeded", 180, "the job to finish")
+    worker_log, master_log = rank_log(cluster, worker), rank_log(cluster, master)
+    assert pod_uids(cluster, name) == uids
+    assert "JobRestarting" not in cluster.reasons(name), cluster.events(name)
+    assert re.search(r"no step from this pod's ranks for [\d.]+ s \(a hang", master_log + worker_log), master_log[-3000:]
+    assert "rank 0 asked to leave its process group" in master_log, master_log[-3000:]
+    assert re.search(r"local ranks \[\] of 1 left the process group, the others not within [\d.]+ s", worker_log), worker_log[-3000:]
+    assert "round 1: started this pod's 1 ranks on the warm spare" in worker_log, worker_log[-3000:]
+    assert not psutil.pid_exists(stopped.pid) or stopped.status() == psutil.STATUS_ZOMBIE
+    steps = progress_steps(progress)
+    assert steps == list(range(1, STEPS + 1)), (steps[:5], steps[-5:])
+    final, reference = torch.load(output), reference_parameters(tmp_path)
+    assert final.keys() == reference.keys() and all(torch.equal(final[k], reference[k]) for k in final)
 
 
 def pod_uids(cluster: Cluster, name: str) -> dict[str, str]:

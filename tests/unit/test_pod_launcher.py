@@ -205,6 +205,18 @@ def test_a_spare_pod_never_needed_is_told_when_every_training_pod_is_done(coordi
     assert spare.receive() == Message(Kind.DONE) and coordinator.state.finished
 
 
+def test_a_round_broken_after_a_pod_is_done_gives_up_at_once(coordinator: Coordinator) -> None:
+    """The end of a job: one pod's ranks exited 0, another pod's launcher then declares a hang (its ranks' exit is
+    slow). The done pod cannot join a next round, so the coordinator says so now, not after the gather timeout."""
+    pods = members(coordinator)
+    pods[1].send(Message(Kind.DONE))
+    wait_until(lambda: coordinator.state.done == {1}, 5, "a pod done")
+    pods[0].send(Message(Kind.BROKEN, round=0, why="no step from this pod's ranks for 1.5 s (a hang)"))
+    assert pods[0].receive() == Message(Kind.GIVE_UP, why="node rank 0: no step from this pod's ranks for 1.5 s (a hang); "
+                                                          "node ranks [1] are done (every rank there exited 0) and cannot "
+                                                          "join a next round")
+
+
 def test_an_elastic_job_shrinks_down_to_its_min_and_grows_back_when_a_pod_returns_without_a_restart_counted() -> None:
     coordinator = Coordinator(3, free_port(), max_restarts=2, gather_timeout=30, fewest=2)
     coordinator.start()
@@ -340,8 +352,8 @@ def test_the_step_clock_times_a_hang_at_half_the_operators_timeout_and_a_leave_i
         clock.observe(0, at)
         clock.observe(1, at + 0.01)
     assert clock.median_step() == pytest.approx(0.05)
-    # the operator's rule, its multiples halved, its floor kept: max(3 s, (20 x 50 ms, 2 x the 0.45 s pause) / 2)
-    assert clock.timeout() == pytest.approx(3.0) and clock.timeout(job_timeout=60.0) == 30.0
+    # the operator's rule at half its size, floor included: max(3 s, 20 x 50 ms, 2 x the 0.45 s pause) / 2
+    assert clock.timeout() == pytest.approx(1.5) and clock.timeout(job_timeout=60.0) == 30.0
     assert clock.silent_for(1000.1 + 11 * 0.05 + 0.4 + 2.0) == pytest.approx(2.0 - 0.01)
     assert clock.leave_timeout(10.0) == 0.5 and clock.leave_timeout(0.2) == 0.2
     # a new round forgets the last one's steps (the restart's pause is not the job's) but not its pauses, and
@@ -351,4 +363,12 @@ def test_the_step_clock_times_a_hang_at_half_the_operators_timeout_and_a_leave_i
     assert clock.silent_for(2001.0) is None and clock.timeout() is None
     for step in range(11):
         clock.observe(0, 2000.1 + step * 0.05)
-    assert clock.timeout() == pytest.approx(3.0)
+    assert clock.timeout() == pytest.approx(1.5)
+    clock.observe(0, 2000.1 + 10 * 0.05 + 2.0)  # a 2 s pause: its double is past the operator's floor
+    assert clock.timeout() == pytest.approx(2.0)
+    # a rank whose training returned (MessageKind.FINISHED) is exiting, not hung: its silence is not counted
+    clock.observe(1, 2002.5)
+    clock.finished(0, 2002.7)
+    assert clock.silent_for(2010.0) == pytest.approx(7.5)
+    clock.finished(1, 2002.8)
+    assert clock.silent_for(2010.0) is None

@@ -109,6 +109,18 @@ def test_unset_it_is_the_fallback_until_every_worker_has_measured_enough_steps()
     assert hang_timeout.in_force(spec(), [worker("a", None)]).seconds == hang_timeout.FALLBACK_S
 
 
+def test_a_spare_pod_that_never_steps_does_not_hold_the_timeout_at_the_fallback() -> None:
+    """A job with one spare pod (``unbroken.dev/spare-pods: 1``): its standby worker has no ranks, so no steps; the
+    timeout comes from the two that train. Without spare pods the same silent worker keeps the fallback."""
+    training = [worker("a", StepTiming(50, 0.05, 0.1)), worker("b", StepTiming(50, 0.05, 0.2))]
+    with_spare = hang_timeout.in_force(spec(node_losses_in_place=1), [*training, worker("c", None)])
+    assert with_spare.seconds == hang_timeout.FLOOR_S and with_spare.measured
+    assert hang_timeout.in_force(spec(), [*training, worker("c", None)]).seconds == hang_timeout.FALLBACK_S
+    # two silent workers are more than one spare pod: one of them is a training pod still starting
+    assert hang_timeout.in_force(spec(node_losses_in_place=1), [*training, worker("c", None), worker("d", None)]).seconds \
+        == hang_timeout.FALLBACK_S
+
+
 @pytest.mark.parametrize("median, longest, expected", [
     (0.05, 0.2, hang_timeout.FLOOR_S),  # 50 ms steps: the floor
     (2.0, 3.0, 40.0),  # 20 x a 2 s step

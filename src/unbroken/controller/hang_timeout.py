@@ -56,12 +56,16 @@ def in_force(spec: JobSpec, workers: list[Worker], *, previous: HangTimeout | No
     if spec.resilience.hang_timeout is not None:
         return HangTimeout(spec.resilience.hang_timeout, "hang_timeout set by the job")
     timings = [w.step_timing for w in workers if not w.phase.is_terminal]
-    if not timings or any(t is None or t.steps < MIN_STEPS for t in timings):
+    measured = [t for t in timings if t is not None]
+    # A spare pod stands by with no ranks, so it never steps: up to node_losses_in_place workers that have not
+    # stepped yet are taken for spare pods (a job without spare pods waits for every worker's steps, as it must).
+    unmeasured = len(timings) - len(measured)
+    if not measured or unmeasured > spec.resilience.node_losses_in_place or any(t.steps < MIN_STEPS for t in measured):
         if previous is not None and previous.measured:
             return HangTimeout(previous.seconds, "from the step times of an earlier attempt, until this one's are measured")
         return HangTimeout(FALLBACK_S, f"from step times once every worker has run {MIN_STEPS} steps; until then the default")
-    median = max(t.median_s for t in timings if t is not None)
-    longest = max(t.longest_s for t in timings if t is not None)
+    median = max(t.median_s for t in measured)
+    longest = max(t.longest_s for t in measured)
     seconds = max(FLOOR_S, STEP_MULTIPLE * median, GAP_MULTIPLE * longest)
     return HangTimeout(round(seconds, 3), f"from step times: max({FLOOR_S:g} s, {STEP_MULTIPLE:g} x median step {median:.3f} s, "
                                           f"{GAP_MULTIPLE:g} x longest gap {longest:.3f} s)", measured=True)

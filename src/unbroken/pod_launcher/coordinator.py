@@ -263,6 +263,11 @@ class Coordinator:
         if state.plan() is None:
             self._give_up(f"{cause}; {self._too_few()}")
             return
+        if finished := sorted(state.done & set(state.training)):
+            # their ranks are gone (exited 0): no round can have them again; waiting for them would end the same way,
+            # only after the gather timeout
+            self._give_up(f"{cause}; node ranks {finished} are done (every rank there exited 0) and cannot join a next round")
+            return
         state.restarts += 0 if grow else 1
         state.phase, state.ready, state.gather_started, state.cause = Phase.GATHERING, set(), time.monotonic(), cause
         state.fault_known = fault
@@ -275,7 +280,7 @@ class Coordinator:
 
     def _maybe_grow(self) -> None:
         state = self.state
-        if state.phase is Phase.RUNNING and state.standby and len(state.training) < state.size:
+        if state.phase is Phase.RUNNING and state.standby and len(state.training) < state.size and not state.done:
             grown = min(state.size, len(state.training) + len(state.standby))
             self._gather(f"spare pod (node rank {state.standby[0]}) is warm: growing from {len(state.training)} to "
                          f"{grown} pods", fault=False, grow=True)

@@ -6,15 +6,18 @@ say so breaks the round (coordinator.py), every rank is asked to leave
 (``rejoin.request_leave``: the blocked ones leave at once), and the ranks that do
 not leave in a few steps' time (the hung one) are replaced from the warm spare.
 
-The timeout follows the operator's rule (controller/hang_timeout.py: a floor, a
-multiple of the median step, a multiple of the longest pause seen), its multiples
-at half their size and its floor as it is: the pods act first and in place, and
-the operator, which sees the same silence later (through the agents' reports),
-recreates the pods only when they could not. The floor is not halved: on a busy
-machine (a spare importing torch beside the ranks) a healthy job stalled 1.5 s. Nor
-is a hang declared before the round's ranks took ``MIN_STEPS`` steps: a round's
-start (a restore, the spare warming) is no hang. A false alarm costs a round (a
-fraction of a second, no step lost) and counts against ``--max-restarts``.
+The timeout is the operator's (controller/hang_timeout.py: a floor, a multiple of
+the median step, a multiple of the longest pause seen) at half its size, floor
+included: the pods act first and in place, and the operator, which sees the same
+silence later (through the agents' reports), recreates the pods only when they
+could not. Acting at the operator's own floor raced it (both at about 3 s), and a
+lost race costs a full restart. A false alarm is cheap instead: every rank leaves
+when asked (leave_watch.py), the same ranks form the next round from their live
+state, no step is lost, and each hang a launcher declares doubles its next timeout
+(a busy machine, a spare importing torch beside the ranks, stalled a healthy job
+1.5 s here). No hang is declared before the round's ranks took ``MIN_STEPS``
+steps: a round's start (a restore, a rendezvous) is no hang. A false alarm still
+counts against ``--max-restarts``.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ from collections import deque
 from unbroken.controller import hang_timeout
 
 SHARE_OF_THE_OPERATORS = 0.5
-"""The launcher's multiples (and a job's own timeout) as a share of the operator's: it must act, and be done, before
-the operator does."""
+"""The launcher's timeout (its floor and multiples, or a job's own timeout) as a share of the operator's: it must act,
+and be done, before the operator does."""
 LEAVE_STEPS = 3.0
 """A held rank that has not left within this many median steps after it was asked is hung: its pod's ranks are
 replaced (a healthy rank reaches its next collective, and fails there, within a step)."""
@@ -38,6 +41,8 @@ class StepClock:
 
     def __init__(self) -> None:
         self._last: dict[int, float] = {}
+        self._finished: set[int] = set()
+        """Local ranks whose training returned in this round (``MessageKind.FINISHED``): exiting, not hung."""
         self._round_steps = 0
         self._intervals: deque[float] = deque(maxlen=200)
         self._longest = 0.0
@@ -48,6 +53,7 @@ class StepClock:
         the restart's, not the job's, and is not learned."""
         self._since = started
         self._last.clear()
+        self._finished.clear()
         self._round_steps = 0
 
     def observe(self, local_rank: int, at: float) -> None:
@@ -73,11 +79,17 @@ class StepClock:
         if job_timeout:
             return SHARE_OF_THE_OPERATORS * job_timeout
         multiples = max(hang_timeout.STEP_MULTIPLE * median, hang_timeout.GAP_MULTIPLE * self._longest)
-        return max(hang_timeout.FLOOR_S, SHARE_OF_THE_OPERATORS * multiples)
+        return SHARE_OF_THE_OPERATORS * max(hang_timeout.FLOOR_S, multiples)
+
+    def finished(self, local_rank: int, at: float) -> None:
+        if at > self._since:
+            self._finished.add(local_rank)
 
     def silent_for(self, now: float) -> float | None:
-        """Seconds since any of the pod's ranks stepped in this round (None: none has)."""
-        return now - max(self._last.values()) if self._last else None
+        """Seconds since any of the pod's ranks still training stepped in this round (None: none has, or every rank
+        that stepped has finished: the end of the job, whose exit may take seconds, is no hang)."""
+        training = [at for local_rank, at in self._last.items() if local_rank not in self._finished]
+        return now - max(training) if training else None
 
     def leave_timeout(self, cap: float) -> float:
         """How long the pod's ranks have to leave a round once asked, at most ``cap`` (``--abort-timeout``)."""

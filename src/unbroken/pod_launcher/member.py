@@ -151,6 +151,7 @@ class PodLauncher:
         death = self._death()
         code = self.ranks.exited()
         if death is None and code == 0:
+            log.info("round %d: every rank of this pod exited 0; this pod is done", self.round, extra={"round": self.round})
             return True
         if death is not None or code is not None:
             why = self._describe(death, code)
@@ -275,6 +276,7 @@ class PodLauncher:
         self.relay.clock.new_round(self._round_started)
 
     def _enter(self, phase: Phase) -> None:
+        log.info("round %d: %s -> %s", self.round, self.phase, phase, extra={"round": self.round})
         self.phase = phase
         self._phase_started = time.monotonic()
 

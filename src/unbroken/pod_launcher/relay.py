@@ -43,6 +43,8 @@ class ProgressRelay:
             if message.kind is MessageKind.PROGRESS:
                 self._stepped[message.local_rank] = max(message.ts, self._stepped.get(message.local_rank, 0.0))
                 self.clock.observe(message.local_rank, message.ts)
+            elif message.kind is MessageKind.FINISHED:
+                self.clock.finished(message.local_rank, message.ts)
         return sum(1 for at in self._stepped.values() if at > since)
 
     def close(self) -> None:
