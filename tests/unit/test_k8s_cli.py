@@ -78,12 +78,13 @@ def test_a_module_command_runs_under_torchrun_and_in_process_restarts_and_warm_s
     assert command_of(body) == ["python", "-m", "torch.distributed.run", "--module", "pkg.train"]
     inplace = render_pytorchjob(spec(command=["-m", "pkg.train"], resilience={"in_process_restart": True, "warm_spares": 1,
                                                                               "hang_timeout": 120}), Placement(image="i"))
-    assert command_of(inplace) == ["python", "-m", "unbroken", "run", "--warm-spares", "1", "--abort-timeout", "10",
-                                   "--collective-timeout", "120", "--module", "pkg.train"]
+    assert command_of(inplace) == ["python", "-m", "unbroken", "run", "--hang-timeout", "120", "--warm-spares", "1",
+                                   "--abort-timeout", "10", "--collective-timeout", "120", "--module", "pkg.train"]
     # and what it renders is what unbroken run reads: torchrun's options, PET_* from training-operator
     run = arguments.parse(command_of(inplace)[4:], {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "m", "PET_MASTER_PORT": "23456"})
-    assert (run.command, run.warm_spare, run.collective_timeout, run.nnodes, run.hang_in_place) == \
-        (["-m", "pkg.train"], True, 120.0, 2, False)
+    assert (run.command, run.warm_spare, run.collective_timeout, run.nnodes, run.hang_in_place, run.hang_timeout) == \
+        (["-m", "pkg.train"], True, 120.0, 2, True, 120.0)
+    # no hang timeout set: the launchers time hangs from the ranks' steps (unbroken run's default, auto)
     assert command_of(render_pytorchjob(spec(resilience={"in_process_restart": True}), Placement(image="i")))[4:6] == ["--warm-spares", "0"]
     with pytest.raises(UsageError, match="must be an absolute path in the container"):
         render_pytorchjob(spec(checkpoint={"dir": "ckpt"}), Placement(image="i"))
@@ -95,7 +96,7 @@ def test_a_module_command_runs_under_torchrun_and_in_process_restarts_and_warm_s
 def test_spare_pods_and_an_elastic_size_render_as_extra_replicas_and_an_elastic_policy_under_unbroken_run() -> None:
     body = render_pytorchjob(spec(), Placement(image="i", spare_pods=1))
     assert PYTORCHJOB.node_count(body) == 4 and body["metadata"]["annotations"][names.SPARE_PODS] == "1"
-    assert command_of(body)[:8] == ["python", "-m", "unbroken", "run", "--spare-pods", "1", "--warm-spares", "1"]
+    assert command_of(body)[:10] == ["python", "-m", "unbroken", "run", "--spare-pods", "1", "--hang-timeout", "600", "--warm-spares", "1"]
     assert job_annotations.parse(body["metadata"]["annotations"]).spare_pods == 1  # what the operator reads
     # training-operator sets PET_NNODES to every replica: the last one stands by
     run = arguments.parse(command_of(body)[4:], {"PET_NNODES": "4", "PET_NODE_RANK": "3", "PET_MASTER_ADDR": "m"})

@@ -38,8 +38,8 @@ def test_the_pods_environment_is_read_as_torchrun_reads_it_and_the_command_line_
     # torchrun's rendezvous and logging options are accepted (a pod's command may carry them) and not used
     run = arguments.parse(["--rdzv-backend", "c10d", "--rdzv_endpoint", "x:1", "--tee", "3", "--max-restarts", "2", "t.py"], PET)
     assert run.max_restarts == 2 and run.command == ["t.py"]
-    assert (run.hang_in_place, run.hang_timeout) == (False, None)  # hangs are the operator's unless asked
-    assert (lambda r: (r.hang_in_place, r.hang_timeout))(arguments.parse(["--hang-timeout", "auto", "t.py"], PET)) == (True, None)
+    assert (run.hang_in_place, run.hang_timeout) == (True, None)  # hangs in place, timed from the ranks' steps
+    assert (lambda r: (r.hang_in_place, r.hang_timeout))(arguments.parse(["--hang-timeout", "off", "t.py"], PET)) == (False, None)
     assert arguments.parse(["--hang-timeout", "120", "t.py"], PET).hang_timeout == 120.0
 
 

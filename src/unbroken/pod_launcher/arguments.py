@@ -112,10 +112,11 @@ def parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
                         "are replaced too")
     p.add_argument("--collective-timeout", dest="collective_timeout", type=float, default=HANG_TIMEOUT_FALLBACK_S,
                    help="seconds a rank waits in a collective for a silent peer (a hang) before it leaves the group")
-    p.add_argument("--hang-timeout", dest="hang_timeout", default="off",
-                   help="restart a hang in place: 'auto' (a timeout from the ranks' step times, half the operator's "
-                        "multiples, its 3 s floor) or the job's hang timeout in seconds (the launchers act at half of "
-                        "it); default 'off': hangs are left to the operator, which recreates the pods")
+    p.add_argument("--hang-timeout", dest="hang_timeout", default="auto",
+                   help="restart a hang in place: the hung ranks are replaced from the warm spare, the others keep "
+                        "their state. 'auto' (default): the timeout is half the operator's, from the ranks' step times "
+                        "(at least 1.5 s); SECONDS: the job's hang timeout (the launchers act at half of it); 'off': "
+                        "hangs are left to the operator, which recreates the pods")
     p.add_argument("--coordinator-port", dest="coordinator_port", type=int, default=None,
                    help="where node rank 0's launcher agrees the rounds (default: --master-port + 1)")
     for name in _IGNORED:

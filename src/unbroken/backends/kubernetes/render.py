@@ -115,7 +115,9 @@ def torchrun_command(spec: JobSpec, spare_pods: int = 0) -> list[str]:
     if not (resilience.in_process_restart or resilience.warm_spares or spare_pods or spec.elastic):
         return ["python", "-m", "torch.distributed.run", *script]
     spares = ["--spare-pods", str(spare_pods)] if spare_pods and not spec.elastic else []
-    return ["python", "-m", "unbroken", "run", *spares, "--warm-spares", "1" if resilience.warm_spares or spare_pods else "0",
+    # the job's own hang timeout, if it sets one, is the launchers' too (they act at half of it); else step times
+    hang = ["--hang-timeout", f"{resilience.hang_timeout:g}"] if resilience.hang_timeout is not None else []
+    return ["python", "-m", "unbroken", "run", *spares, *hang, "--warm-spares", "1" if resilience.warm_spares or spare_pods else "0",
             "--abort-timeout", f"{resilience.in_process_abort_timeout:g}",
             "--collective-timeout", f"{resilience.hang_timeout or HANG_TIMEOUT_FALLBACK_S:g}", *script]
 
