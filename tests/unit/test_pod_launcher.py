@@ -68,10 +68,10 @@ def test_unbroken_run_with_a_bad_argument_exits_2_with_one_line_and_no_traceback
 def test_spare_pods_and_elastic_sizes_are_read_from_the_pods_environment() -> None:
     # a fixed job of 4 replicas with 1 spare pod: 3 train (node rank 3 is told to stand by: coordinator.py)
     run = arguments.parse(["--spare-pods", "1", "t.py"], {**PET, "PET_NODE_RANK": "3"})
-    assert (run.nnodes, run.fewest, run.node_rank, run.elastic) == (3, 3, 3, False)
+    assert (run.nnodes, run.fewest, run.node_rank) == (3, 3, 3)
     # training-operator's elastic job: PET_NNODES is min:max
     elastic = {**PET, "PET_NNODES": "2:3"}
-    assert (lambda r: (r.fewest, r.nnodes, r.elastic))(arguments.parse(["t.py"], elastic)) == (2, 3, True)
+    assert (lambda r: (r.fewest, r.nnodes))(arguments.parse(["t.py"], elastic)) == (2, 3)
     # without a Master, training-operator sets no PET_NODE_RANK: said plainly, not guessed
     without_rank = {k: v for k, v in elastic.items() if k != "PET_NODE_RANK"}
     with pytest.raises(ConfigError, match=r"no --node-rank and no PET_NODE_RANK: node rank 0 hosts the job's coordinator"):
@@ -88,13 +88,20 @@ def test_a_message_survives_the_wire_and_junk_is_refused() -> None:
 
 class Member:
     """A launcher as the coordinator sees it: a TCP connection that says hello and reads what comes; ``first``: the
-    answer to its hello (round 0's "join", or "stand_by")."""
+    answer to its hello (round 0's "join", or "stand_by"), read when first asked for (an elastic job's round 0
+    answers only once it forms)."""
 
-    def __init__(self, port: int, node_rank: int) -> None:
+    def __init__(self, port: int, node_rank: int, *, answered_now: bool = True) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
         self.file = self.sock.makefile("rb")
         self.send(Message(Kind.HELLO, node_rank=node_rank))
-        self.first = self.receive()
+        self._first: Message | None = self.receive() if answered_now else None
+
+    @property
+    def first(self) -> Message:
+        if self._first is None:
+            self._first = self.receive()
+        return self._first
 
     def send(self, message: Message) -> None:
         self.sock.sendall(message.line())
@@ -118,8 +125,10 @@ def coordinator() -> Iterator[Coordinator]:
 
 
 def members(coordinator: Coordinator, n: int = 3) -> list[Member]:
-    joined = [Member(coordinator.port, rank) for rank in range(n)]
+    joined = [Member(coordinator.port, rank, answered_now=False) for rank in range(n)]  # an elastic job answers all at once
     wait_until(lambda: coordinator.state.seen == set(range(n)), 5, "every hello")
+    for member in joined:
+        assert member.first.kind is Kind.JOIN
     return joined
 
 
@@ -203,6 +212,42 @@ def test_a_spare_pod_never_needed_is_told_when_every_training_pod_is_done(coordi
     assert not coordinator.state.finished
     pods[2].send(Message(Kind.DONE))
     assert spare.receive() == Message(Kind.DONE) and coordinator.state.finished
+
+
+def test_an_elastic_job_with_fewer_pods_than_its_max_starts_after_the_last_call_and_grows_when_one_comes() -> None:
+    """``--nnodes 2:3`` and two replicas (an elasticPolicy whose max is above the replicas): round 0 cannot wait for
+    a third pod that may never come. It forms with two once the last call passed with no more; a pod that comes
+    later stands by and grows the job."""
+    coordinator = Coordinator(3, free_port(), max_restarts=2, gather_timeout=30, fewest=2, first_port=29500, last_call=0.5)
+    coordinator.start()
+    try:
+        pods = [Member(coordinator.port, 1, answered_now=False)]
+        wait_until(lambda: coordinator.state.arrived.keys() == {1}, 5, "node rank 1's hello")
+        pods.insert(0, Member(coordinator.port, 0))
+        assert [p.first for p in pods] == [Message(Kind.JOIN, round=0, port=29500, group_rank=r, nnodes=2) for r in range(2)]
+        assert coordinator.state.training == [0, 1] and coordinator.state.phase is Phase.RUNNING
+        late = Member(coordinator.port, 2)
+        assert late.first == Message(Kind.STAND_BY)
+        late.send(Message(Kind.STANDBY))
+        joins = held_then_joined({0: pods[0], 1: pods[1], 2: late}, ready=[0, 1])
+        assert {n: (m.kind, m.group_rank, m.nnodes) for n, m in joins.items()} == \
+            {0: (Kind.JOIN, 0, 3), 1: (Kind.JOIN, 1, 3), 2: (Kind.JOIN, 2, 3)}
+    finally:
+        coordinator.close()
+
+
+def test_an_elastic_job_waits_for_node_rank_0_and_forms_at_once_with_its_max() -> None:
+    coordinator = Coordinator(2, free_port(), max_restarts=2, gather_timeout=30, fewest=1, last_call=60)
+    coordinator.start()
+    try:
+        worker = Member(coordinator.port, 1, answered_now=False)
+        wait_until(lambda: coordinator.state.arrived.keys() == {1}, 5, "node rank 1's hello")
+        assert coordinator.state.phase is Phase.FORMING, "min 1 reached, but without node rank 0 (the store's host)"
+        master = Member(coordinator.port, 0)  # the max: no last call
+        assert master.first == Message(Kind.JOIN, round=0, port=0, group_rank=0, nnodes=2)
+        assert worker.first == Message(Kind.JOIN, round=0, port=0, group_rank=1, nnodes=2)
+    finally:
+        coordinator.close()
 
 
 def test_a_round_broken_after_a_pod_is_done_gives_up_at_once(coordinator: Coordinator) -> None:

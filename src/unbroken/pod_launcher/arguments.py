@@ -61,10 +61,6 @@ class PodRun:
         if not self.fewest:
             object.__setattr__(self, "fewest", self.nnodes)
 
-    @property
-    def elastic(self) -> bool:
-        return self.fewest < self.nnodes
-
 
 def _env_default(env: Mapping[str, str], name: str, default: str | None) -> str | None:
     return env.get(f"PET_{name.upper().replace('-', '_')}", default)

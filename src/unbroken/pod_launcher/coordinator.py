@@ -2,15 +2,20 @@
 
 It decides which pods train in each round, and when they form their next process group:
 
+    Forming --an elastic job: every pod up to its max said hello, or its min did and LAST_CALL_SECONDS passed--> Running(0)
     Running(N) --a pod reports round N broken, or a training pod is gone--> Gathering(N): "hold" to every training pod
     Running(N) --a warm spare pod and the job below its size--> Gathering(N): a grow (no fault, not a restart)
     Gathering(N) --every training pod left is ready--> Running(N+1): "join" to each pod of the new round, with its group rank
     any --too few pods for the job (no spare pod, below an elastic job's min), a gather past its timeout, restarts used
           up, a training pod's launcher started again--> GivenUp: "give_up" to every pod
 
-Which pods train. Round 0 is the pods of node ranks 0 .. size-1 (size: ``--nnodes``, an elastic job's max):
-the hello of each is answered with round 0's "join" (its store at MASTER_PORT). Every other hello (node
-ranks past the size, a lost pod recreated later) is answered "stand_by": a *spare pod*, scheduled, warm,
+Which pods train. Round 0 of a fixed-size job is the pods of node ranks 0 .. size-1 (size: ``--nnodes``):
+the hello of each is answered with round 0's "join" (its store at MASTER_PORT). An elastic job (``--nnodes
+MIN:MAX``) forms round 0 from the pods that said hello, as torchrun's elastic rendezvous does: at once when
+MAX did, else once MIN (node rank 0 among them) did and ``LAST_CALL_SECONDS`` passed with no more: a job whose
+replicas are fewer than its max (or one pod not scheduled yet) starts smaller and grows when more come. Every
+other hello (node ranks past the size, a lost pod recreated later, an elastic pod after round 0) is answered
+"stand_by": a *spare pod*, scheduled, warm,
 without ranks, which says "standby" once its warm spare is ready. A training pod that is lost gives
 its place (its group rank) to a warm spare pod. With none, an elastic job goes on with the pods left, renumbered
 in order, never fewer than its min; a fixed-size job gives up (the operator recreates the pods). A spare pod
@@ -45,9 +50,13 @@ log = logging.getLogger("unbroken.pod_launcher.coordinator")
 SEND_TIMEOUT_SECONDS = 1.0
 TICK_SECONDS = 0.05
 """How often the loop looks at the clock when no message comes: the gather timeout's resolution."""
+LAST_CALL_SECONDS = 30.0
+"""An elastic job with its min of pods but not its max waits this long for more before round 0 (torchrun's elastic
+rendezvous waits as long, its ``last_call_timeout``): pods created together say hello within seconds."""
 
 
 class Phase(StrEnum):
+    FORMING = "Forming"
     RUNNING = "Running"
     GATHERING = "Gathering"
     GIVEN_UP = "GivenUp"
@@ -89,6 +98,8 @@ class RoundState:
     seen: set[int] = field(default_factory=set)
     done: set[int] = field(default_factory=set)
     """Training pods whose ranks all exited 0."""
+    arrived: dict[int, float] = field(default_factory=dict)
+    """Forming (an elastic job's round 0): the pods that said hello, with when."""
 
     @property
     def finished(self) -> bool:
@@ -96,8 +107,19 @@ class RoundState:
         return self.phase is Phase.RUNNING and bool(self.training) and set(self.training) <= self.done
 
     def __post_init__(self) -> None:
-        if not self.training:
+        if self.fewest < self.size:
+            self.phase = Phase.FORMING  # round 0's pods are the first to come (``formed``)
+        elif not self.training:
             self.training = list(range(self.size))
+
+    def formed(self, now: float, last_call: float) -> list[int] | None:
+        """Forming: round 0's pods once they are known (by node rank; node rank 0 first, as it hosts the store)."""
+        pods = sorted(self.arrived)
+        if 0 not in self.arrived or len(pods) < self.fewest:
+            return None
+        if len(pods) >= self.size:
+            return pods[: self.size]
+        return pods if now - max(self.arrived.values()) >= last_call else None  # no one came for the last call
 
     def staying(self) -> set[int]:
         return {n for n in self.training if n not in self.gone}
@@ -116,11 +138,12 @@ class Coordinator:
     """Listens on ``port`` (all addresses); ``start()`` runs the loop in a thread, ``close()`` ends it."""
 
     def __init__(self, size: int, port: int, *, max_restarts: int, gather_timeout: float, fewest: int | None = None,
-                 first_port: int = 0, host: str = "") -> None:
-        """``first_port``: round 0's store port (MASTER_PORT)."""
+                 first_port: int = 0, host: str = "", last_call: float = LAST_CALL_SECONDS) -> None:
+        """``first_port``: round 0's store port (MASTER_PORT); ``last_call``: an elastic job's wait for more pods."""
         self.state = RoundState(size=size, fewest=size if fewest is None else fewest, max_restarts=max_restarts,
                                 gather_timeout=gather_timeout)
         self.first_port = first_port
+        self.last_call = last_call
         self._listener = socket.create_server((host, port), reuse_port=False)
         self._listener.setblocking(False)
         self._selector = selectors.DefaultSelector()
@@ -152,6 +175,7 @@ class Coordinator:
                 else:
                     self._read(self._members[key.fd])
             self._check_gather_timeout()
+            self._check_formed()
 
     def _accept(self) -> None:
         try:
@@ -188,6 +212,9 @@ class Coordinator:
         state, node_rank = self.state, member.node_rank
         if node_rank is None or member.done:
             return
+        if state.phase is Phase.FORMING:
+            state.arrived.pop(node_rank, None)
+            return
         if node_rank in state.standby:
             state.standby.remove(node_rank)
             log.warning("spare pod (node rank %d) went away", node_rank)
@@ -220,6 +247,9 @@ class Coordinator:
             state.seen.add(node_rank)
             if state.phase is Phase.GIVEN_UP:
                 self._send(member, Message(Kind.GIVE_UP, why=state.cause))
+            elif state.phase is Phase.FORMING:
+                state.arrived[node_rank] = time.monotonic()
+                self._check_formed()
             elif first and state.round == 0 and state.phase is Phase.RUNNING and node_rank in state.training:
                 self._send(member, Message(Kind.JOIN, round=0, port=self.first_port,
                                            group_rank=state.training.index(node_rank), nnodes=len(state.training)))
@@ -315,6 +345,21 @@ class Coordinator:
         for group_rank, node_rank in enumerate(pods):
             if (member := by_rank.get(node_rank)) is not None:
                 self._send(member, Message(Kind.JOIN, round=state.round, port=port, group_rank=group_rank, nnodes=len(pods)))
+
+    def _check_formed(self) -> None:
+        state = self.state
+        if state.phase is not Phase.FORMING or (pods := state.formed(time.monotonic(), self.last_call)) is None:
+            return
+        state.phase, state.training = Phase.RUNNING, pods
+        log.info("round 0: %d pods (node ranks %s) form the job (--nnodes %d:%d)%s", len(pods), pods, state.fewest,
+                 state.size, "" if len(pods) == state.size else f"; no more came within {self.last_call:g} s: it grows "
+                 "when more do", extra={"round": 0})
+        for member in self._members.values():
+            if member.node_rank in pods:
+                self._send(member, Message(Kind.JOIN, round=0, port=self.first_port, group_rank=pods.index(member.node_rank),
+                                           nnodes=len(pods)))
+            elif member.node_rank in state.arrived:
+                self._send(member, Message(Kind.STAND_BY))
 
     def _check_gather_timeout(self) -> None:
         state = self.state
