@@ -250,6 +250,34 @@ def test_an_elastic_job_waits_for_node_rank_0_and_forms_at_once_with_its_max() -
         coordinator.close()
 
 
+def test_a_spare_pod_takes_the_place_of_a_pod_not_there_at_the_start() -> None:
+    """``--nnodes 3 --spare-pods 1`` (2 train): node rank 1's pod is not scheduled (its node is missing). Round 0 forms
+    after the last call with the spare pod (node rank 2) in its place, not a full restart; node rank 1's pod, when it
+    comes, stands by."""
+    coordinator = Coordinator(2, free_port(), max_restarts=2, gather_timeout=30, first_port=29500, last_call=0.5, spare_pods=1)
+    coordinator.start()
+    try:
+        spare = Member(coordinator.port, 2, answered_now=False)
+        master = Member(coordinator.port, 0, answered_now=False)
+        assert master.first == Message(Kind.JOIN, round=0, port=29500, group_rank=0, nnodes=2)
+        assert spare.first == Message(Kind.JOIN, round=0, port=29500, group_rank=1, nnodes=2)
+        assert coordinator.state.training == [0, 2]
+        assert Member(coordinator.port, 1).first == Message(Kind.STAND_BY)
+    finally:
+        coordinator.close()
+
+
+def test_with_every_pod_there_round_0_is_node_ranks_below_the_size_at_once_and_the_spare_pod_stands_by() -> None:
+    coordinator = Coordinator(2, free_port(), max_restarts=2, gather_timeout=30, last_call=60, spare_pods=1)
+    coordinator.start()
+    try:
+        spare = Member(coordinator.port, 2, answered_now=False)  # first to come, still the spare pod
+        pods = [Member(coordinator.port, n, answered_now=False) for n in (1, 0)]
+        assert [p.first.group_rank for p in pods] == [1, 0] and spare.first == Message(Kind.STAND_BY)
+    finally:
+        coordinator.close()
+
+
 def test_a_round_broken_after_a_pod_is_done_gives_up_at_once(coordinator: Coordinator) -> None:
     """The end of a job: one pod's ranks exited 0, another pod's launcher then declares a hang (its ranks' exit is
     slow). The done pod cannot join a next round, so the coordinator says so now, not after the gather timeout."""

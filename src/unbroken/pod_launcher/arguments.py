@@ -51,11 +51,13 @@ class PodRun:
     collective_timeout: float
     coordinator_port: int
     fewest: int = 0
+    """The fewest pods the job trains on (an elastic job's min); 0: ``nnodes``."""
+    spare_pods: int = 0
+    """Pods past ``nnodes`` that stand by (``--spare-pods``); they may also take the place of one not there at the start."""
     hang_timeout: float | None = None
     """The job's own hang timeout (None: from the ranks' step times); used only with ``hang_in_place``."""
-    hang_in_place: bool = False
+    hang_in_place: bool = True
     """The launchers restart a hang in place (hang.py); off: hangs are left to the operator."""
-    """The fewest pods the job trains on (an elastic job's min); 0: ``nnodes``."""
 
     def __post_init__(self) -> None:
         if not self.fewest:
@@ -150,7 +152,8 @@ def parse(argv: list[str], env: Mapping[str, str] | None = None) -> PodRun:
                   master_port=master_port, command=command, max_restarts=_whole("--max-restarts", args.max_restarts, 0),
                   warm_spare=bool(args.warm_spares), abort_timeout=args.abort_timeout,
                   collective_timeout=args.collective_timeout,
-                  coordinator_port=args.coordinator_port or master_port + 1, fewest=fewest, hang_timeout=hang_timeout,
+                  coordinator_port=args.coordinator_port or master_port + 1, fewest=fewest, spare_pods=args.spare_pods,
+                  hang_timeout=hang_timeout,
                   hang_in_place=hang_in_place)
 
 

@@ -9,11 +9,12 @@ It decides which pods train in each round, and when they form their next process
     any --too few pods for the job (no spare pod, below an elastic job's min), a gather past its timeout, restarts used
           up, a training pod's launcher started again--> GivenUp: "give_up" to every pod
 
-Which pods train. Round 0 of a fixed-size job is the pods of node ranks 0 .. size-1 (size: ``--nnodes``):
-the hello of each is answered with round 0's "join" (its store at MASTER_PORT). An elastic job (``--nnodes
-MIN:MAX``) forms round 0 from the pods that said hello, as torchrun's elastic rendezvous does: at once when
-MAX did, else once MIN (node rank 0 among them) did and ``LAST_CALL_SECONDS`` passed with no more: a job whose
-replicas are fewer than its max (or one pod not scheduled yet) starts smaller and grows when more come. Every
+Which pods train. Round 0 is the pods of node ranks 0 .. size-1 (size: ``--nnodes``, an elastic job's max):
+the hello of each is answered with round 0's "join" (its store at MASTER_PORT). A job with spare pods, or an
+elastic one (``--nnodes MIN:MAX``), answers them together (Forming), as torchrun's elastic rendezvous does: at
+once when those pods all said hello, else once no pod came for ``LAST_CALL_SECONDS`` and enough did (node rank
+0 among them): then a spare pod takes the place of a pod not there (not scheduled: its node is missing), and an
+elastic job whose replicas are fewer than its max starts smaller and grows when more come. Every
 other hello (node ranks past the size, a lost pod recreated later, an elastic pod after round 0) is answered
 "stand_by": a *spare pod*, scheduled, warm,
 without ranks, which says "standby" once its warm spare is ready. A training pod that is lost gives
@@ -98,8 +99,10 @@ class RoundState:
     seen: set[int] = field(default_factory=set)
     done: set[int] = field(default_factory=set)
     """Training pods whose ranks all exited 0."""
+    spare_pods: int = 0
+    """A fixed-size job's pods past its size (``--spare-pods``)."""
     arrived: dict[int, float] = field(default_factory=dict)
-    """Forming (an elastic job's round 0): the pods that said hello, with when."""
+    """Forming (round 0 of an elastic job or of one with spare pods): the pods that said hello, with when."""
 
     @property
     def finished(self) -> bool:
@@ -107,19 +110,23 @@ class RoundState:
         return self.phase is Phase.RUNNING and bool(self.training) and set(self.training) <= self.done
 
     def __post_init__(self) -> None:
-        if self.fewest < self.size:
-            self.phase = Phase.FORMING  # round 0's pods are the first to come (``formed``)
+        if self.fewest < self.size or self.spare_pods:
+            self.phase = Phase.FORMING  # round 0's pods are those that come (``formed``)
         elif not self.training:
             self.training = list(range(self.size))
 
     def formed(self, now: float, last_call: float) -> list[int] | None:
-        """Forming: round 0's pods once they are known (by node rank; node rank 0 first, as it hosts the store)."""
-        pods = sorted(self.arrived)
-        if 0 not in self.arrived or len(pods) < self.fewest:
+        """Forming: round 0's pods once they are known, by node rank (node rank 0 first: it hosts the store). Node
+        ranks 0 .. size-1 at once when all came; else, once no pod came for ``last_call`` and at least ``fewest`` did
+        (node rank 0 among them), those that came, the missing places filled from the pods past the size (spare pods,
+        an elastic job's pods past its max)."""
+        own = [n for n in range(self.size) if n in self.arrived]
+        if len(own) == self.size:
+            return own
+        if 0 not in self.arrived or len(self.arrived) < self.fewest or now - max(self.arrived.values()) < last_call:
             return None
-        if len(pods) >= self.size:
-            return pods[: self.size]
-        return pods if now - max(self.arrived.values()) >= last_call else None  # no one came for the last call
+        extra = sorted(n for n in self.arrived if n >= self.size)
+        return sorted(own + extra[: self.size - len(own)])
 
     def staying(self) -> set[int]:
         return {n for n in self.training if n not in self.gone}
@@ -138,10 +145,11 @@ class Coordinator:
     """Listens on ``port`` (all addresses); ``start()`` runs the loop in a thread, ``close()`` ends it."""
 
     def __init__(self, size: int, port: int, *, max_restarts: int, gather_timeout: float, fewest: int | None = None,
-                 first_port: int = 0, host: str = "", last_call: float = LAST_CALL_SECONDS) -> None:
-        """``first_port``: round 0's store port (MASTER_PORT); ``last_call``: an elastic job's wait for more pods."""
+                 first_port: int = 0, host: str = "", last_call: float = LAST_CALL_SECONDS, spare_pods: int = 0) -> None:
+        """``first_port``: round 0's store port (MASTER_PORT); ``last_call``: round 0's wait for a missing pod (an
+        elastic job's, or one with ``spare_pods``)."""
         self.state = RoundState(size=size, fewest=size if fewest is None else fewest, max_restarts=max_restarts,
-                                gather_timeout=gather_timeout)
+                                gather_timeout=gather_timeout, spare_pods=spare_pods)
         self.first_port = first_port
         self.last_call = last_call
         self._listener = socket.create_server((host, port), reuse_port=False)
@@ -351,9 +359,10 @@ class Coordinator:
         if state.phase is not Phase.FORMING or (pods := state.formed(time.monotonic(), self.last_call)) is None:
             return
         state.phase, state.training = Phase.RUNNING, pods
-        log.info("round 0: %d pods (node ranks %s) form the job (--nnodes %d:%d)%s", len(pods), pods, state.fewest,
-                 state.size, "" if len(pods) == state.size else f"; no more came within {self.last_call:g} s: it grows "
-                 "when more do", extra={"round": 0})
+        size = f"{state.fewest}:{state.size}" if state.fewest < state.size else f"{state.size}, {state.spare_pods} spare"
+        log.info("round 0: %d pods (node ranks %s) form the job (--nnodes %s)%s", len(pods), pods, size,
+                 "" if pods == list(range(state.size)) else f"; no other pod came within {self.last_call:g} s",
+                 extra={"round": 0})
         for member in self._members.values():
             if member.node_rank in pods:
                 self._send(member, Message(Kind.JOIN, round=0, port=self.first_port, group_rank=pods.index(member.node_rank),

@@ -384,7 +384,8 @@ def serve(run: PodRun, run_dir: Path) -> int:
     if run.node_rank == 0:
         try:
             coordinator = Coordinator(run.nnodes, run.coordinator_port, max_restarts=run.max_restarts,
-                                      gather_timeout=gather_timeout, fewest=run.fewest, first_port=run.master_port)
+                                      gather_timeout=gather_timeout, fewest=run.fewest, first_port=run.master_port,
+                                      spare_pods=run.spare_pods)
         except OSError as exc:
             raise ConfigError(f"unbroken run --coordinator-port {run.coordinator_port}: cannot listen there ({os.strerror(exc.errno) if exc.errno else exc}); "
                               "give a free port (default: --master-port + 1)") from exc
