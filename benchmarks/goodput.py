@@ -45,7 +45,7 @@ Every system's rank 0 writes its step timeline (``--progress-log``), read the sa
   (placement) and startup.
 
     .venv/bin/python benchmarks/goodput.py [--minutes 10] [--mtbf-seconds 120] [--seed 1]
-        [--unbroken-checkpoint tiers|file] [--hang-timeout 10|auto] [--json]
+        [--unbroken-checkpoint tiers|file] [--hang-timeout 10|auto] [--keep DIR] [--json]
     .venv/bin/python benchmarks/goodput.py --backend kubernetes [--systems k8s:training-operator,k8s:unbroken,k8s:unbroken+launcher,k8s:unbroken+spare-pod]
 
 ``--backend kubernetes`` runs a PyTorchJob on the real control plane with the process kubelet
@@ -56,6 +56,7 @@ Every system's rank 0 writes its step timeline (``--progress-log``), read the sa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -353,6 +354,9 @@ def main() -> int:
     parser.add_argument("--unbroken-checkpoint", choices=("tiers", "file"), default="tiers",
                         help="how the unbroken systems checkpoint: through unbroken's tiers (memory, peer replica, "
                              "persistent) or the baselines' file per save")
+    parser.add_argument("--keep", type=Path, default=None, metavar="DIR",
+                        help="keep each system's files (logs, timeline; Kubernetes: every pod's log) in DIR, new or empty; "
+                             "default: a temporary folder, removed")
     parser.add_argument("--hang-timeout", default=str(HANG_TIMEOUT),
                         help="the unbroken jobs' hang_timeout in seconds, or 'auto': none set, so unbroken sets it from the "
                              "job's step times (controller/hang_timeout.py)")
@@ -378,8 +382,12 @@ def main() -> int:
         return 2
     print(f"{len(faults)} faults in {args.minutes:g} min: " + ", ".join(f"{f.kind}@{f.at:.0f}s" for f in faults), file=sys.stderr)
     outcomes = []
-    with tempfile.TemporaryDirectory(prefix="unbroken-goodput-") as tmp:
-        root = Path(tmp)
+    if args.keep is not None and args.keep.exists() and any(args.keep.iterdir()):
+        print(f"goodput.py --keep {args.keep}: not empty; give a new or empty folder", file=sys.stderr)
+        return 2
+    with contextlib.ExitStack() as stack:
+        root = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="unbroken-goodput-")))
+        root.mkdir(parents=True, exist_ok=True)
         for system in systems:
             print(f"running {system} for {args.minutes:g} min", file=sys.stderr)
             if system.startswith("k8s:"):

@@ -34,6 +34,13 @@ def training_worker(cluster: Cluster, name: str) -> str:
     return next((w for w in workers if rank_pids(cluster, w)), f"{name}-worker-0")
 
 
+def keep_pod_logs(cluster: Cluster, name: str, into: Path) -> None:
+    """Every pod's log of the job as it ends, beside the timeline: the kubelet's own files go with the cluster."""
+    into.mkdir(exist_ok=True)
+    for pod in cluster.pods(name):
+        (into / f"{pod.metadata.name}.log").write_text(rank_log(cluster, pod.metadata.name))
+
+
 def kubernetes_faults(faults: list[Fault]) -> list[Fault]:
     """goodput.py's schedule (the same times) with this backend's kinds in turn."""
     return [Fault(f.at, FAULTS[i % len(FAULTS)]) for i, f in enumerate(faults)]
@@ -67,6 +74,7 @@ def run(system: str, faults: list[Fault], minutes: float, root: Path) -> Outcome
                 os.kill(pids[0], signal.SIGKILL if fault.kind == "kill-worker" else signal.SIGSTOP)
 
             injected = run_faults(faults, started, minutes, inject, timeline)
+            keep_pod_logs(cluster, name, workdir / "pods")
             if not read_timeline(timeline):  # say why: a job that never stepped is a setup problem, not a goodput
                 print(f"# {system}: no step in {minutes:g} min; the master pod's log ends:\n"
                       f"{rank_log(cluster, f'{name}-master-0')[-3000:]}", file=sys.stderr)
