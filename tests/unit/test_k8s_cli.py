@@ -108,7 +108,7 @@ def test_spare_pods_and_an_elastic_size_render_as_extra_replicas_and_an_elastic_
     assert PYTORCHJOB.fewest_pods(elastic) == 2 and PYTORCHJOB.model(elastic).spec.elastic_policy.min_replicas == 2
     assert command_of(elastic)[:4] == ["python", "-m", "unbroken", "run"] and "--spare-pods" not in command_of(elastic)
     run = arguments.parse(command_of(elastic)[4:], {"PET_NNODES": "2:3", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "m"})
-    assert (run.fewest, run.nnodes, run.elastic) == (2, 3, True)
+    assert (run.fewest, run.nnodes, run.spare_pods) == (2, 3, 0)
     with pytest.raises(UsageError, match=r"nodes 2-3 \(elastic\) needs a PyTorchJob \(--kind PyTorchJob\): the Trainer has no "
                                          r"elastic policy yet \(kubeflow/trainer#2903\)"):
         render_trainjob(spec(nodes="2:3"), Placement(image="i"))
