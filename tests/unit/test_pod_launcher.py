@@ -10,6 +10,7 @@ import json
 import socket
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,15 @@ class Member:
         self.sock.close()
 
 
+@contextmanager
+def running(coordinator: Coordinator) -> Iterator[Coordinator]:
+    coordinator.start()
+    try:
+        yield coordinator
+    finally:
+        coordinator.close()
+
+
 @pytest.fixture
 def coordinator() -> Iterator[Coordinator]:
     result = Coordinator(3, free_port(), max_restarts=2, gather_timeout=30, first_port=29500)
@@ -218,9 +228,7 @@ def test_an_elastic_job_with_fewer_pods_than_its_max_starts_after_the_last_call_
     """``--nnodes 2:3`` and two replicas (an elasticPolicy whose max is above the replicas): round 0 cannot wait for
     a third pod that may never come. It forms with two once the last call passed with no more; a pod that comes
     later stands by and grows the job."""
-    coordinator = Coordinator(3, free_port(), max_restarts=2, gather_timeout=30, fewest=2, first_port=29500, last_call=0.5)
-    coordinator.start()
-    try:
+    with running(Coordinator(3, free_port(), max_restarts=2, gather_timeout=30, fewest=2, first_port=29500, last_call=0.5)) as coordinator:
         pods = [Member(coordinator.port, 1, answered_now=False)]
         wait_until(lambda: coordinator.state.arrived.keys() == {1}, 5, "node rank 1's hello")
         pods.insert(0, Member(coordinator.port, 0))
@@ -232,50 +240,36 @@ def test_an_elastic_job_with_fewer_pods_than_its_max_starts_after_the_last_call_
         joins = held_then_joined({0: pods[0], 1: pods[1], 2: late}, ready=[0, 1])
         assert {n: (m.kind, m.group_rank, m.nnodes) for n, m in joins.items()} == \
             {0: (Kind.JOIN, 0, 3), 1: (Kind.JOIN, 1, 3), 2: (Kind.JOIN, 2, 3)}
-    finally:
-        coordinator.close()
 
 
 def test_an_elastic_job_waits_for_node_rank_0_and_forms_at_once_with_its_max() -> None:
-    coordinator = Coordinator(2, free_port(), max_restarts=2, gather_timeout=30, fewest=1, last_call=60)
-    coordinator.start()
-    try:
+    with running(Coordinator(2, free_port(), max_restarts=2, gather_timeout=30, fewest=1, last_call=60)) as coordinator:
         worker = Member(coordinator.port, 1, answered_now=False)
         wait_until(lambda: coordinator.state.arrived.keys() == {1}, 5, "node rank 1's hello")
         assert coordinator.state.phase is Phase.FORMING, "min 1 reached, but without node rank 0 (the store's host)"
         master = Member(coordinator.port, 0)  # the max: no last call
         assert master.first == Message(Kind.JOIN, round=0, port=0, group_rank=0, nnodes=2)
         assert worker.first == Message(Kind.JOIN, round=0, port=0, group_rank=1, nnodes=2)
-    finally:
-        coordinator.close()
 
 
 def test_a_spare_pod_takes_the_place_of_a_pod_not_there_at_the_start() -> None:
     """``--nnodes 3 --spare-pods 1`` (2 train): node rank 1's pod is not scheduled (its node is missing). Round 0 forms
     after the last call with the spare pod (node rank 2) in its place, not a full restart; node rank 1's pod, when it
     comes, stands by."""
-    coordinator = Coordinator(2, free_port(), max_restarts=2, gather_timeout=30, first_port=29500, last_call=0.5, spare_pods=1)
-    coordinator.start()
-    try:
+    with running(Coordinator(2, free_port(), max_restarts=2, gather_timeout=30, first_port=29500, last_call=0.5, spare_pods=1)) as coordinator:
         spare = Member(coordinator.port, 2, answered_now=False)
         master = Member(coordinator.port, 0, answered_now=False)
         assert master.first == Message(Kind.JOIN, round=0, port=29500, group_rank=0, nnodes=2)
         assert spare.first == Message(Kind.JOIN, round=0, port=29500, group_rank=1, nnodes=2)
         assert coordinator.state.training == [0, 2]
         assert Member(coordinator.port, 1).first == Message(Kind.STAND_BY)
-    finally:
-        coordinator.close()
 
 
 def test_with_every_pod_there_round_0_is_node_ranks_below_the_size_at_once_and_the_spare_pod_stands_by() -> None:
-    coordinator = Coordinator(2, free_port(), max_restarts=2, gather_timeout=30, last_call=60, spare_pods=1)
-    coordinator.start()
-    try:
+    with running(Coordinator(2, free_port(), max_restarts=2, gather_timeout=30, last_call=60, spare_pods=1)) as coordinator:
         spare = Member(coordinator.port, 2, answered_now=False)  # first to come, still the spare pod
         pods = [Member(coordinator.port, n, answered_now=False) for n in (1, 0)]
         assert [p.first.group_rank for p in pods] == [1, 0] and spare.first == Message(Kind.STAND_BY)
-    finally:
-        coordinator.close()
 
 
 def test_a_round_broken_after_a_pod_is_done_gives_up_at_once(coordinator: Coordinator) -> None:
@@ -291,9 +285,7 @@ def test_a_round_broken_after_a_pod_is_done_gives_up_at_once(coordinator: Coordi
 
 
 def test_an_elastic_job_shrinks_down_to_its_min_and_grows_back_when_a_pod_returns_without_a_restart_counted() -> None:
-    coordinator = Coordinator(3, free_port(), max_restarts=2, gather_timeout=30, fewest=2)
-    coordinator.start()
-    try:
+    with running(Coordinator(3, free_port(), max_restarts=2, gather_timeout=30, fewest=2)) as coordinator:
         pods = dict(enumerate(members(coordinator)))
         pods[1].close()
         joins = held_then_joined({0: pods[0], 2: pods[2]}, ready=[0, 2])
@@ -311,14 +303,10 @@ def test_an_elastic_job_shrinks_down_to_its_min_and_grows_back_when_a_pod_return
         assert {n: (m.round, m.group_rank, m.nnodes) for n, m in joins.items()} == {0: (3, 0, 2), 1: (3, 1, 2)}
         back.close()
         assert pods[0].receive().why == "the pod of node rank 1 is gone; the 2 in-place restarts allowed (--max-restarts) are used"
-    finally:
-        coordinator.close()
 
 
 def test_below_an_elastic_jobs_min_is_a_full_restart() -> None:
-    coordinator = Coordinator(3, free_port(), max_restarts=5, gather_timeout=30, fewest=3 - 1)
-    coordinator.start()
-    try:
+    with running(Coordinator(3, free_port(), max_restarts=5, gather_timeout=30, fewest=3 - 1)) as coordinator:
         pods = members(coordinator)
         pods[1].send(Message(Kind.BROKEN, round=0, why="rank 1 exited with code 1", fault=True))
         assert pods[0].receive().kind is Kind.HOLD
@@ -326,8 +314,6 @@ def test_below_an_elastic_jobs_min_is_a_full_restart() -> None:
         pods[2].close()
         assert pods[0].receive().why == ("node rank 1: rank 1 exited with code 1; and the pod of node rank 2 is gone; 1 pod "
                                          "is left, no spare pod is warm, and the job needs at least 2 (--nnodes 2:3)")
-    finally:
-        coordinator.close()
 
 
 def test_restarts_past_max_restarts_and_a_launcher_started_again_give_up(coordinator: Coordinator) -> None:
@@ -356,17 +342,13 @@ def test_restarts_past_max_restarts_and_a_launcher_started_again_give_up(coordin
 
 
 def test_pods_not_ready_within_the_gather_timeout_are_named_and_junk_is_ignored() -> None:
-    coordinator = Coordinator(3, free_port(), max_restarts=2, gather_timeout=0.3)
-    coordinator.start()
-    try:
+    with running(Coordinator(3, free_port(), max_restarts=2, gather_timeout=0.3)) as coordinator:
         pods = members(coordinator)
         pods[1].sock.sendall(b"this is no message\n" + json.dumps({"kind": "hello", "node_rank": 9}).encode() + b"\n")
         pods[0].send(Message(Kind.BROKEN, round=0, why="x"))
         assert pods[1].receive().kind is Kind.HOLD
         pods[0].send(Message(Kind.READY, round=0))
         assert pods[1].receive() == Message(Kind.GIVE_UP, why="node ranks [1, 2] were not ready for round 1 within 0.3 s")
-    finally:
-        coordinator.close()
 
 
 def test_the_relay_passes_every_datagram_to_the_agent_and_counts_the_ranks_that_stepped(tmp_path: Path) -> None:

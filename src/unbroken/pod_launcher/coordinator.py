@@ -2,7 +2,8 @@
 
 It decides which pods train in each round, and when they form their next process group:
 
-    Forming --an elastic job: every pod up to its max said hello, or its min did and LAST_CALL_SECONDS passed--> Running(0)
+    Forming --(elastic, or with spare pods) node ranks 0..size-1 said hello, or enough did and no pod came for
+              LAST_CALL_SECONDS--> Running(0)
     Running(N) --a pod reports round N broken, or a training pod is gone--> Gathering(N): "hold" to every training pod
     Running(N) --a warm spare pod and the job below its size--> Gathering(N): a grow (no fault, not a restart)
     Gathering(N) --every training pod left is ready--> Running(N+1): "join" to each pod of the new round, with its group rank
@@ -52,8 +53,9 @@ SEND_TIMEOUT_SECONDS = 1.0
 TICK_SECONDS = 0.05
 """How often the loop looks at the clock when no message comes: the gather timeout's resolution."""
 LAST_CALL_SECONDS = 30.0
-"""An elastic job with its min of pods but not its max waits this long for more before round 0 (torchrun's elastic
-rendezvous waits as long, its ``last_call_timeout``): pods created together say hello within seconds."""
+"""Round 0 of an elastic job, or of one with spare pods, waits this long for a pod missing from node ranks
+0..size-1 (torchrun's elastic rendezvous waits as long, its ``last_call_timeout``): pods created together say hello
+within seconds."""
 
 
 class Phase(StrEnum):
@@ -259,8 +261,7 @@ class Coordinator:
                 state.arrived[node_rank] = time.monotonic()
                 self._check_formed()
             elif first and state.round == 0 and state.phase is Phase.RUNNING and node_rank in state.training:
-                self._send(member, Message(Kind.JOIN, round=0, port=self.first_port,
-                                           group_rank=state.training.index(node_rank), nnodes=len(state.training)))
+                self._send(member, self._round_0_join(node_rank))
             else:
                 self._send(member, Message(Kind.STAND_BY))
             return
@@ -354,6 +355,10 @@ class Coordinator:
             if (member := by_rank.get(node_rank)) is not None:
                 self._send(member, Message(Kind.JOIN, round=state.round, port=port, group_rank=group_rank, nnodes=len(pods)))
 
+    def _round_0_join(self, node_rank: int) -> Message:
+        training = self.state.training
+        return Message(Kind.JOIN, round=0, port=self.first_port, group_rank=training.index(node_rank), nnodes=len(training))
+
     def _check_formed(self) -> None:
         state = self.state
         if state.phase is not Phase.FORMING or (pods := state.formed(time.monotonic(), self.last_call)) is None:
@@ -365,8 +370,7 @@ class Coordinator:
                  extra={"round": 0})
         for member in self._members.values():
             if member.node_rank in pods:
-                self._send(member, Message(Kind.JOIN, round=0, port=self.first_port, group_rank=pods.index(member.node_rank),
-                                           nnodes=len(pods)))
+                self._send(member, self._round_0_join(member.node_rank))
             elif member.node_rank in state.arrived:
                 self._send(member, Message(Kind.STAND_BY))
 
