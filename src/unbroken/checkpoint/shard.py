@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from unbroken.checkpoint.integrity import StreamingChecksum, checksum
 from unbroken.checkpoint.manifest import FORMAT, ShardLayout, TensorMeta
 from unbroken.errors import CheckpointError
 
-__all__ = ["ALIGN", "FORMAT", "ShardLayout", "StreamingChecksum", "TensorMeta", "checksum", "plan", "read", "write"]
+__all__ = ["ALIGN", "FORMAT", "ShardLayout", "StreamingChecksum", "TensorMeta", "checksum", "plan", "read", "view", "write"]
 
 ALIGN = 64
 
@@ -103,20 +104,33 @@ def _view(buffer: Any, meta: TensorMeta) -> torch.Tensor:
     return raw.view(dtype).view(meta.shape)
 
 
-def write(buffer: Any, layout: ShardLayout, tensors: list[torch.Tensor], *, non_blocking: bool = False) -> None:
+Copy = Callable[[torch.Tensor, torch.Tensor], None]
+"""Copies a tensor (source, second) into its place in a shard (destination, first)."""
+
+
+def write(buffer: Any, layout: ShardLayout, tensors: list[torch.Tensor], *, copy: Copy | None = None) -> None:
     """Copy every tensor and the skeleton into ``buffer`` (writable, at least ``layout.size`` bytes).
 
-    This copy is the whole blocking part of a save. ``non_blocking`` lets device
-    tensors copy asynchronously into registered (pinned) memory; the caller then
-    synchronises the stream before the bytes are read.
+    This copy is the whole blocking part of a save. ``copy`` puts one tensor in its
+    place (default ``Tensor.copy_``); the memory tier passes one that queues device
+    tensors' copies on its copy stream, and synchronises before the bytes are read.
     """
     with torch.no_grad():
         for meta, tensor in zip(layout.tensors, tensors, strict=True):
             if meta.nbytes:
-                _view(buffer, meta).copy_(tensor.detach(), non_blocking=non_blocking)
+                destination = _view(buffer, meta)
+                if copy is None:
+                    destination.copy_(tensor.detach())
+                else:
+                    copy(destination, tensor.detach())
     view = memoryview(buffer)
     view[layout.skeleton_offset : layout.size] = layout.skeleton
     view.release()
+
+
+def view(buffer: Any, meta: TensorMeta) -> torch.Tensor:
+    """Where the tensor described by ``meta`` lies in ``buffer``, as a tensor of its dtype and shape."""
+    return _view(buffer, meta)
 
 
 def read(buffer: Any, tensors: tuple[TensorMeta, ...], skeleton_offset: int, size: int, *, copy: bool = True) -> Any:

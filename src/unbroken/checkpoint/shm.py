@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from unbroken import launch_env
+from unbroken.checkpoint.cuda_host import PinnedMemory
 from unbroken.checkpoint.manifest import ShardInfo
 from unbroken.errors import CheckpointError
 
@@ -104,7 +105,11 @@ class Slot:
     capacity: int = 0
     step: int | None = None
     """The step of the complete shard it holds, None while empty or being written."""
-    registered: bool = False
+    pinned_by: PinnedMemory | None = None
+    """The record its mapping is registered in (page-locked, for device-to-host copies); None: not pinned."""
+    pin_refused: bool = False
+    """Pinning this mapping failed, or a copy into it did not verify: until it is re-mapped, device
+    copies go through a bounce buffer and no second registration is tried."""
 
     def fits(self, size: int) -> bool:
         """Reuse the mapping for ``size`` bytes: small changes (the pickled part of a state
@@ -116,13 +121,12 @@ class Slot:
 
         A new or resized slot is allocated (``posix_fallocate``: ENOSPC here, not a
         SIGBUS mid-copy) and its page tables filled (``MAP_POPULATE``): a fresh tmpfs
-        page written from user space costs ~3 µs, a rewritten one nothing.
+        page written from user space costs ~3 µs, a rewritten one nothing. A pinned
+        mapping is unpinned before it is re-mapped (cuda_host.py says why).
         """
         if self.view is not None and self.fits(size):
             return self.view
-        if self.view is not None:
-            self.view.close()
-            self.view = None
+        self._unmap()
         capacity = max(CAPACITY_STEP, -(-size // CAPACITY_STEP) * CAPACITY_STEP)
         os.ftruncate(self.fd, capacity)
         try:
@@ -132,13 +136,39 @@ class Slot:
         flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
         self.view = mmap.mmap(self.fd, capacity, flags=flags)
         self.capacity = capacity
-        self.registered = False
+        self.pin_refused = False
         return self.view
 
-    def close(self) -> None:
+    def pin(self, pinning: PinnedMemory) -> bool:
+        """Register the mapping for device copies (once per mapping); False: copies must go through a bounce buffer."""
+        if self.pinned_by is not None:
+            return True
+        if self.view is None or self.pin_refused:
+            return False
+        if pinning.pin(self.view, self.capacity):
+            self.pinned_by = pinning
+            return True
+        self.pin_refused = True
+        return False
+
+    def distrust_pinning(self) -> None:
+        """A device copy into this slot did not verify: unpin it, and copy through a bounce buffer from now on."""
+        self.unpin()
+        self.pin_refused = True
+
+    def unpin(self) -> None:
+        if self.pinned_by is not None and self.view is not None:
+            self.pinned_by.unpin(self.view)
+        self.pinned_by = None
+
+    def _unmap(self) -> None:
+        self.unpin()  # CUDA's rule: a registered range is never unmapped while registered
         if self.view is not None:
             self.view.close()
             self.view = None
+
+    def close(self) -> None:
+        self._unmap()
         os.close(self.fd)
 
 
@@ -182,8 +212,7 @@ class SlotPool:
     def _try_acquire(self) -> Slot | None:
         # The newest ``keep`` complete steps stay; of the others, empty slots go first,
         # then the oldest step. So the tier holds ``keep`` steps even while a save runs.
-        complete = sorted((s.step for s in self.slots if s.step is not None), reverse=True)
-        protected = set(complete[: self.keep])
+        protected = self._protected()
         candidates = sorted(
             (s for s in self.slots if s.step is None or s.step not in protected),
             key=lambda s: -1 if s.step is None else s.step,
@@ -220,23 +249,43 @@ class SlotPool:
         self.slots.append(slot)
         return slot
 
-    def prepare(self, size: int) -> None:
-        """Allocate and map the slots a steady state needs (``keep + 1``) for ``size`` bytes.
+    def prepare(self, size: int, pinning: PinnedMemory | None = None) -> None:
+        """Get the slots a steady state needs (``keep + 1``) mapped for ``size`` bytes, and pinned
+        with ``pinning`` (a state of device tensors), so that no save pays for it.
 
-        Run in a background thread after the first save (or a restore): otherwise each
-        of the next saves would pay for fresh pages (~0.3 GB/s) inside the training stall.
-        The page tables are filled by a torch fill, which releases the GIL, not by
-        ``MAP_POPULATE``, whose ``mmap`` call would hold it.
+        Run in a background thread after a save or a restore, or once the state is known
+        (``TieredCheckpointer.prepare``): a fresh slot costs ~0.3 GB/s of page faults here and
+        its registration with CUDA ~2 GB/s on an H100 host, all of it a stall on a save's path.
+        Free slots of another size are re-mapped; slots being read are left alone. The page
+        tables are filled by a torch fill, which releases the GIL, not by ``MAP_POPULATE``,
+        whose ``mmap`` call would hold it.
         """
         import torch
 
         while len(self.slots) < self.keep + 1:
-            slot = self._new_slot()
+            fcntl.flock(self._new_slot().fd, fcntl.LOCK_UN)
+        for slot in list(self.slots):
+            if slot.fits(size) and (pinning is None or slot.pinned_by is not None or slot.pin_refused):
+                continue
             try:
-                view = slot.ensure_capacity(size, populate=False)
-                torch.frombuffer(view, dtype=torch.uint8).zero_()
+                fcntl.flock(slot.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a reader holds it; a save will size it when it takes it
+            try:
+                if slot.step is not None and slot.step in self._protected():
+                    continue  # holds one of the newest complete steps: re-mapping it would drop that step
+                if not slot.fits(size):
+                    descriptor_path(slot.path).unlink(missing_ok=True)
+                    slot.step = None
+                    torch.frombuffer(slot.ensure_capacity(size, populate=False), dtype=torch.uint8).zero_()
+                if pinning is not None:
+                    slot.pin(pinning)
             finally:
                 fcntl.flock(slot.fd, fcntl.LOCK_UN)
+
+    def _protected(self) -> set[int]:
+        complete = sorted((s.step for s in self.slots if s.step is not None), reverse=True)
+        return set(complete[: self.keep])
 
     def release(self, slot: Slot, info: ShardInfo | None) -> None:
         """Publish ``info`` (the slot's commit marker on this node) and unlock."""

@@ -22,20 +22,23 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import ctypes
 import logging
 import mmap
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from unbroken.checkpoint import collectives, fence, rng, shard, shm, tiers
+from unbroken.checkpoint import collectives, cuda_host, fence, rng, shard, shm, tiers
 from unbroken.checkpoint.api import CheckpointObserver, Restored, RestoreReport, SaveReport
 from unbroken.checkpoint.credentials import Credentials
+from unbroken.checkpoint.cuda_host import PinnedMemory
+from unbroken.checkpoint.device_copy import DeviceCopy, Expected
 from unbroken.checkpoint.manifest import ShardInfo
 from unbroken.checkpoint.restore_catalog import RestoreCatalog
 from unbroken.checkpoint.peer import PeerClient
@@ -44,6 +47,7 @@ from unbroken.config.checkpoint import TierPolicy
 from unbroken.errors import CheckpointError
 
 log = logging.getLogger("unbroken.checkpoint")
+T = TypeVar("T")
 
 
 def _say(message: str) -> None:
@@ -78,11 +82,14 @@ class TieredCheckpointer:
     """The cluster's TLS credentials: to ask the agent for the catalog and read peers' copies."""
     observer: CheckpointObserver | None = None
     save_wait_seconds: float = 30.0
+    pinning: PinnedMemory | None = None
+    """The process's record of pinned memory over its CUDA runtime (cuda_host.py); None: the real
+    one, taken when the first device tensor is saved. Tests pass one over a stand-in."""
     _pool: shm.SlotPool = field(init=False)
     _pending: threading.Thread | None = field(default=None, init=False)
     _last_step: int | None = field(default=None, init=False)
     _last_at: float | None = field(default=None, init=False)
-    _stream: Any = field(default=None, init=False)
+    _device: DeviceCopy | None = field(default=None, init=False)
     _prefetched: dict[tuple[Path, str], mmap.mmap] = field(default_factory=dict, init=False)
     _prefetch: threading.Thread | None = field(default=None, init=False)
     _copied: threading.Event | None = field(default=None, init=False)
@@ -120,21 +127,23 @@ class TieredCheckpointer:
         With ``overlap`` the copy runs in the background until ``fence()``; without, it is done on return.
 
         No collective: callers that decide the cadence themselves (the DCP writer) use this.
+        The training thread only lays the state out and takes a slot: mapping, pinning and
+        copying it all run in the copy thread.
         """
         started = time.perf_counter()
         self.wait()
         layout, tensors = shard.plan({"step": step, "state": state, "rng": rng.capture()})
         try:
             slot = self._pool.acquire(wait_seconds=self.save_wait_seconds)
-            buffer = slot.ensure_capacity(layout.size)
         except CheckpointError as exc:
-            # A full /dev/shm or readers holding every slot: this step is not staged, training goes on.
+            # Readers holding every slot: this step is not staged, training goes on.
             _say(f"step {step} not checkpointed: {exc}")
             return False
-        ready = self._ready_marker(tensors)
+        device = self._device_copy(tensors)
+        ready = device.pinning.runtime.ready_marker() if device is not None else None
         copied = threading.Event()
         self._copied = copied
-        self._pending = threading.Thread(target=self._copy_and_finalize, args=(slot, buffer, layout, tensors, step, ready, copied),
+        self._pending = threading.Thread(target=self._copy_and_finalize, args=(slot, layout, tensors, step, device, ready, copied),
                                          name="ckpt-copy", daemon=True)
         self._pending.start()
         self._last_step, self._last_at = step, time.monotonic()
@@ -146,6 +155,17 @@ class TieredCheckpointer:
         if not overlap:
             self._report_save()
         return True
+
+    def prepare(self, state: dict[str, Any]) -> None:
+        """Map (and for device tensors pin) this rank's slots for ``state``'s size now, in the background, so that
+        the first save costs what the others do. Call it once the state has its full size (after the first
+        optimizer step, which makes Adam's moments). Without it the first save maps and pins its slot
+        while the next optimizer step waits for it: seconds for GiBs."""
+        self.wait()
+        layout, tensors = shard.plan({"step": 0, "state": state, "rng": rng.capture()})
+        device = self._device_copy(tensors)
+        self._pending = threading.Thread(target=self._prepare_slots, args=(layout.size, device), name="ckpt-prepare", daemon=True)
+        self._pending.start()
 
     def fence(self) -> None:
         """Return once the last save's bytes are all in its slot. The optimizer step does it by itself;
@@ -164,28 +184,36 @@ class TieredCheckpointer:
         if report is not None and self.observer is not None:
             self.observer.saved(dataclasses.replace(report, stall_seconds=self.last_stall_seconds))
 
-    def _ready_marker(self, tensors: list[torch.Tensor]) -> Any:
-        """A CUDA event after the work queued so far on the caller's stream (the values to save), or None.
-        The copy stream is made here too, on the caller's thread, so it is on the caller's device."""
-        if not any(t.is_cuda for t in tensors):
-            return None
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream())
-        return event
+    def _device_copy(self, tensors: list[torch.Tensor]) -> DeviceCopy | None:
+        """How device tensors reach a slot, if ``tensors`` has any (made on first use: it owns the bounce buffer)."""
+        if self._device is None:
+            pinning = self.pinning
+            if pinning is None:
+                if not any(t.is_cuda for t in tensors):
+                    return None
+                pinning = self.pinning = cuda_host.process_pinned_memory()
+            self._device = DeviceCopy(pinning)
+        return self._device if self._device.holds_device_tensors(tensors) else None
 
-    def _copy_and_finalize(self, slot: shm.Slot, buffer: mmap.mmap, layout: shard.ShardLayout, tensors: list[torch.Tensor],
-                           step: int, ready: Any, copied: threading.Event) -> None:
+    def _copy_and_finalize(self, slot: shm.Slot, layout: shard.ShardLayout, tensors: list[torch.Tensor], step: int,
+                           device: DeviceCopy | None, ready: Any, copied: threading.Event) -> None:
+        expected: Expected | None = None
         try:
-            self._copy(slot, buffer, layout, tensors, ready)
+            if (slot.view is None or not slot.fits(layout.size)) and layout.size >= SAY_MAPPING_BYTES:
+                _say(f"step {step}: mapping{' and pinning' if device else ''} a {layout.size / 2**30:.2f} GiB slot while the "
+                     "next optimizer step waits (ctx.checkpoint.prepare(state) does it ahead)")
+            buffer = slot.ensure_capacity(layout.size)
+            if device is None:
+                shard.write(buffer, layout, tensors)
+            else:
+                expected = device.into(slot, buffer, layout, tensors, ready)
         except BaseException as exc:  # noqa: BLE001 - a failing tier degrades: the step is lost, training goes on
             copied.set()
             self._pool.release(slot, None)
             _say(f"step {step} not checkpointed: copying it into the memory tier failed: {exc!r}")
             return
-        copied.set()
-        self._finalize(slot, layout, step)
+        copied.set()  # the state is the script's again; what follows reads the slot only
+        self._finalize(slot, buffer, layout, step, device, expected)
 
     @property
     def last_step(self) -> int | None:
@@ -208,37 +236,35 @@ class TieredCheckpointer:
         # Ranks reach a step at slightly different times: agree, or no step would ever commit.
         return collectives.any_rank(due)
 
-    def _copy(self, slot: shm.Slot, buffer: mmap.mmap, layout: shard.ShardLayout, tensors: list[torch.Tensor], ready: Any) -> None:
-        if ready is None:
-            shard.write(buffer, layout, tensors)
-            return
-        # Device -> host: register the slot as pinned memory once, copy on our own stream,
-        # and wait for that stream only (the training stream keeps going meanwhile).
-        if not slot.registered and layout.size:
-            address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
-            torch.cuda.cudart().cudaHostRegister(address, slot.capacity, 0)
-            slot.registered = True
-        self._stream.wait_event(ready)  # the caller's stream had queued the last writes to these tensors
-        with torch.cuda.device(self._stream.device), torch.cuda.stream(self._stream):
-            shard.write(buffer, layout, tensors, non_blocking=True)
-        self._stream.synchronize()
-
-    def _finalize(self, slot: shm.Slot, layout: shard.ShardLayout, step: int) -> None:
+    def _finalize(self, slot: shm.Slot, buffer: Any, layout: shard.ShardLayout, step: int, device: DeviceCopy | None,
+                  expected: Expected | None) -> None:
+        """Checksum the slot and publish it, once a device copy's bytes are proven to be the device's."""
         info: ShardInfo | None = None
         try:
-            assert slot.view is not None
-            digest = shard.checksum(slot.view, layout.size)
-            info = ShardInfo.describe(
-                job=self.job, step=step, rank=self.rank, world_size=self.world_size, attempt=self.attempt,
-                layout=layout, checksum=digest,
-            )
+            mismatch: Future[str | None] | None = None
+            if device is not None and expected is not None:
+                # beside the checksum: both read the slot, both release the GIL
+                mismatch = _beside(lambda: device.verify(buffer, layout, expected))
+            digest = shard.checksum(buffer, layout.size)
+            differs = mismatch.result() if mismatch is not None else None
+            if differs is None:
+                info = ShardInfo.describe(
+                    job=self.job, step=step, rank=self.rank, world_size=self.world_size, attempt=self.attempt,
+                    layout=layout, checksum=digest,
+                )
+            else:
+                path = "the bounce buffer" if expected is not None and expected.through_bounce else "its pinned mapping"
+                _say(f"step {step} not checkpointed: the slot's copy through {path} is not what the device held "
+                     f"({differs}); the newest checkpoint is the one before, and this slot's next copies go "
+                     "through a bounce buffer")
+                slot.distrust_pinning()
         finally:
             self._pool.release(slot, info)
-        self._prepare_slots(layout.size)
+        self._prepare_slots(layout.size, device)
 
-    def _prepare_slots(self, size: int) -> None:
+    def _prepare_slots(self, size: int, device: DeviceCopy | None = None) -> None:
         try:
-            self._pool.prepare(size)
+            self._pool.prepare(size, device.pinning if device is not None else None)
         except (OSError, CheckpointError) as exc:
             _say(f"memory tier: could not allocate slots ahead of time ({exc}); saves will allocate them")
 
@@ -342,6 +368,24 @@ class TieredCheckpointer:
         if self._prefetch is not None:
             self._prefetch.join()
         return self._prefetched.pop((stored.path, stored.info.checksum), None) or _map_private(stored.path, stored.info.size)
+
+SAY_MAPPING_BYTES = 64 << 20
+"""A save that must map its slot first says so from this size on, where the stall starts to show."""
+
+
+def _beside(work: Callable[[], T]) -> Future[T]:
+    """Run ``work`` in a thread of its own; its result (or exception) comes through the future."""
+    future: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(work())
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="ckpt-verify", daemon=True).start()
+    return future
+
 
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14; the constant is missing from older Pythons
 

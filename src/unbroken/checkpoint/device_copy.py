@@ -1,0 +1,89 @@
+"""A rank's device tensors into its memory-tier slot, and the proof that the slot holds them.
+
+The copy runs on the checkpointer's copy stream, after the caller's stream has
+queued the last writes to the tensors: into the slot directly when its mapping
+is pinned (the DMA engine at the link's speed), else through a small pinned
+bounce buffer that the CUDA runtime allocated itself (exact whatever became of
+the slot's registration, at the speed of a host memcpy). On the same stream,
+right before the copy, the source is fingerprinted (fingerprint.py): the save
+is recorded only if the slot's bytes fingerprint the same on the host, which
+:meth:`DeviceCopy.verify` checks after the training step was let go.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from unbroken.checkpoint import fingerprint, shard, shm
+from unbroken.checkpoint.cuda_host import PinnedMemory
+from unbroken.checkpoint.manifest import ShardLayout
+
+BOUNCE_BYTES = 64 << 20
+"""The bounce buffer: large enough that each chunk's copy runs at the link's speed, small enough to keep."""
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What each device tensor of a save fingerprinted as on the device, by its index in the layout."""
+
+    sums: dict[int, torch.Tensor]
+    through_bounce: bool
+    """The slot was not pinned: the copy went through the bounce buffer."""
+
+
+@dataclass
+class DeviceCopy:
+    pinning: PinnedMemory
+    _bounce: torch.Tensor | None = field(default=None, init=False)
+
+    def holds_device_tensors(self, tensors: list[torch.Tensor]) -> bool:
+        return any(self.pinning.runtime.is_device(t) for t in tensors)
+
+    def into(self, slot: shm.Slot, buffer: Any, layout: ShardLayout, tensors: list[torch.Tensor], ready: Any) -> Expected:
+        """Copy ``tensors`` into ``buffer`` (the slot's mapping) and fingerprint the device ones; returns once
+        the copy is complete, after which the tensors may change."""
+        runtime = self.pinning.runtime
+        direct = slot.pin(self.pinning)
+        with torch.no_grad(), runtime.copy_stream(ready):
+            device = {i: fingerprint.of_tensor(t) for i, t in enumerate(tensors)
+                      if runtime.is_device(t) and layout.tensors[i].nbytes}
+            shard.write(buffer, layout, tensors, copy=self._direct if direct else self._bounced)
+            runtime.synchronize()
+        return Expected({i: sums.cpu() for i, sums in device.items()}, through_bounce=not direct)
+
+    def verify(self, buffer: Any, layout: ShardLayout, expected: Expected) -> str | None:
+        """None if every device tensor's bytes in ``buffer`` fingerprint as they did on the device, else what differs."""
+        for index, sums in expected.sums.items():
+            meta = layout.tensors[index]
+            found = fingerprint.of_host(buffer, meta.offset, meta.nbytes)
+            if not torch.equal(found, sums):
+                differ = (found != sums).nonzero().flatten().tolist() if found.shape == sums.shape else []
+                where = f"blocks {differ[:5]} of {sums.numel()}" if differ else f"{found.numel()} blocks, not {sums.numel()}"
+                return (f"tensor {index} ({meta.dtype} {list(meta.shape)}, {meta.nbytes} bytes): {where} "
+                        f"({fingerprint.BLOCK_BYTES >> 20} MiB each) differ from the device's")
+        return None
+
+    def _direct(self, destination: torch.Tensor, source: torch.Tensor) -> None:
+        if self.pinning.runtime.is_device(source):
+            self.pinning.runtime.copy_to_host(destination, source)
+        else:
+            destination.copy_(source)
+
+    def _bounced(self, destination: torch.Tensor, source: torch.Tensor) -> None:
+        runtime = self.pinning.runtime
+        if not runtime.is_device(source):
+            destination.copy_(source)
+            return
+        flat = source.reshape(-1)
+        data = (flat if flat.is_contiguous() else flat.contiguous()).view(torch.uint8)
+        target = destination.reshape(-1).view(torch.uint8)
+        if self._bounce is None:
+            self._bounce = runtime.pinned_buffer(BOUNCE_BYTES)
+        for start in range(0, data.numel(), BOUNCE_BYTES):
+            length = min(BOUNCE_BYTES, data.numel() - start)
+            runtime.copy_to_host(self._bounce[:length], data[start : start + length])
+            runtime.synchronize()
+            target[start : start + length].copy_(self._bounce[:length])

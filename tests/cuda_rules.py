@@ -1,0 +1,109 @@
+"""A stand-in for the CUDA runtime that keeps CUDA's documented rules for registered host memory.
+
+No GPU runs here, so the memory tier's device path runs on CPU tensors that play
+device tensors, against this stand-in for the few calls it makes
+(``unbroken.checkpoint.cuda_host.CudaRuntime``). It is as thin as it can be, and
+strict where CUDA is:
+
+- ``cudaHostRegister`` of a range that overlaps a registered one returns 712
+  (``cudaErrorHostMemoryAlreadyRegistered``); ``cudaHostUnregister`` of an
+  address that is not registered returns 713.
+- A registered range holds its pages: the stand-in keeps a buffer export of the
+  mapping, so closing (unmapping or re-mapping) a registered ``mmap`` raises
+  ``BufferError`` in the code that does it, where real CUDA would go on copying
+  into the old pages and the new mapping would hold stale bytes.
+- A device-to-host copy into registered memory goes through the registration
+  (the DMA engine writes the pages it pinned); into unregistered memory it is
+  the runtime's own staged copy. ``corrupt_next`` makes the next copies deliver
+  one flipped bit, as a copy gone wrong would: what the tier's read-back must catch.
+
+Everything else (streams, events) is a no-op: on a CPU the copy is done when the call returns.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from unbroken.checkpoint.cuda_host import HOST_MEMORY_ALREADY_REGISTERED, HOST_MEMORY_NOT_REGISTERED, SUCCESS, address_of
+
+
+@dataclass
+class Registration:
+    address: int
+    size: int
+    pages: memoryview
+    """The export that pins the mapping: while it lives, the mapping cannot be closed."""
+    thread: str
+
+
+@dataclass
+class RuleKeepingCuda:
+    registrations: dict[int, Registration] = field(default_factory=dict)
+    refused: list[int] = field(default_factory=list)
+    """Every error code returned, in order."""
+    registered_on: list[str] = field(default_factory=list)
+    """The thread of every successful registration."""
+    corrupt_next: int = 0
+    copies: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def is_device(self, tensor: torch.Tensor) -> bool:
+        return True  # every tensor saved plays a device tensor
+
+    def host_register(self, view: Any, size: int) -> int:
+        address = address_of(view)
+        with self._lock:
+            if any(r.address < address + size and address < r.address + r.size for r in self.registrations.values()):
+                self.refused.append(HOST_MEMORY_ALREADY_REGISTERED)
+                return HOST_MEMORY_ALREADY_REGISTERED
+            self.registrations[address] = Registration(address, size, memoryview(view)[:size], threading.current_thread().name)
+            self.registered_on.append(threading.current_thread().name)
+        return SUCCESS
+
+    def host_unregister(self, view: Any) -> int:
+        address = address_of(view)
+        with self._lock:
+            registration = self.registrations.pop(address, None)
+            if registration is None:
+                self.refused.append(HOST_MEMORY_NOT_REGISTERED)
+                return HOST_MEMORY_NOT_REGISTERED
+            registration.pages.release()
+        return SUCCESS
+
+    def copy_to_host(self, destination: torch.Tensor, source: torch.Tensor) -> None:
+        start = destination.data_ptr()
+        nbytes = destination.numel() * destination.element_size()
+        registration = next((r for r in self.registrations.values() if r.address <= start and start + nbytes <= r.address + r.size), None)
+        if registration is not None:  # the DMA engine writes the pinned pages
+            pages = torch.frombuffer(registration.pages, dtype=torch.uint8, count=nbytes, offset=start - registration.address)
+            pages.view(destination.dtype).view(destination.shape).copy_(source)
+        else:
+            destination.copy_(source)
+        self.copies += 1
+        if self.corrupt_next and nbytes >= 8:
+            self.corrupt_next -= 1
+            flat = destination.reshape(-1).view(torch.uint8)
+            flat[nbytes // 2] ^= 0x10
+
+    def pinned_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def ready_marker(self) -> Any:
+        return None
+
+    @contextmanager
+    def copy_stream(self, ready: Any) -> Iterator[None]:
+        yield
+
+    def synchronize(self) -> None:
+        return None
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(r.size for r in self.registrations.values())
