@@ -51,6 +51,7 @@ class RuleKeepingCuda:
     """The thread of every successful registration."""
     corrupt_next: int = 0
     copies: int = 0
+    copies_to_device: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def is_device(self, tensor: torch.Tensor) -> bool:
@@ -91,10 +92,17 @@ class RuleKeepingCuda:
             flat = destination.reshape(-1).view(torch.uint8)
             flat[nbytes // 2] ^= 0x10
 
+    def copy_to_device(self, destination: torch.Tensor, source: torch.Tensor) -> None:
+        destination.copy_(source)
+        self.copies_to_device += 1
+
     def pinned_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
 
-    def ready_marker(self) -> Any:
+    def marker(self) -> Any:
+        return None
+
+    def wait(self, marker: Any) -> None:
         return None
 
     @contextmanager

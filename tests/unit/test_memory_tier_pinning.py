@@ -171,3 +171,16 @@ def test_two_checkpointers_of_one_process_never_pin_one_range_twice(shm_dir: Pat
     for ck in made:
         ck.close()
     assert cuda.refused == [] and cuda.registrations == {} and pinning.pinned_bytes == 0
+
+
+def test_to_device_moves_a_payloads_state_through_pinned_buffers_and_leaves_the_rest(cuda: RuleKeepingCuda,
+                                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from unbroken.checkpoint import device_restore
+
+    monkeypatch.setattr(device_restore, "CHUNK_BYTES", 1 * MIB)
+    state = state_of(5 * MIB, seed=3)
+    rng_part = {"torch": torch.get_rng_state()}
+    moved = device_restore.to_device({"step": 4, "state": state, "rng": rng_part}, torch.device("cpu"), cuda)
+    assert moved["step"] == 4 and same(moved["state"], state) and moved["rng"] is rng_part
+    assert moved["state"]["model"]["w"] is not state["model"]["w"]
+    assert cuda.copies_to_device >= 5

@@ -30,6 +30,7 @@ import pytest
 import torch
 from unbroken.waiting import wait_until
 from s3 import empty_and_delete_bucket
+from cuda_rules import RuleKeepingCuda
 from test_file_checkpoint import Reports, assert_same, sample_state
 
 from unbroken.checkpoint import service as service_module
@@ -39,6 +40,7 @@ from unbroken.checkpoint.credentials import Credentials
 from unbroken.checkpoint.peer import SHARD_HEADER, AuthError, PeerClient, ShardServer
 from unbroken.checkpoint.persistent import PersistentStore
 from unbroken.checkpoint.service import CheckpointService
+from unbroken.checkpoint.cuda_host import PinnedMemory
 from unbroken.checkpoint.tiered import TieredCheckpointer
 from unbroken.config.job import JobSpec
 from unbroken.errors import CheckpointError
@@ -72,13 +74,13 @@ class Rig:
         return self.shm / node
 
     def checkpointer(self, *, node: str = "node-1", attempt: int = 0, rank: int = 0, world_size: int = 1,
-                     agent: bool = True, shm_root: Path | None = None) -> TieredCheckpointer:
+                     agent: bool = True, shm_root: Path | None = None, pinning: PinnedMemory | None = None) -> TieredCheckpointer:
         service = self.services.get(node)
         ck = TieredCheckpointer(
             job=self.job, attempt=attempt, rank=rank, world_size=world_size, node=node,
             shm_root=shm_root or self.root(node), policy=self.spec.checkpoint.tiers,
             endpoint=service.server.address if agent and service and service.server else None, credentials=self.credentials,
-            save_wait_seconds=5.0,
+            save_wait_seconds=5.0, pinning=pinning,
         )
         self.checkpointers.append(ck)
         return ck
@@ -254,6 +256,35 @@ def trained_model(width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         model(torch.randn(8, width)).square().mean().backward()
         optimizer.step()
     return model, optimizer
+
+
+def test_a_restore_to_the_device_streams_the_shard_through_pinned_buffers_and_refuses_a_flipped_byte(
+        make_rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU, ``restore(device="cuda")`` reads the shard file into pinned buffers and copies them to the device,
+    checksumming on the way (device_restore.py); here a CPU target plays the device, with the stand-in runtime."""
+    from unbroken.checkpoint import device_restore
+
+    monkeypatch.setattr(device_restore, "CHUNK_BYTES", 1 << 20)  # many chunks: the ring of buffers goes round
+    cuda = RuleKeepingCuda()
+    rig = make_rig({"keep": 2, "replicas": 0})
+    first = rig.checkpointer(pinning=PinnedMemory(cuda))
+    older, newer = sample_state(1), sample_state(2)
+    older["big"], newer["big"] = torch.randn(2_000_000), torch.randn(2_000_000)
+    rig.save(first, 1, older)
+    saved_rng = torch.get_rng_state()  # what the next save captures
+    rig.save(first, 2, newer)
+
+    torch.manual_seed(0)
+    restored = rig.checkpointer(attempt=1, pinning=PinnedMemory(cuda)).restore(device="cpu")
+    assert restored is not None and restored.step == 2
+    assert_same(restored.state, newer)
+    assert cuda.copies_to_device >= 8, "the state went through the pinned buffers, chunk by chunk"
+    assert torch.equal(torch.get_rng_state(), saved_rng), "the RNG state came back too (kept on the host)"
+
+    flip_byte(rig.own(2).path, tensor_offset(rig.own(2).info))
+    again = rig.checkpointer(attempt=2, pinning=PinnedMemory(cuda)).restore(device="cpu")
+    assert again is not None and again.step == 1, "the checksum taken on the way refused the flipped shard"
+    assert_same(again.state, older)
 
 
 def test_an_overlapped_save_keeps_the_values_at_its_step_while_the_optimizer_moves_on(make_rig) -> None:
@@ -495,7 +526,8 @@ KILLED_RANK = textwrap.dedent(
 
     from unbroken.checkpoint import credentials
     from unbroken.config.checkpoint import TierPolicy
-    from unbroken.checkpoint.tiered import TieredCheckpointer
+    from unbroken.checkpoint.cuda_host import PinnedMemory
+from unbroken.checkpoint.tiered import TieredCheckpointer
 
     root, endpoint, policy = Path(sys.argv[1]), sys.argv[2], TierPolicy.model_validate_json(sys.argv[3])
     ck = TieredCheckpointer(job="j", attempt=0, rank=0, world_size=1, node="node-1", shm_root=root,

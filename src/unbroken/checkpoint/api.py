@@ -54,8 +54,12 @@ class Checkpointer(Protocol):
         """Return once the last save no longer reads the state it was given. ``optimizer.step()``
         fences by itself; call it before changing saved state any other way."""
 
-    def restore(self) -> Restored | None:
-        """The newest step that every rank can read, or None for a fresh start."""
+    def restore(self, device: Any = None) -> Restored | None:
+        """The newest step that every rank can read, or None for a fresh start. ``device`` (``"cuda"``): where
+        the state's tensors go; the tiered checkpointer streams them there through pinned memory."""
+
+    def prepare(self, state: dict[str, Any]) -> None:
+        """Get ready to save ``state`` (its size known, buffers allocated) so the first save costs what the others do."""
 
     def close(self) -> None:
         """Finish the save in flight and let go of what the checkpointer holds (an in-process

@@ -69,11 +69,17 @@ class CudaRuntime(Protocol):
     def copy_to_host(self, destination: torch.Tensor, source: torch.Tensor) -> None:
         """Queue ``source``'s bytes into ``destination`` (host memory) on the current copy stream."""
 
+    def copy_to_device(self, destination: torch.Tensor, source: torch.Tensor) -> None:
+        """Queue ``source``'s bytes (pinned host memory) into ``destination`` (device memory) on the current stream."""
+
     def pinned_buffer(self, nbytes: int) -> torch.Tensor:
         """Page-locked host memory the runtime allocated itself (``cudaHostAlloc``): a bounce buffer."""
 
-    def ready_marker(self) -> Any:
-        """A marker after the work queued so far on the caller's stream (the values a save must see)."""
+    def marker(self) -> Any:
+        """A marker after the work queued so far on the caller's current stream (for a save: the values it must see)."""
+
+    def wait(self, marker: Any) -> None:
+        """Until the work before ``marker`` is done (a pinned buffer it read may be written again)."""
 
     @contextmanager
     def copy_stream(self, ready: Any) -> Iterator[None]:
@@ -171,17 +177,23 @@ class _Cuda:
     def copy_to_host(self, destination: torch.Tensor, source: torch.Tensor) -> None:
         destination.copy_(source, non_blocking=True)
 
+    def copy_to_device(self, destination: torch.Tensor, source: torch.Tensor) -> None:
+        destination.copy_(source, non_blocking=True)
+
     def pinned_buffer(self, nbytes: int) -> torch.Tensor:
         import torch
 
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
-    def ready_marker(self) -> Any:
+    def marker(self) -> Any:
         import torch
 
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream())
         return (event, torch.cuda.current_device())
+
+    def wait(self, marker: Any) -> None:
+        marker[0].synchronize()
 
     @contextmanager
     def copy_stream(self, ready: Any) -> Iterator[None]:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from unbroken.checkpoint import collectives, rng
+from unbroken.checkpoint.device_restore import map_tensors
 from unbroken.atomic_file import write_atomically
 from unbroken.checkpoint.api import CheckpointObserver, Restored, RestoreReport, SaveReport
 from unbroken.errors import CheckpointError
@@ -104,8 +105,12 @@ class FileCheckpointer:
         if self.observer is not None:
             self.observer.saved(SaveReport(step, "file", time.perf_counter() - started, path.stat().st_size))
 
-    def restore(self) -> Restored | None:
-        """Newest committed step that *every* rank loads cleanly; older steps on any failure."""
+    def prepare(self, state: dict[str, Any]) -> None:
+        """Nothing to get ready: each save writes a new file."""
+
+    def restore(self, device: Any = None) -> Restored | None:
+        """Newest committed step that *every* rank loads cleanly; older steps on any failure. With
+        ``device``, the state's tensors come back there (``torch.load``'s ``map_location``)."""
         started = time.perf_counter()
         for step in self._agreed_candidates():
             payload = self._try_load(step)
@@ -115,7 +120,8 @@ class FileCheckpointer:
                 rng.apply(payload["rng"])
                 if self.observer is not None:
                     self.observer.restored(RestoreReport(step, "file", time.perf_counter() - started))
-                return Restored(step=step, state=payload["state"], source=str(step_dir(self.directory, step)))
+                state = payload["state"] if device is None else map_tensors(payload["state"], lambda t: t.to(device))
+                return Restored(step=step, state=state, source=str(step_dir(self.directory, step)))
         self._discard_abandoned(after=-1)
         return None
 

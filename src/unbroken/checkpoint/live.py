@@ -57,19 +57,24 @@ class LiveFirst:
     def fence(self) -> None:
         self.inner.fence()
 
+    def prepare(self, state: dict[str, Any]) -> None:
+        self.inner.prepare(state)
+
     def close(self) -> None:
         self.inner.close()
 
-    def restore(self) -> Restored | None:
+    def restore(self, device: Any = None) -> Restored | None:
+        """A live peer's state where one holds a newer step than the checkpoints (as it is: the peers' state is on
+        their devices already), else the inner checkpointer's, on ``device``."""
         live, self.live = self.live, None  # a later restore in the same attempt reads the checkpoints
         started = time.perf_counter()
         if not collectives.distributed():
             # a group of one (an elastic job shrunk to one rank): the survivor's own memory, if it held a step
-            return self.inner.restore() if live is None else self._restored(live.step, live.state, live.rng, "own memory", started)
+            return self.inner.restore(device) if live is None else self._restored(live.step, live.state, live.rng, "own memory", started)
         held = collectives.everyones(live.step if live is not None else -1)
         newest = max(held)
         if newest < 0:
-            return self.inner.restore()
+            return self.inner.restore(device)
         sender = held.index(newest)
         mine = (live.state, live.rng) if self.rank == sender and live is not None else None
         state, sender_rng = collectives.from_rank(sender, mine)

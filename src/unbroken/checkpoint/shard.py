@@ -29,7 +29,7 @@ from unbroken.checkpoint.integrity import StreamingChecksum, checksum
 from unbroken.checkpoint.manifest import FORMAT, ShardLayout, TensorMeta
 from unbroken.errors import CheckpointError
 
-__all__ = ["ALIGN", "FORMAT", "ShardLayout", "StreamingChecksum", "TensorMeta", "checksum", "plan", "read", "view", "write"]
+__all__ = ["ALIGN", "FORMAT", "ShardLayout", "StreamingChecksum", "TensorMeta", "checksum", "plan", "read", "rebuild", "view", "write"]
 
 ALIGN = 64
 
@@ -139,4 +139,9 @@ def read(buffer: Any, tensors: tuple[TensorMeta, ...], skeleton_offset: int, siz
     if copy:
         views = [v.clone() for v in views]
     skeleton = bytes(memoryview(buffer)[skeleton_offset:size])
-    return _Unflattener(io.BytesIO(skeleton), views).load()
+    return rebuild(skeleton, views)
+
+
+def rebuild(skeleton: bytes, tensors: list[Any]) -> Any:
+    """The state from its skeleton, with ``tensors[i]`` wherever tensor ``i`` was (any objects will do)."""
+    return _Unflattener(io.BytesIO(skeleton), tensors).load()

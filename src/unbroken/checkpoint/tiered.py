@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from unbroken.checkpoint import collectives, cuda_host, fence, rng, shard, shm, tiers
+from unbroken.checkpoint import collectives, cuda_host, device_restore, fence, rng, shard, shm, tiers
 from unbroken.checkpoint.api import CheckpointObserver, Restored, RestoreReport, SaveReport
 from unbroken.checkpoint.credentials import Credentials
 from unbroken.checkpoint.cuda_host import PinnedMemory
@@ -90,6 +90,7 @@ class TieredCheckpointer:
     _last_step: int | None = field(default=None, init=False)
     _last_at: float | None = field(default=None, init=False)
     _device: DeviceCopy | None = field(default=None, init=False)
+    _device_given: bool = field(default=False, init=False)
     _prefetched: dict[tuple[Path, str], mmap.mmap] = field(default_factory=dict, init=False)
     _prefetch: threading.Thread | None = field(default=None, init=False)
     _copied: threading.Event | None = field(default=None, init=False)
@@ -100,6 +101,7 @@ class TieredCheckpointer:
     last_fence_seconds: float = field(default=0.0, init=False)
 
     def __post_init__(self) -> None:
+        self._device_given = self.pinning is not None
         self._pool = shm.SlotPool(shm.own_dir(self.shm_root, self.job), self.attempt, self.rank, self.policy.memory.keep)
         if self.attempt > 0:
             # A restart: while the process imports, rendezvous and builds its model (seconds),
@@ -140,7 +142,7 @@ class TieredCheckpointer:
             _say(f"step {step} not checkpointed: {exc}")
             return False
         device = self._device_copy(tensors)
-        ready = device.pinning.runtime.ready_marker() if device is not None else None
+        ready = device.pinning.runtime.marker() if device is not None else None
         copied = threading.Event()
         self._copied = copied
         self._pending = threading.Thread(target=self._copy_and_finalize, args=(slot, layout, tensors, step, device, ready, copied),
@@ -183,6 +185,11 @@ class TieredCheckpointer:
         report, self._unreported = self._unreported, None
         if report is not None and self.observer is not None:
             self.observer.saved(dataclasses.replace(report, stall_seconds=self.last_stall_seconds))
+
+    def _runtime(self) -> cuda_host.CudaRuntime:
+        if self.pinning is None:
+            self.pinning = cuda_host.process_pinned_memory()
+        return self.pinning.runtime
 
     def _device_copy(self, tensors: list[torch.Tensor]) -> DeviceCopy | None:
         """How device tensors reach a slot, if ``tensors`` has any (made on first use: it owns the bounce buffer)."""
@@ -275,18 +282,26 @@ class TieredCheckpointer:
 
     # -- restore --------------------------------------------------------------------
 
-    def restore(self) -> Restored | None:
+    def restore(self, device: torch.device | str | None = None) -> Restored | None:
+        """The newest step every rank can load and verify, or None. With ``device`` (``"cuda"``), its
+        tensors come back on that device, streamed from shared memory through pinned memory
+        (device_restore.py); without, they are host tensors (views of the shard where they can be)."""
         started = time.perf_counter()
+        target = torch.device(device) if device is not None else None
+        if target is not None and target.type == "cuda" and target.index is None:
+            target = torch.device("cuda", torch.cuda.current_device())
         catalog = collectives.from_rank0(self.catalog)
         for step in catalog.candidates():
-            loaded = self.load_shard(step, self.rank, catalog)
+            loaded = self.load_shard(step, self.rank, catalog, device=target)
             if collectives.all_ok(loaded is not None):
                 assert loaded is not None
                 rng.apply(loaded.payload["rng"])
                 _say(f"restored step {step} from {loaded.source}")
                 self._prefetched.clear()  # mappings restore did not use: their pages go when unreferenced
-                # The next saves will be about this size: get their slots ready meanwhile.
-                self._pending = threading.Thread(target=self._prepare_slots, args=(loaded.size,), name="ckpt-prepare", daemon=True)
+                # The next saves will be about this size: get their slots ready (pinned, for a device state) meanwhile.
+                device_copy = self._device_copy(list(device_restore.tensors_in(loaded.payload["state"])))
+                self._pending = threading.Thread(target=self._prepare_slots, args=(loaded.size, device_copy), name="ckpt-prepare",
+                                                 daemon=True)
                 self._pending.start()
                 if self.observer is not None:
                     self.observer.restored(RestoreReport(step, loaded.kind, time.perf_counter() - started))
@@ -326,16 +341,26 @@ class TieredCheckpointer:
             found.append(tiers.PersistentTier(self.job, self.policy.persistent.uri))
         return found
 
-    def load_shard(self, step: int, rank: int, catalog: RestoreCatalog | None = None) -> Loaded | None:
-        """Rank ``rank``'s payload of ``step`` from the fastest copy that verifies, or None.
+    def load_shard(self, step: int, rank: int, catalog: RestoreCatalog | None = None, *,
+                   device: torch.device | None = None) -> Loaded | None:
+        """Rank ``rank``'s payload of ``step`` from the fastest copy that verifies, or None; its state's
+        tensors on ``device`` if one is given.
 
         Any rank's shard can be loaded from anywhere (the DCP reader needs that when
         the world size changes); ``restore`` loads its own.
         """
         catalog = catalog if catalog is not None else self.catalog()
+        # A CPU "device" goes through the stream only with a runtime of the checkpointer's own (a stand-in that plays the device).
+        runtime = self._runtime() if device is not None and (device.type != "cpu" or self._device_given) else None
         for tier, location in tiers.locations(self.tiers(), catalog, step, rank):
             try:
-                loaded = tier.read(location, step, rank)
+                if runtime is None:
+                    loaded = tier.read(location, step, rank)
+                elif isinstance(tier, tiers.SharedMemoryTier):
+                    loaded = tier.read_to_device(location, step, rank, device, runtime)
+                else:
+                    loaded = tier.read(location, step, rank)
+                    loaded = tiers.Loaded(device_restore.to_device(loaded.payload, device, runtime), loaded.size)  # type: ignore[arg-type]
             except Exception as exc:  # noqa: BLE001 - any unreadable copy means: try the next one
                 _say(f"step {step} rank {rank} from {location.description}: {exc}")
                 continue

@@ -21,8 +21,9 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol
 
-from unbroken.checkpoint import shard, shm
+from unbroken.checkpoint import device_restore, shard, shm
 from unbroken.checkpoint.credentials import Credentials
+from unbroken.checkpoint.cuda_host import CudaRuntime
 from unbroken.checkpoint.manifest import ShardInfo
 from unbroken.checkpoint.peer import PeerClient
 from unbroken.checkpoint.persistent import PersistentStore
@@ -108,17 +109,26 @@ class SharedMemoryTier:
         private mapping of them: no copy, and the pages live as long as the tensors.
         This rank's own slots of its own attempt are reused by later saves: those are copied.
         """
+        stored = self._find(location, step, rank)
+        info = stored.info
+        reused_later = not stored.held and info.attempt == self.attempt and info.rank == self.rank
+        view = self.mapper(stored)
+        got = shard.checksum(view, info.size)
+        if got != info.checksum:
+            view.close()
+            raise CheckpointError(f"{stored.path}: checksum mismatch (descriptor {info.checksum}, data {got})")
+        return Loaded(shard.read(view, info.metas(), info.skeleton_offset, info.size, copy=reused_later), info.size)
+
+    def read_to_device(self, location: Location, step: int, rank: int, device: Any, runtime: CudaRuntime) -> Loaded:
+        """Straight from the shard file onto ``device`` through pinned memory (device_restore.py), checksum on the way."""
+        stored = self._find(location, step, rank)
+        return Loaded(device_restore.read_file(stored.path, stored.info, device, runtime), stored.info.size)
+
+    def _find(self, location: Location, step: int, rank: int) -> shm.StoredShard:
         for stored in shm.scan(self.root, self.job):
             info = stored.info
-            if info.step != step or info.rank != rank or info.attempt != location.attempt:
-                continue
-            reused_later = not stored.held and info.attempt == self.attempt and info.rank == self.rank
-            view = self.mapper(stored)
-            got = shard.checksum(view, info.size)
-            if got != info.checksum:
-                view.close()
-                raise CheckpointError(f"{stored.path}: checksum mismatch (descriptor {info.checksum}, data {got})")
-            return Loaded(shard.read(view, info.metas(), info.skeleton_offset, info.size, copy=reused_later), info.size)
+            if info.step == step and info.rank == rank and info.attempt == location.attempt:
+                return stored
         raise CheckpointError(f"no copy of step {step} rank {rank} in {self.root}")
 
 
