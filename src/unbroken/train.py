@@ -238,16 +238,25 @@ class Context:
 def _end_group_connections(sockets: GroupSockets | None) -> None:
     """End this rank's side of its process group so that the collective it is in, or its next, fails now; safe from
     another thread: gloo's connections shut down (``sockets``; twice is harmless), NCCL's communicator aborted (its
-    abort is made for another thread to call)."""
+    abort is made for another thread to call). A group of both (``cpu:gloo,cuda:nccl``) gets both."""
     import torch.distributed as dist
 
     if sockets is not None:
         sockets.shut_down()
-    elif dist.is_initialized():
+    if dist.is_initialized() and (sockets is None or _has_nccl()):
         try:
             dist.distributed_c10d._abort_process_group()
         except Exception:  # noqa: BLE001 - a group broken by a dead peer may fail to tear down; it is left either way
             pass
+
+
+def _has_nccl() -> bool:
+    import torch.distributed as dist
+
+    try:
+        return "nccl" in str(dist.get_backend_config())
+    except (RuntimeError, ValueError):  # destroyed meanwhile
+        return False
 
 
 REJOIN_WAIT_SECONDS = 300.0
@@ -296,18 +305,25 @@ def _init_process_group(backend: str | None, local_rank: int, group: GroupPlacem
     import torch
     import torch.distributed as dist
 
-    chosen = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if chosen == "nccl":
+    chosen = backend or default_backend(torch.cuda.is_available())
+    if "nccl" in chosen:
         torch.cuda.set_device(local_rank)
     if group is None:
         dist.init_process_group(backend=chosen)
         return None
     # every wait has a timeout: a survivor blocked on a hung peer gives up and can rejoin
     timeout = datetime.timedelta(seconds=group.collective_timeout)
-    if "nccl" in chosen:  # NCCL's communicator abort ends its own connections
+    if "gloo" not in chosen:  # NCCL alone: its communicator abort ends its own connections
         dist.init_process_group(backend=chosen, timeout=timeout)
         return None
     return GroupSockets.opened_by(lambda: dist.init_process_group(backend=chosen, timeout=timeout))
+
+
+def default_backend(cuda: bool) -> str:
+    """The process group ``unbroken.init`` makes: with CUDA, NCCL for device tensors *and* gloo for host tensors
+    (``dcp.async_save`` refuses a group without a CPU backend, and small control collectives on host tensors need
+    one); without, gloo."""
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
 
 
 def _setup_logs(env: LaunchEnv, rank: int, local_rank: int) -> None:
@@ -340,7 +356,8 @@ def init(
 ) -> Context:
     """Join the job: read rank and world size, start ``torch.distributed``, say hello to the agent.
 
-    ``backend`` defaults to NCCL when CUDA is available, else gloo. With
+    ``backend`` defaults to ``cpu:gloo,cuda:nccl`` when CUDA is available (NCCL for device tensors, gloo for
+    host tensors: ``dcp.async_save`` needs both), else gloo. With
     ``structured_logs``, the root logger writes JSON lines to stdout carrying
     ``job``, ``node``, ``attempt``, ``rank`` and ``local_rank`` (what is known), so
     log shippers (Loki, CloudWatch, Fluent Bit) read rank logs without a pattern;
