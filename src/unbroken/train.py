@@ -92,9 +92,7 @@ class Context:
                     raise
                 self._join(notice, live)
             else:
-                self._stop_leave_watch()  # done: nothing may keep this rank from exiting now
-                if self._env.group is not None:
-                    self._send(MessageKind.FINISHED, None)  # its launcher takes no silence from here for a hang
+                self.finished()
                 return result
 
     @property
@@ -150,6 +148,13 @@ class Context:
             values.update(self._sections)
             self._sections.clear()
         self._send(MessageKind.PROGRESS, step, values)
+
+    def finished(self) -> None:
+        """Say that this rank is done training and exits now (``ctx.run`` says it when ``train`` returns). Its launcher and
+        agent stop timing its silence for a hang; an agent ends a rank that said so and has not exited a while later
+        (a teardown stuck in a library) and judges the job on what its ranks reported."""
+        self._stop_leave_watch()  # done: nothing may keep this rank from exiting now
+        self._send(MessageKind.FINISHED, None)
 
     def _start_leave_watch(self) -> None:
         """Under ``unbroken run`` (a group with rounds): watch this round for the launcher's request to leave it."""

@@ -78,6 +78,9 @@ with open(f"rank{rank}.json", "w") as out:
 dist.destroy_process_group()
 if rank == 1 and os.environ.get("FAIL_RANK_1"):
     sys.exit(3)
+if os.environ.get("EXIT_RANK"):  # how the shipped workloads end (LLM, ResNet): flushed, then at once
+    from unbroken.workloads.script import exit_rank
+    exit_rank(0)
 """
 
 
@@ -131,6 +134,47 @@ def test_a_spare_runs_a_plain_script_with_torch_already_imported_and_ranks_recor
         assert exits == {0: "0", 1: "3"}
     finally:
         pool.close()
+
+
+def test_a_spare_whose_ranks_end_with_exit_rank_finishes(tmp_path):
+    """On an H100 the LLM workload on a warm spare trained to its last step and its job stayed Running: its ranks
+    ended with ``os._exit`` (exit_rank), and torchrun's elastic agent, which runs a spare's ranks as functions,
+    counts a rank done only once the function returns its value. The cause is not CUDA's; it shows here."""
+    pool = SparePool("n", tmp_path / "spares", TRAMPOLINE)
+    try:
+        log_dir = tmp_path / "exit-rank"
+        code = _run_on_spare(pool, _spare_job(tmp_path), log_dir, {"UNBROKEN_JOB": "s", "EXIT_RANK": "1"})
+        assert code == 0, (log_dir / "torchrun.log").read_text()
+        assert sorted(p.read_text() for p in (log_dir / "ranks").glob("*.exit")) == ["0", "0"]
+    finally:
+        pool.close()
+
+
+LINGERING = """
+import threading, time
+import unbroken
+
+ctx = unbroken.init()
+for step in range(1, 4):
+    ctx.progress(step)
+ctx.finished()
+# a teardown stuck for good: a non-daemon thread that never ends keeps the interpreter from exiting
+threading.Thread(target=time.sleep, args=(10**6,), daemon=False).start()
+"""
+
+
+def test_ranks_that_said_they_finished_and_do_not_exit_are_ended_and_the_job_succeeds(make_cluster, tmp_path):
+    cluster = make_cluster("--nodes", "1")
+    (tmp_path / "linger.py").write_text(LINGERING)
+    spec = {"name": "linger", "nodes": 1, "procs_per_node": 2, "command": ["linger.py"], "working_dir": str(tmp_path),
+            "resilience": {"auto_resume": True, "max_retry": 1, "hang_timeout": 20}}
+    (tmp_path / "linger.yaml").write_text(json.dumps(spec))
+    cluster.cli("job", "start", "-f", str(tmp_path / "linger.yaml"))
+    job = cluster.wait_job_phase("linger", {"Succeeded", "Failed"}, 120)
+    assert job.phase.value == "Succeeded" and job.attempt == 0, job.reason
+    events = [e for e in cluster.store.list_events(object_kind="Job", object_name="linger") if e.reason == "RanksEndedAfterFinishing"]
+    assert len(events) == 1 and "10 s later" in events[0].message, events
+    assert not [p for p in procs.cluster_processes(cluster.dir) if "linger.py" in " ".join(p.cmdline())]
 
 
 def test_a_released_spare_leaves_no_process_behind(tmp_path):

@@ -112,6 +112,8 @@ class RunningWorker:
     abort_timeout: float = 0.0
     """In-process restarts: how long its ranks have to leave their process group once asked to hold."""
     hold_started: float | None = None
+    finished_lingering: bool = False
+    """Its ranks all said they finished and it was ended for not exiting: it succeeded, whatever its exit code."""
 
     def begin_stop(self) -> None:
         """SIGTERM (+SIGCONT) the whole tree once; :meth:`continue_stop` escalates."""

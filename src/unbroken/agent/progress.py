@@ -34,6 +34,8 @@ class _RankProgress:
     stalled: float = 0.0
     """Seconds this rank's saves blocked its training loop."""
     saved: int | None = None
+    finished_at: float | None = None
+    """When the rank said it is done (``MessageKind.FINISHED``): from then on it is exiting, not training."""
     clock: RankClock = field(default_factory=RankClock)
 
 
@@ -61,6 +63,8 @@ class _Progress:
         elif msg.kind is MessageKind.SAVED:
             rank.stalled += float(msg.metrics.get("stall_seconds", 0.0))
             rank.saved = msg.step
+        elif msg.kind is MessageKind.FINISHED:
+            rank.finished_at = msg.ts
         self.dirty = True
 
     def report(self, job: str, attempt: int) -> WorkerProgress:
@@ -140,6 +144,15 @@ class ProgressBook:
             # not report(): this runs on the agent's worker loop, and a report computes the step timing
             return progress is not None and progress.first_step is not None and any(
                 r.ts is not None and r.step is not None for r in progress.ranks.values())
+
+    def finished_at(self, job: str, attempt: int, ranks: int) -> float | None:
+        """When the last of the worker's ``ranks`` ranks said it finished, or None while one has not."""
+        with self._lock:
+            progress = self._workers.get((job, attempt))
+            if progress is None:
+                return None
+            done = [r.finished_at for r in progress.ranks.values() if r.finished_at is not None]
+            return max(done) if len(done) >= ranks else None
 
     def take(self, job: str, attempt: int) -> WorkerProgress | None:
         """The worker's report and its end in this book (it finished)."""

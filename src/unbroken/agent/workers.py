@@ -33,12 +33,24 @@ from unbroken.errors import NotFoundError
 from unbroken.launch_env import LaunchEnv
 from unbroken.layout import ClusterLayout
 from unbroken.state.phases import NodeState, WorkerPhase
-from unbroken.state.records import Desired, Worker, WorkerProgress
+from unbroken.state.records import Desired, EventType, Worker, WorkerProgress
 from unbroken.state.store import ClusterStore
 from unbroken.state.updates import WorkerUpdate
 from unbroken.state.worker_table import WorkerTable
 
 log = logging.getLogger("unbroken.agent.workers")
+
+FINISHED_EXIT_GRACE_SECONDS = 30.0
+"""How long ranks that said they finished may take to exit before their agent ends them: a rank's exit
+(output, ``destroy_process_group``, CUDA's teardown) takes seconds, not tens of them."""
+
+
+def finished_exit_grace(spec: JobSpec | None) -> float:
+    """The grace, at most half the job's hang timeout: the controller must not read a finished worker's
+    silence as a hang first (two layers of silence detection never share a floor)."""
+    hang = spec.resilience.hang_timeout if spec is not None else None
+    return FINISHED_EXIT_GRACE_SECONDS if hang is None else min(FINISHED_EXIT_GRACE_SECONDS, hang / 2)
+
 
 JOBS_READ_SECONDS = 2.0
 """How often an agent looks for running jobs it could keep a warm spare for (a SQLite read)."""
@@ -117,6 +129,8 @@ class WorkerRunner:
             code = running.exited()
             if code is not None:
                 self._record_exit(worker, running, code)
+            elif worker.desired is Desired.RUN and running.stop_started is None and self._lingers(worker, running):
+                self._end_lingering(worker, running)
             elif worker.desired is Desired.HOLD and running.rejoin_dir is not None and running.stop_started is None:
                 self._hold(worker, running)
             elif worker.desired is Desired.RUN and worker.phase is WorkerPhase.RUNNING and running.rejoin_dir is not None:
@@ -147,6 +161,29 @@ class WorkerRunner:
             message=f"held for an in-process restart: its {running.ranks} ranks left the process group", **last))
         doorbell.ring(self.layout.controller_doorbell)
         log.info("in-process restart: worker held for the next attempt", extra=extra)
+
+    def _lingers(self, worker: Worker, running: launcher.RunningWorker) -> bool:
+        """Every rank of the worker said it finished, and the worker is still there past the grace."""
+        done = self.book.finished_at(worker.job, worker.attempt, running.ranks)
+        return done is not None and time.time() - done > finished_exit_grace(self._spec_of(worker))
+
+    def _end_lingering(self, worker: Worker, running: launcher.RunningWorker) -> None:
+        """Ranks that said they finished and did not exit (a teardown stuck in a library, a torchrun waiting for a
+        value that never comes): nobody would time them, and the job would stay Running. End them; the worker is
+        judged on what its ranks reported, with an Event that says so."""
+        grace = finished_exit_grace(self._spec_of(worker))
+        message = (f"every rank of the worker said it finished, and {running.ranks} rank(s) or their torchrun had not exited "
+                   f"{grace:g} s later: ended them, and the worker counts as succeeded")
+        self.store.add_event("Job", worker.job, "RanksEndedAfterFinishing", f"{message} (node {self.node})", type=EventType.WARNING)
+        log.warning(message, extra={"node": self.node, "job": worker.job, "attempt": worker.attempt, "pid": running.process.pid})
+        running.finished_lingering = True
+        running.begin_stop()
+
+    def _spec_of(self, worker: Worker) -> JobSpec | None:
+        try:
+            return self.store.get_job(worker.job).spec()
+        except NotFoundError:
+            return None
 
     def _notice_interruption(self, worker: Worker, running: launcher.RunningWorker) -> None:
         """A rank that left its process group (in-process restarts) means the attempt is broken: say so now.
@@ -318,7 +355,9 @@ class WorkerRunner:
         self._forget(worker.id)
         # Stopped only if we stopped it: a worker that died on its own before the stop request
         # reached it keeps its real exit, which is what names the cause of a restart.
-        if running.stop_started is not None:
+        if running.finished_lingering:
+            phase, exit_code, message = WorkerPhase.SUCCEEDED, 0, "every rank reported finished; ended after it did not exit"
+        elif running.stop_started is not None:
             phase, exit_code, message = WorkerPhase.STOPPED, code, "stopped by the controller"
         elif code == 0:
             phase, exit_code, message = WorkerPhase.SUCCEEDED, 0, "all ranks exited 0"

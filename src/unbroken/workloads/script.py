@@ -46,14 +46,19 @@ def exit_rank(code: int) -> NoReturn:
     Skips the C++ static destructors: with torch 2.13 a gloo FSDP2 rank now and then aborts in
     them ("terminate called without an active exception", a joinable thread of torch's) after a
     run that ended well, which reads as a rank killed by SIGABRT and fails the job at its last
-    line. A warm spare's rank records its exit code first, as its runner would (agent/warm_spare.py).
+    line. A warm spare's rank is a function that torchrun's elastic agent runs in a forked
+    process (agent/warm_spare.py): the agent counts a rank done only once the function returns
+    its value through a queue, so such a rank raises ``SystemExit`` to its runner instead, which
+    records the code and ends the process the same way (``os._exit``) once the agent has it. An
+    ``os._exit`` here would leave that torchrun waiting for a value that never comes: a job on a
+    warm spare never finished (seen on an H100).
     """
     registry = os.environ.get(rank_registry.REGISTRY_DIR)
-    if registry:
-        rank_registry.record_exit(Path(registry), os.getpid(), code)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
+    if registry:
+        raise SystemExit(code)
     os._exit(code)
 
 
@@ -90,3 +95,4 @@ def finish(ctx: unbroken.Context, step: int, digest: str | None, output: Path | 
         dist.destroy_process_group()
     ctx.checkpoint.close()  # the last save's copy is done before the process ends (see exit_rank)
     ctx.progress(step)
+    ctx.finished()
