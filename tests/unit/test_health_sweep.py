@@ -124,3 +124,23 @@ def test_a_share_whose_peer_never_comes_fails_within_its_timeout():
     peers = (Peer("joining", "127.0.0.1"), Peer("absent", "127.0.0.1"))
     with pytest.raises(BackendError, match="did not finish within 5 s"):
         run_sweep(peers, _plan(), share=0, port=free_port("127.0.0.1"), timeout=5)
+
+
+def test_a_node_of_one_gpu_passes_on_exact_results_not_on_a_busbw_that_is_zero_by_definition():
+    """A healthy one-GPU H100 node failed its join check: one rank's busbw is 0 (2(n-1)/n), below any floor, so
+    it was BelowThreshold and Replace. A real sweep of one rank (gloo here, NCCL on a GPU) now passes, with its algbw."""
+    from unbroken.health.collective.launch import run_sweep
+    from unbroken.health.context import Peer
+
+    report = run_sweep((Peer("one-gpu", "127.0.0.1"),), {**_plan(), "floor": 5.0, "retries": 2}, procs_per_node=1, timeout=60)
+    assert isinstance(report, dict) and report["world"] == 1
+    assert [len(run["attempts"]) for run in report["runs"]] == [1], "no retries for a floor that cannot apply"
+    outcome = judge(report, 5.0, ["one-gpu"])
+    assert outcome.status is Status.PASS, outcome.message
+    assert outcome.message.startswith("one rank: no link to measure") and outcome.metrics["algbw"] > 0
+
+
+def test_wrong_elements_fail_the_check_whatever_the_bandwidth():
+    row = {**_row("all_reduce", 4 << 20, 0.001, 2), "in_wrong": 3}
+    outcome = judge({"runs": [{"attempts": [{"rows": [row]}]}], "world": 2}, 0.1, ["node-1", "node-2"])
+    assert outcome.status is Status.FAIL and outcome.reason == "WrongResult" and outcome.metrics["wrong"] == 3

@@ -8,6 +8,14 @@ that share busy cores lose some iterations, not all. A run below the floor is re
 pairwise results name the slow node: the node all of whose pairs are slow
 while some other pair is fast. With two nodes that cannot be told apart, and
 both are named.
+
+One rank (a node with one GPU, checked alone) has no link between ranks to
+measure: nccl-tests' bus factor 2(n-1)/n is 0, and so is its busbw. Such a
+node passes on what one rank can show: the collective library starts on the
+device and every element of every result is exact; its algbw (the device's own
+reduction copy) is reported, not judged. Wrong elements fail the check at any
+size of world (``WrongResult``): a collective that computes wrong numbers is
+worse than a slow one.
 """
 
 from __future__ import annotations
@@ -50,8 +58,26 @@ def procs_per_node(ctx: CheckContext, nodes: int) -> int:
     return 1 if nodes > 1 else 2  # one node alone: two ranks over its loopback
 
 
+def wrong_elements(report: dict[str, Any]) -> int:
+    """Elements that differed from the exact expected value, over every row of every attempt."""
+    return sum(int(row["out_wrong"]) + int(row["in_wrong"])
+               for run in report["runs"] for attempt in run["attempts"] for row in attempt["rows"])
+
+
 def judge(report: dict[str, Any], floor: float, nodes: list[str]) -> Outcome:
     runs = report["runs"]
+    wrong = wrong_elements(report)
+    if wrong:
+        return Outcome(Status.FAIL, f"all-reduce across {', '.join(nodes)} returned {wrong} wrong elements (results are exact "
+                       "integers in float32: any difference is a fault, not rounding)", "WrongResult",
+                       {"wrong": wrong, "nodes": nodes, "world": report["world"]}, FaultAction.REPLACE, tuple(nodes))
+    if report["world"] == 1:
+        biggest = max((r for r in runs[-1]["attempts"][-1]["rows"] if r["op"] == "all_reduce"), key=lambda r: r["size"])
+        algbw = Row(**biggest).best_algbw
+        return Outcome(Status.PASS, f"one rank: no link to measure (busbw is 0 by definition); the all-reduce ran on it with "
+                       f"exact results, algbw {algbw:.3g} GB/s", "",
+                       {"algbw": round(algbw, 4), "unit": "GB/s", "nodes": nodes, "world": 1, "busbw_judged": False},
+                       FaultAction.NONE)
     verdicts = [figure(run["attempts"][-1]["rows"]) for run in runs]
     failed_runs = [i for i, busbw in enumerate(verdicts) if busbw < floor]
     metrics: dict[str, Any] = {

@@ -88,6 +88,13 @@ class Row:
         return busbw(self.op, self.size, min(out, inp) / 1e6, self.ranks)
 
     @property
+    def best_algbw(self) -> float:
+        """algbw of the fastest iteration, the better of out-of-place and in-place: with one rank, all there is."""
+        out = self.out_best_us or self.out_time_us
+        inp = self.in_best_us or self.in_time_us
+        return algbw(self.size, min(out, inp) / 1e6)
+
+    @property
     def out_algbw(self) -> float:
         return algbw(self.size, self.out_time_us / 1e6)
 

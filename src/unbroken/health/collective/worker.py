@@ -131,7 +131,7 @@ def run(rank: int, world: int, init: str, plan: dict[str, Any]) -> dict[str, Any
                             timeout=timedelta(seconds=float(plan.get("timeout_s", 120))))
     bench = Bench(torch, dist, device)
     iters, warmup = int(plan.get("iters", 5)), int(plan.get("warmup", 1))
-    floor = plan.get("floor")
+    floor = plan.get("floor") if world > 1 else None  # one rank has no link: its busbw is 0 by definition
     runs: list[dict[str, Any]] = []
     for _ in range(int(plan.get("repeat", 1))):
         attempts = []
