@@ -36,6 +36,9 @@ SECTION_PREFIX = "section:"
 """A progress metric ``section:<name>``: seconds this rank spent in that section since its last progress."""
 WAIT_PREFIX = "wait:"
 """A progress metric ``wait:<name>``: the same, for a section that waits on peers (not scored)."""
+HOST_PREFIX = "host:"
+"""A progress metric ``host:<name>``: on a GPU, the host's seconds in a section, whose ``section:``/``wait:``
+figure is then its CUDA-event time on the device (gpu_sections.py). Reported, not scored."""
 
 
 class MessageKind(StrEnum):

@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from unbroken import logs, rank_registry, rejoin, symptoms
-from unbroken.channel import SECTION_NAME, SECTION_PREFIX, WAIT_PREFIX, MessageKind, RankMessage, RankSender
+from unbroken.channel import HOST_PREFIX, SECTION_NAME, SECTION_PREFIX, WAIT_PREFIX, MessageKind, RankMessage, RankSender
 from unbroken.checkpoint.api import Checkpointer, RestoreReport, SaveReport
+from unbroken.gpu_sections import GpuSections
 from unbroken.group_sockets import GroupSockets
 from unbroken.launch_env import GroupPlacement, LaunchEnv
 from unbroken.leave_watch import LeaveWatch
@@ -66,7 +67,10 @@ class Context:
     _leave_watch: LeaveWatch | None = field(repr=False, default=None)
     """Under ``unbroken run``: the current round's watch for a request to leave it (leave_watch.py)."""
     _sections: dict[str, float] = field(repr=False, default_factory=dict)
-    """Seconds in each ``section`` since the last ``progress``, keyed as the agent reads them."""
+    """Seconds in each ``section`` since the last ``progress``, keyed as the agent reads them (host time; on a GPU
+    under ``host:<name>``, the scored time being the GPU's)."""
+    _gpu: GpuSections | None = field(repr=False, default=None)
+    """The sections' CUDA-event times (gpu_sections.py), once this rank's CUDA is in use."""
 
     def run(self, train: Callable[[Context], T]) -> T:
         """Train with in-process restarts: ``return ctx.run(train)``, where ``train(ctx)`` builds the model
@@ -113,8 +117,9 @@ class Context:
         """Time a part of the step: ``with ctx.section("data"): batch = next(loader)``.
 
         The seconds go to the agent with the next ``progress``, which scores each rank against its
-        peers to find a straggler node and names the section that is slow. Cheap (two clock reads).
-        Mark a section that waits for other ranks (a collective, a barrier, DDP's backward, whose
+        peers to find a straggler node and names the section that is slow. Cheap: two clock reads, and on a rank
+        whose CUDA is in use two CUDA events, since there the scored time is the section's time on the GPU (the
+        host only queues kernels; gpu_sections.py) and the host's goes along as ``host:<name>``. Mark a section that waits for other ranks (a collective, a barrier, DDP's backward, whose
         gradient all-reduce runs inside it) with ``waits_on_peers=True``: there the *fast* ranks wait
         for the slow one, so its time is reported but not scored. ``name``: a short word
         (``[a-z][a-z0-9_-]{0,31}``), the same on every rank.
@@ -125,11 +130,25 @@ class Context:
                 raise ValueError(f"ctx.section({name!r}): a section name is a short word matching {SECTION_NAME.pattern}, "
                                  f"e.g. 'data', 'forward', 'allreduce'")
             key = _SECTION_KEYS[(name, waits_on_peers)] = (WAIT_PREFIX if waits_on_peers else SECTION_PREFIX) + name
+        gpu = self._gpu if self._gpu is not None else self._gpu_in_use()
         started = time.perf_counter()
+        gpu_started = gpu.start() if gpu is not None else None
         try:
             yield
         finally:
-            self._sections[key] = self._sections.get(key, 0.0) + time.perf_counter() - started
+            if gpu is None:
+                self._sections[key] = self._sections.get(key, 0.0) + time.perf_counter() - started
+            else:
+                gpu.stop(key, gpu_started)
+                host = HOST_PREFIX + name
+                self._sections[host] = self._sections.get(host, 0.0) + time.perf_counter() - started
+
+    def _gpu_in_use(self) -> GpuSections | None:
+        """Time sections on the GPU from the first one after this rank's CUDA is initialised (a cheap check until then)."""
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            self._gpu = GpuSections.for_cuda()
+        return self._gpu
 
     def progress(self, step: int, **metrics: float) -> None:
         """Report that ``step`` finished. Cheap (one datagram) and never blocks.
@@ -147,6 +166,8 @@ class Context:
         if self._sections:
             values.update(self._sections)
             self._sections.clear()
+        if self._gpu is not None:
+            values.update(self._gpu.interval())
         self._send(MessageKind.PROGRESS, step, values)
 
     def finished(self) -> None:
