@@ -1,7 +1,7 @@
 """Step times of one worker's ranks, from the progress datagrams they already send.
 
-Per rank: the wall time between consecutive steps, and the time in each
-``ctx.section`` (sent with ``ctx.progress``), over the last ``WINDOW`` steps.
+Per rank: the wall time between consecutive steps over the last ``WINDOW`` steps, and the
+time in each ``ctx.section`` (sent with ``ctx.progress``) over the last ``SCORE_WINDOW``.
 The first ``WARMUP_STEPS`` of every process are left out: the first steps
 compile, warm caches and set up the all-reduce's connections, and would make a
 healthy rank look slow and a hang timeout too generous.
@@ -22,8 +22,12 @@ from unbroken.channel import SECTION_PREFIX
 from unbroken.state.records import RankTiming, StepTiming
 
 WINDOW = 20
-"""Steps a median is taken over: long enough to shrug off a noisy step, short enough that a node
-that slows down shows within ``WINDOW / 2`` steps."""
+"""Steps the median step time (what hang timeouts follow) is taken over: long enough to shrug off a
+noisy step."""
+SCORE_WINDOW = 9
+"""Steps the median *work* and section times (what straggler scores compare) are taken over: a node
+that slows down shows in its score after 5 steps (it took 11 with ``WINDOW``: most of the 46-50 steps a
+1.5x slowdown took to be named), and up to 4 noisy steps of 9 still move nothing."""
 WARMUP_STEPS = 3
 """Steps of each process not measured (compilation, first all-reduce, cold caches)."""
 MAX_SECTIONS = 16
@@ -41,7 +45,7 @@ class RankClock:
     reports: int = 0
     longest: float = 0.0
     intervals: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
-    work: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    work: deque[float] = field(default_factory=lambda: deque(maxlen=SCORE_WINDOW))
     sections: dict[str, deque[float]] = field(default_factory=dict)
 
     def observe(self, step: int, ts: float, metrics: dict[str, float]) -> None:
@@ -72,7 +76,7 @@ class RankClock:
             if window is None:
                 if len(self.sections) >= MAX_SECTIONS:
                     continue
-                window = self.sections[name] = deque(maxlen=WINDOW)
+                window = self.sections[name] = deque(maxlen=SCORE_WINDOW)
             window.append(seconds / steps)
 
     def timing(self, rank: int) -> RankTiming:

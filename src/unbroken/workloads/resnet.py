@@ -113,7 +113,8 @@ def _train(args: argparse.Namespace, ctx: unbroken.Context) -> int:
                                 lr=peak, momentum=0.9, nesterov=True)
 
     step = 0
-    restored = ctx.checkpoint.restore()
+    # on a GPU: straight onto it through pinned memory (a host restore would be copied there pageable)
+    restored = ctx.checkpoint.restore(device=device if device.type == "cuda" else None)
     if restored is not None:
         model.load_state_dict(restored.state["model"])
         optimizer.load_state_dict(restored.state["optimizer"])
