@@ -141,6 +141,10 @@ def median(values: list[float]) -> float:
     return round(statistics.median(values), 4)
 
 
+def size_label(nbytes: int) -> str:
+    return f"{nbytes // GIB}GiB" if nbytes >= GIB else f"{nbytes // MIB}MiB"
+
+
 def make_state(nbytes: int, device: Any, seed: int = 0) -> dict[str, Any]:
     """A model-and-Adam-shaped state of about ``nbytes`` on ``device``: bf16 weights, fp32 moments, a step counter."""
     import torch
@@ -274,7 +278,7 @@ def section_save(run: Run) -> dict[str, Any]:
     work = StepWork(run, run.step_seconds)
     out: dict[str, Any] = {"step_units": work.units}
     for size in sizes:
-        label = f"{size / GIB:g}GiB"
+        label = size_label(size)
         state = make_state(size, run.device, seed=1)
         nbytes = nbytes_of(state)
         alone = median([work.time() for _ in range(5)])
@@ -576,7 +580,8 @@ def section_llm(run: Run) -> dict[str, Any]:
     corpus.write_text(text * (4 if run.cuda else 1))
     data = prepare_text([corpus], run.work / "tokens", vocab_size=2048, shard_tokens=2**20)
     del data
-    steps, kill_at = (300, 145) if run.cuda else (80, 35)
+    # --step-time stands in for a bigger model's compute: the job must outlast a warm spare's warming (~10 s)
+    steps, kill_at, step_time = (300, 145, 0.1) if run.cuda else (200, 60, 0.1)
     out: dict[str, Any] = {}
     for spares in (0, 1):
         name = f"llm-{'warm' if spares else 'cold'}"
@@ -584,7 +589,7 @@ def section_llm(run: Run) -> dict[str, Any]:
             "name": name, "nodes": 1, "procs_per_node": max(1, run.gpus),
             "command": ["-m", "unbroken.workloads.llm", "--data", str(run.work / "tokens"), "--config", "small" if run.cuda else "tiny",
                         "--steps", str(steps), "--checkpoint-every", "20", "--global-batch", "8" if run.cuda else "4",
-                        "--micro-batch", "8" if run.cuda else "2", "--log-every", "20"],
+                        "--micro-batch", "8" if run.cuda else "2", "--log-every", "20", "--step-time", str(step_time)],
             "env": {"PYTHONWARNINGS": "ignore"},
             "resilience": {"auto_resume": True, "max_retry": 3, "hang_timeout": 120, "warm_spares": spares,
                            "require_deep_health_passed": False},
@@ -598,6 +603,8 @@ def section_llm(run: Run) -> dict[str, Any]:
             if spares:
                 spare_log = layout.node_dir(store.list_nodes()[0].name) / f"spares-{name}.log"
                 wait_until(lambda p=spare_log: p.exists() and READY_MARK in p.read_text(errors="replace"), 180, "a ready warm spare")
+            if store.get_job(name).phase.is_terminal:
+                raise RuntimeError(f"{name} ended before the kill")
             target = chaos.pick_rank(runtime, name, rank=0)
             chaos.signal_rank(runtime, target, signal.SIGKILL, "ChaosKillWorker")
             job = wait_until(lambda n=name: (j := store.get_job(n)).phase.is_terminal and j, 600, f"{name} to end")
@@ -610,6 +617,8 @@ def section_llm(run: Run) -> dict[str, Any]:
                            startup_s=round(r.first_step_at - r.scheduled_at, 2))
             row["steps_lost"] = summary.steps_lost
             row["attempts"] = job.attempt + 1
+            ended = [e.message for e in store.list_events(object_kind="Job", object_name=name) if e.reason == "RanksEndedAfterFinishing"]
+            row["ranks_ended_after_finishing"] = ended[:1]
         except Exception as exc:  # noqa: BLE001 - the row says where it stopped
             row["error"] = f"{type(exc).__name__}: {exc}"[:400]
             job = store.get_job(name)
@@ -706,6 +715,11 @@ def main() -> int:
         parser.error(f"--only: unknown section(s) {', '.join(unknown)}; valid: {', '.join(SECTIONS)}")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
+    # What the sections and the libraries print goes to stderr, at the descriptor (NCCL and children too): stdout
+    # is the report's alone.
+    sys.stdout.flush()
+    report_out = os.dup(1)
+    os.dup2(2, 1)
     with tempfile.TemporaryDirectory(prefix="unbroken-gpu-") as tmp:
         run = Run(args.quick, Path(tmp), args.step_seconds)
         result: dict[str, Any] = {"device": describe_device(run), "sections": {}, "goals": []}
@@ -727,7 +741,9 @@ def main() -> int:
             run.close()
     if args.out is not None:
         (args.out / "gpu.md").write_text(markdown(result))
-    print(json.dumps(result, default=str) if args.json else markdown(result))
+    sys.stdout.flush()
+    os.dup2(report_out, 1)
+    print(json.dumps(result, default=str) if args.json else markdown(result), flush=True)
     return 0
 
 

@@ -165,6 +165,10 @@ def run_unbroken(root: Path, policy: str, factor: float) -> Result:
             return time.time()
 
         result = measure(system, factor, log_path, slow, lambda: event_time(runtime, "StragglerDetected"))
+        found = next((e.message for e in runtime.cluster.list_events(object_kind="Job", object_name="bench")
+                      if e.reason == "StragglerDetected"), None)
+        if found is not None:
+            result.note = found.split(" is a straggler: ")[-1].split(" against ")[0]  # the score it was named with
         replaced = event_time(runtime, "StragglerReplaced")
         if replaced is not None:
             result.note = (result.note + f" replaced; attempt {runtime.cluster.get_job('bench').attempt}").strip()

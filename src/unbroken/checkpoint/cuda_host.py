@@ -155,9 +155,17 @@ class PinnedMemory:
 
 
 class _Cuda:
-    """The real runtime: torch's bindings of ``cudart``, a copy stream per device."""
+    """The real runtime: torch's bindings of ``cudart``, a copy stream per device.
+
+    Made on the rank's training thread (the first device tensor saved or restored), it keeps that
+    thread's device and makes it current around every call from another thread: a background thread
+    starts on device 0, and a CUDA call there would make a context on GPU 0 for every rank of the node.
+    """
 
     def __init__(self) -> None:
+        import torch
+
+        self._device = torch.cuda.current_device()
         self._streams: dict[int, Any] = {}
         self._local = threading.local()
 
@@ -167,12 +175,14 @@ class _Cuda:
     def host_register(self, view: Any, size: int) -> int:
         import torch
 
-        return int(torch.cuda.cudart().cudaHostRegister(address_of(view), size, 0))
+        with torch.cuda.device(self._device):
+            return int(torch.cuda.cudart().cudaHostRegister(address_of(view), size, 0))
 
     def host_unregister(self, view: Any) -> int:
         import torch
 
-        return int(torch.cuda.cudart().cudaHostUnregister(address_of(view)))
+        with torch.cuda.device(self._device):
+            return int(torch.cuda.cudart().cudaHostUnregister(address_of(view)))
 
     def copy_to_host(self, destination: torch.Tensor, source: torch.Tensor) -> None:
         destination.copy_(source, non_blocking=True)
@@ -183,7 +193,8 @@ class _Cuda:
     def pinned_buffer(self, nbytes: int) -> torch.Tensor:
         import torch
 
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        with torch.cuda.device(self._device):
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def marker(self) -> Any:
         import torch
@@ -193,20 +204,25 @@ class _Cuda:
         return (event, torch.cuda.current_device())
 
     def wait(self, marker: Any) -> None:
-        marker[0].synchronize()
+        import torch
+
+        event, device = marker
+        with torch.cuda.device(device):
+            event.synchronize()
 
     @contextmanager
     def copy_stream(self, ready: Any) -> Iterator[None]:
         import torch
 
         event, device = ready
-        stream = self._streams.get(device)
-        if stream is None:
-            stream = self._streams[device] = torch.cuda.Stream(device=device)
-        stream.wait_event(event)  # the caller's stream had queued the last writes to the tensors
-        self._local.stream = stream
-        with torch.cuda.device(device), torch.cuda.stream(stream):
-            yield
+        with torch.cuda.device(device):
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device=device)
+            stream.wait_event(event)  # the caller's stream had queued the last writes to the tensors
+            self._local.stream = stream
+            with torch.cuda.stream(stream):
+                yield
 
     def synchronize(self) -> None:
         stream = getattr(self._local, "stream", None)
