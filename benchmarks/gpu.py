@@ -342,6 +342,9 @@ def restore_section(run: Run, cluster: Any, state: dict[str, Any]) -> dict[str, 
         out[f"restore_{how}_exact"] = restored is not None and same_state(restored.state, state)
         ck.close()
         del restored
+        # this attempt's own slots (prepared for its next saves, which never come): the memory back for the next
+        for slot in (ck.shm_root / "own").glob(f"*/a{attempt:04d}-*"):
+            slot.unlink(missing_ok=True)
         if run.cuda:
             torch.cuda.empty_cache()
     return out
@@ -623,6 +626,10 @@ def section_llm(run: Run) -> dict[str, Any]:
             row["error"] = f"{type(exc).__name__}: {exc}"[:400]
             job = store.get_job(name)
             row["phase"] = job.phase.value
+        if row.get("phase") != "Succeeded" or "error" in row:
+            row["logs"] = {str(path.relative_to(layout.root)): path.read_text(errors="replace")[-1500:]
+                           for worker in backend.worker_history(name) if worker.log_dir
+                           for path in sorted(Path(worker.log_dir).rglob("*.log"))[:6]}
         out[name] = row
     return out
 
