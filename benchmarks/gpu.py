@@ -53,6 +53,7 @@ import tempfile
 import threading
 import time
 import traceback
+from datetime import datetime
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -272,7 +273,6 @@ def section_save(run: Run) -> dict[str, Any]:
     import checkpoint as checkpoint_bench  # benchmarks/checkpoint.py: the agent in its own process
 
     from unbroken.config.job import JobSpec
-    from unbroken.state.records import CheckpointTier
 
     sizes = [2 * GIB, 8 * GIB] if run.cuda else [32 * MIB]
     work = StepWork(run, run.step_seconds)
@@ -294,17 +294,20 @@ def section_save(run: Run) -> dict[str, Any]:
             ck.prepare(state)
             ck.wait()
             row["prepare_s"] = round(time.perf_counter() - started, 3)
-            stalls, besides, committed = [], [], []
+            stalls, besides, committed, timings = [], [], [], []
             for step in range(1, 6):
                 run.sync()
                 started = time.perf_counter()
                 ck.save(step, state)
+                watcher = Committed(cluster, step, started)  # the agent commits while the step runs
                 work.time()  # the next forward and backward, beside the copy
                 ck.fence()  # what optimizer.step() does first
                 besides.append(time.perf_counter() - started)
                 stalls.append(ck.last_stall_seconds)
-                checkpoint_bench.poll(lambda s=step, c=cluster: c.committed(CheckpointTier.MEMORY, s))
-                committed.append(time.perf_counter() - started)
+                committed.append(watcher.seconds())
+                ck.wait()
+                timings.append(dict(ck.last_save_timing))
+            row["save_timing_s"] = {k: median([t[k] for t in timings[1:] if k in t]) for k in timings[-1]}
             row.update(first_stall_s=round(stalls[0], 4), warm_stall_s=median(stalls[1:]), first_step_beside_s=round(besides[0], 4),
                        step_beside_s=median(besides[1:]), committed_s=median(committed[1:]))
             row["step_slowdown"] = round(row["step_beside_s"] / alone - 1, 4)
@@ -320,17 +323,46 @@ def section_save(run: Run) -> dict[str, Any]:
     return out
 
 
+class Committed:
+    """Polls, in a thread of its own, for a step to be committed in the memory tier: seconds from ``started``."""
+
+    def __init__(self, cluster: Any, step: int, started: float) -> None:
+        from unbroken.state.records import CheckpointTier
+
+        self._at: float | None = None
+        self._thread = threading.Thread(target=self._poll, args=(cluster, step, started, CheckpointTier.MEMORY), daemon=True)
+        self._thread.start()
+
+    def _poll(self, cluster: Any, step: int, started: float, tier: Any) -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if cluster.committed(tier, step):
+                self._at = time.perf_counter() - started
+                return
+            time.sleep(0.002)  # polling the agent's row: it says nothing when it writes it
+
+    def seconds(self) -> float:
+        self._thread.join()
+        if self._at is None:
+            raise TimeoutError("the step was not committed within 300 s")
+        return self._at
+
+
 def restore_section(run: Run, cluster: Any, state: dict[str, Any]) -> dict[str, Any]:
     """The newest step back onto the device, the new way and the old, against the pinned copy."""
     import torch
 
+    from unbroken.checkpoint import device_restore
+
     out: dict[str, Any] = {}
-    for attempt, how in ((1, "device"), (2, "host")):
+    readers = device_restore.READERS
+    for attempt, how in ((1, "device"), (2, "host"), (3, "device_8_readers")):
         ck = cluster.checkpointer("node-1", endpoint=cluster.endpoints["node-1"], attempt=attempt)
         ck.wait_prefetch()  # a restart maps ahead while it imports and builds its model (seconds): not counted
+        device_restore.READERS = 8 if how == "device_8_readers" else readers
         run.sync()
         started = time.perf_counter()
-        if how == "device":
+        if how.startswith("device"):
             restored = ck.restore(device=run.device)
         else:
             restored = ck.restore()
@@ -338,8 +370,11 @@ def restore_section(run: Run, cluster: Any, state: dict[str, Any]) -> dict[str, 
                 restored = type(restored)(restored.step, {k: _to(v, run.device) for k, v in restored.state.items()}, restored.source)
         run.sync()
         took = time.perf_counter() - started
+        device_restore.READERS = readers
         out[f"restore_{how}_s"] = round(took, 4)
         out[f"restore_{how}_exact"] = restored is not None and same_state(restored.state, state)
+        if ck.last_restore_timing:
+            out[f"restore_{how}_timing_s"] = {k: round(v, 4) for k, v in ck.last_restore_timing.items()}
         ck.close()
         del restored
         # this attempt's own slots (prepared for its next saves, which never come): the memory back for the next
@@ -554,15 +589,75 @@ def section_overhead(run: Run) -> dict[str, Any]:
 
     rounds: dict[str, list[float]] = {"bare": [], "progress": [], "sections": []}
     loop("sections")  # warm: CUDA events made, the first interval read
-    for _ in range(3):
+    for _ in range(5):
         for mode in rounds:
             rounds[mode].append(loop(mode))
-    bare = median(rounds["bare"])
-    out: dict[str, Any] = {"step_s": bare, "steps": steps, "gpu_sections": ctx._gpu is not None}
+    bare = statistics.median(rounds["bare"])
+    out: dict[str, Any] = {"step_s": round(bare, 6), "steps": steps, "gpu_sections": ctx._gpu is not None}
     for mode in ("progress", "sections"):
-        extra = median(rounds[mode]) - bare
+        extra = statistics.median(rounds[mode]) - bare
         out[f"{mode}_us"] = round(extra * 1e6, 1)
         out[f"{mode}_fraction"] = round(extra / bare, 4)
+    # the host's own cost, whatever the GPU hides of it: the same loops with nothing queued
+    host: dict[str, float] = {}
+    for mode in ("bare", "sections"):
+        started = time.perf_counter()
+        for step in range(1000):
+            if mode == "sections":
+                for name in ("data", "forward", "backward", "optimizer"):
+                    with ctx.section(name):
+                        pass
+            ctx.progress(step)
+        host[mode] = (time.perf_counter() - started) / 1000
+    out["host_sections_us"] = round((host["sections"] - host["bare"]) * 1e6, 1)
+    out["host_progress_us"] = round(host["bare"] * 1e6, 1)
+    return out
+
+
+# -- the host's own speeds ------------------------------------------------------------
+
+
+def section_primitives(run: Run) -> dict[str, Any]:
+    """What the memory tier's host work runs at on this machine: the ceilings its figures sit under."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+    import torch
+    import xxhash
+
+    size = 1 * GIB if run.cuda else 64 * MIB
+    data = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+    out: dict[str, Any] = {"bytes": size}
+    started = time.perf_counter()
+    xxhash.xxh3_64(memoryview(data)).hexdigest()
+    out["xxh3_GBps"] = round(size / (time.perf_counter() - started) / 1e9, 2)
+    tensor = torch.from_numpy(data)
+    started = time.perf_counter()
+    tensor.view(torch.int64).view(-1, 1 << 17).sum(dim=1)
+    out[f"int64_block_sums_GBps_{torch.get_num_threads()}_threads"] = round(size / (time.perf_counter() - started) / 1e9, 2)
+    copy = np.empty_like(data)
+    started = time.perf_counter()
+    np.copyto(copy, data)
+    out["memcpy_GBps"] = round(size / (time.perf_counter() - started) / 1e9, 2)
+    path = Path(tempfile.mkdtemp(prefix="unbroken-gpu-prim-", dir="/dev/shm")) / "f"
+    try:
+        path.write_bytes(data.tobytes())
+        fd = os.open(path, os.O_RDONLY)
+        chunk = 32 * MIB
+        for threads in (1, 3, 8):
+            buffers = [np.empty(chunk, dtype=np.uint8) for _ in range(threads)]
+
+            def read(i: int, buffers: list[Any] = buffers, threads: int = threads) -> None:
+                for start in range(i * chunk, size, chunk * threads):
+                    os.preadv(fd, [memoryview(buffers[i])[: min(chunk, size - start)]], start)
+
+            started = time.perf_counter()
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(read, range(threads)))
+            out[f"pread_tmpfs_GBps_{threads}_threads"] = round(size / (time.perf_counter() - started) / 1e9, 2)
+        os.close(fd)
+    finally:
+        shutil.rmtree(path.parent, ignore_errors=True)
     return out
 
 
@@ -622,6 +717,7 @@ def section_llm(run: Run) -> dict[str, Any]:
             row["attempts"] = job.attempt + 1
             ended = [e.message for e in store.list_events(object_kind="Job", object_name=name) if e.reason == "RanksEndedAfterFinishing"]
             row["ranks_ended_after_finishing"] = ended[:1]
+            row["restart_timeline"] = restart_timeline(store, backend, name)
         except Exception as exc:  # noqa: BLE001 - the row says where it stopped
             row["error"] = f"{type(exc).__name__}: {exc}"[:400]
             job = store.get_job(name)
@@ -634,11 +730,38 @@ def section_llm(run: Run) -> dict[str, Any]:
     return out
 
 
+def restart_timeline(store: Any, backend: Any, name: str) -> list[str]:
+    """What the restarted attempt did, in order and relative to the fault: the job's events, its worker's start, and
+    its rank's first log lines (where a cold start's seconds go)."""
+    events = store.list_events(object_kind="Job", object_name=name)
+    fault = next((e.ts for e in events if e.reason in ("JobRestarting", "ChaosKillWorker")), None)
+    if fault is None:
+        return []
+    lines = [(e.ts, f"event {e.reason}: {e.message[:120]}") for e in events if e.ts >= fault - 1]
+    for worker in backend.observe_attempt(name, 1):
+        if worker.started_at:
+            lines.append((worker.started_at, "worker started"))
+        if worker.first_progress_at:
+            lines.append((worker.first_progress_at, f"first step {worker.first_step}"))
+        for path in sorted(Path(worker.log_dir or "/nonexistent").rglob("*.log")):
+            for text in path.read_text(errors="replace").splitlines()[:12]:
+                try:
+                    record = json.loads(text)
+                    stamp = datetime.fromisoformat(str(record["ts"]).replace("Z", "+00:00")).timestamp()
+                except (ValueError, KeyError, TypeError, AttributeError):
+                    record, stamp = {}, None
+                if isinstance(record, dict) and "process_began" in record:
+                    lines.append((float(record["process_began"]), "rank process began"))
+                message = record.get("msg", text) if isinstance(record, dict) else text
+                lines.append((stamp if stamp is not None else float("inf"), f"{path.name}: {str(message)[:160]}"))
+    return [f"{'?' if at == float('inf') else f'{at - fault:+.2f}'} s {text}" for at, text in sorted(lines)][:60]
+
+
 # -- the report -----------------------------------------------------------------------
 
 
 SECTIONS: dict[str, Callable[[Run], dict[str, Any]]] = {
-    "readback": section_readback, "save": section_save, "dcp": section_dcp, "abort": section_abort,
+    "primitives": section_primitives, "readback": section_readback, "save": section_save, "dcp": section_dcp, "abort": section_abort,
     "overhead": section_overhead, "health": section_health, "llm": section_llm,
 }
 

@@ -264,7 +264,11 @@ def test_a_restore_to_the_device_streams_the_shard_through_pinned_buffers_and_re
     checksumming on the way (device_restore.py); here a CPU target plays the device, with the stand-in runtime."""
     from unbroken.checkpoint import device_restore
 
-    monkeypatch.setattr(device_restore, "CHUNK_BYTES", 1 << 20)  # many chunks: the ring of buffers goes round
+    from unbroken.checkpoint import integrity
+
+    # many chunks: the ring of buffers goes round, and the readers hash chunk by chunk
+    monkeypatch.setattr(device_restore, "CHUNK_BYTES", 1 << 20)
+    monkeypatch.setattr(integrity, "CHUNK_BYTES", 1 << 20)
     cuda = RuleKeepingCuda()
     rig = make_rig({"keep": 2, "replicas": 0})
     first = rig.checkpointer(pinning=PinnedMemory(cuda))
@@ -526,8 +530,7 @@ KILLED_RANK = textwrap.dedent(
 
     from unbroken.checkpoint import credentials
     from unbroken.config.checkpoint import TierPolicy
-    from unbroken.checkpoint.cuda_host import PinnedMemory
-from unbroken.checkpoint.tiered import TieredCheckpointer
+    from unbroken.checkpoint.tiered import TieredCheckpointer
 
     root, endpoint, policy = Path(sys.argv[1]), sys.argv[2], TierPolicy.model_validate_json(sys.argv[3])
     ck = TieredCheckpointer(job="j", attempt=0, rank=0, world_size=1, node="node-1", shm_root=root,

@@ -1,36 +1,103 @@
-"""Shard checksums: xxh3-64 over the exact bytes, the same in every tier.
+"""Shard checksums: xxh3-64 over the exact bytes, the same in every tier, computed on many cores.
 
-xxhash releases the GIL and runs at ~35 GB/s here, so checksumming a shard in a
-background thread barely touches the training thread. No torch import: the
-node agent uses this too and must start fast.
+The checksum of a shard is ``xxh3_64c:<hex>``: the xxh3-64 of the xxh3-64 digests
+of its 32 MiB chunks, in order, followed by its size. One core hashes ~20-30 GB/s,
+which made the checksum of an 8 GiB shard (~0.4 s) the longest part of a save on an
+H100 (the device-to-host copy takes 0.16 s); chunks hash on as many threads as
+there are cores to spare, and a stream of chunks (a restore's readers, a peer's
+transfer) is hashed as it arrives. xxhash releases the GIL, so hashing in
+threads barely touches the training thread.
+
+Shards written before this (``xxh3_64:<hex>``, one xxh3-64 over all the bytes) still
+verify: every check computes the checksum the way the one it compares with was
+made (``like=``). No torch import: the node agent uses this too and must start fast.
 """
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import xxhash
 
-CHECKSUM_ALGORITHM = "xxh3_64"
+CHECKSUM_ALGORITHM = "xxh3_64c"
+"""Chunked: what every new shard's checksum is."""
+WHOLE_ALGORITHM = "xxh3_64"
+"""One xxh3-64 over all the bytes: shards of earlier versions."""
+CHUNK_BYTES = 32 << 20
+"""A chunk: large enough that a thread's start and the digests' combination cost nothing, small enough that
+a few GiB make many chunks to share out."""
+THREADS = max(1, min(8, (os.cpu_count() or 1) - 1))
+"""Threads hashing one shard: the cores a node can spare beside its ranks, no more than eight."""
 
 
-def checksum(buffer: Any, size: int) -> str:
-    """xxh3-64 of the first ``size`` bytes, as ``"xxh3_64:<hex>"``."""
-    view = memoryview(buffer)[:size]
+def checksum(buffer: Any, size: int, *, like: str | None = None) -> str:
+    """The checksum of the first ``size`` bytes; with ``like``, made the way that checksum was (to compare with it)."""
+    view = memoryview(buffer).cast("B")[:size]
     try:
-        return f"{CHECKSUM_ALGORITHM}:{xxhash.xxh3_64(view).hexdigest()}"
+        if _algorithm(like) == WHOLE_ALGORITHM:
+            return f"{WHOLE_ALGORITHM}:{xxhash.xxh3_64(view).hexdigest()}"
+        chunks = [view[start : start + CHUNK_BYTES] for start in range(0, size, CHUNK_BYTES)]
+        if len(chunks) <= 2:
+            digests = [chunk_digest(chunk) for chunk in chunks]
+        else:
+            with ThreadPoolExecutor(min(THREADS, len(chunks)), thread_name_prefix="checksum") as pool:
+                digests = list(pool.map(chunk_digest, chunks))
+        for chunk in chunks:
+            chunk.release()
+        return combine(digests, size)
     finally:
         view.release()
 
 
-class StreamingChecksum:
-    """The same checksum over bytes that arrive in pieces (network, object store)."""
+def chunk_digest(data: Any) -> bytes:
+    """One chunk's digest (a thread's share of :func:`checksum`, or a restore reader's)."""
+    return xxhash.xxh3_64(data).digest()
 
-    def __init__(self) -> None:
-        self._hash = xxhash.xxh3_64()
+
+def combine(digests: list[bytes], size: int) -> str:
+    """The checksum of ``size`` bytes from their chunks' digests, in order."""
+    return f"{CHECKSUM_ALGORITHM}:{xxhash.xxh3_64(b''.join(digests) + size.to_bytes(8, 'little')).hexdigest()}"
+
+
+def is_chunked(like: str | None) -> bool:
+    """Whether a checksum made like ``like`` can be put together from its chunks' digests."""
+    return _algorithm(like) == CHECKSUM_ALGORITHM
+
+
+def _algorithm(like: str | None) -> str:
+    return WHOLE_ALGORITHM if like is not None and like.startswith(f"{WHOLE_ALGORITHM}:") else CHECKSUM_ALGORITHM
+
+
+class StreamingChecksum:
+    """The same checksum over bytes that arrive in pieces (network, object store); ``like`` as for :func:`checksum`."""
+
+    def __init__(self, like: str | None = None) -> None:
+        self._whole = xxhash.xxh3_64() if _algorithm(like) == WHOLE_ALGORITHM else None
+        self._chunk = xxhash.xxh3_64()
+        self._in_chunk = 0
+        self._digests: list[bytes] = []
+        self._size = 0
 
     def update(self, data: Any) -> None:
-        self._hash.update(data)
+        if self._whole is not None:
+            self._whole.update(data)
+            return
+        view = memoryview(data).cast("B")
+        while len(view):
+            take = min(len(view), CHUNK_BYTES - self._in_chunk)
+            self._chunk.update(view[:take])
+            self._in_chunk += take
+            self._size += take
+            view = view[take:]
+            if self._in_chunk == CHUNK_BYTES:
+                self._digests.append(self._chunk.digest())
+                self._chunk.reset()
+                self._in_chunk = 0
 
     def hexdigest(self) -> str:
-        return f"{CHECKSUM_ALGORITHM}:{self._hash.hexdigest()}"
+        if self._whole is not None:
+            return f"{WHOLE_ALGORITHM}:{self._whole.hexdigest()}"
+        tail = [self._chunk.digest()] if self._in_chunk else []
+        return combine(self._digests + tail, self._size)

@@ -215,7 +215,7 @@ class _Handler(BaseHTTPRequestHandler):
         path = shm.held_path(root, info.job, info.step, info.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{threading.get_ident()}.tmp")
-        digest = StreamingChecksum()
+        digest = StreamingChecksum(like=info.checksum)
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             if info.size:
@@ -230,7 +230,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             raise
         os.close(fd)
-        got = digest.hexdigest() if info.size else checksum(b"", 0)
+        got = digest.hexdigest() if info.size else checksum(b"", 0, like=info.checksum)
         if got != info.checksum:
             tmp.unlink(missing_ok=True)
             raise RequestError(HTTPStatus.UNPROCESSABLE_ENTITY, f"checksum mismatch: sent {info.checksum}, received {got}")
@@ -290,16 +290,16 @@ def verify_local(root: Path, job: str) -> list[dict[str, Any]]:
         with shm.SharedRead(stored) as read:
             if not read.ok:
                 continue
-            ok = _checksum_file(read.fd, stored.info.size) == stored.info.checksum
+            ok = _checksum_file(read.fd, stored.info.size, stored.info.checksum) == stored.info.checksum
         results.append({"step": stored.info.step, "rank": stored.info.rank, "held": stored.held, "ok": ok, "size": stored.info.size})
     return results
 
 
-def _checksum_file(fd: int, size: int) -> str:
+def _checksum_file(fd: int, size: int, like: str) -> str:
     if size == 0:
-        return checksum(b"", 0)
+        return checksum(b"", 0, like=like)
     with mmap.mmap(fd, size, prot=mmap.PROT_READ) as view:
-        return checksum(view, size)
+        return checksum(view, size, like=like)
 
 
 # -- client ---------------------------------------------------------------------------
@@ -367,10 +367,10 @@ class PeerClient:
         """Receive a shard into the buffer ``into(info)`` returns; checked against its checksum."""
         response = self._exchange("GET", f"/v1/jobs/{_quoted(job)}/shards/{step}/{rank}")
         info = ShardInfo.model_validate_json(response.getheader(SHARD_HEADER) or "")
-        digest = StreamingChecksum()
+        digest = StreamingChecksum(like=info.checksum)
         if info.size:
             _read_into(response, into(info)[: info.size], digest)
-        got = digest.hexdigest() if info.size else checksum(b"", 0)
+        got = digest.hexdigest() if info.size else checksum(b"", 0, like=info.checksum)
         if got != info.checksum:
             raise CheckpointError(f"{self.address}: {job} step {step} rank {rank} checksum mismatch ({info.checksum} != {got})")
         return info

@@ -134,7 +134,7 @@ class PersistentStore:
         path = self.shard_path(info.job, info.step, info.rank)
         buffer = bytearray(info.size)
         view = memoryview(buffer)
-        digest = StreamingChecksum()
+        digest = StreamingChecksum(like=info.checksum)
         done = 0
         with self.fs.open(path, "rb", block_size=_CHUNK) as f:
             while done < info.size:

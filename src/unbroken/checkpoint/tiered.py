@@ -99,6 +99,11 @@ class TieredCheckpointer:
     last_stall_seconds: float = field(default=0.0, init=False)
     """How long the last save blocked the script: ``save()``'s return plus the fence's wait."""
     last_fence_seconds: float = field(default=0.0, init=False)
+    last_save_timing: dict[str, float] = field(default_factory=dict, init=False)
+    """Where the last save's time went, in its background thread: ``copy_s`` (map, pin and copy; the fence waits
+    for this), ``checksum_s`` and, for device tensors, ``verify_s`` (beside the checksum), ``published_s`` (all of it)."""
+    last_restore_timing: dict[str, float] = field(default_factory=dict, init=False)
+    """A restore to a device from this node's shared memory: where its time went (device_restore.StreamTiming)."""
 
     def __post_init__(self) -> None:
         self._device_given = self.pinning is not None
@@ -205,6 +210,8 @@ class TieredCheckpointer:
     def _copy_and_finalize(self, slot: shm.Slot, layout: shard.ShardLayout, tensors: list[torch.Tensor], step: int,
                            device: DeviceCopy | None, ready: Any, copied: threading.Event) -> None:
         expected: Expected | None = None
+        started = time.perf_counter()
+        self.last_save_timing = {}
         try:
             if (slot.view is None or not slot.fits(layout.size)) and layout.size >= SAY_MAPPING_BYTES:
                 _say(f"step {step}: mapping{' and pinning' if device else ''} a {layout.size / 2**30:.2f} GiB slot while the "
@@ -220,7 +227,9 @@ class TieredCheckpointer:
             _say(f"step {step} not checkpointed: copying it into the memory tier failed: {exc!r}")
             return
         copied.set()  # the state is the script's again; what follows reads the slot only
+        self.last_save_timing["copy_s"] = time.perf_counter() - started
         self._finalize(slot, buffer, layout, step, device, expected)
+        self.last_save_timing["published_s"] = time.perf_counter() - started
 
     @property
     def last_step(self) -> int | None:
@@ -249,10 +258,12 @@ class TieredCheckpointer:
         info: ShardInfo | None = None
         try:
             mismatch: Future[str | None] | None = None
+            started = time.perf_counter()
             if device is not None and expected is not None:
                 # beside the checksum: both read the slot, both release the GIL
-                mismatch = _beside(lambda: device.verify(buffer, layout, expected))
+                mismatch = _beside(lambda: _timed(self.last_save_timing, "verify_s", lambda: device.verify(buffer, layout, expected)))
             digest = shard.checksum(buffer, layout.size)
+            self.last_save_timing["checksum_s"] = time.perf_counter() - started
             differs = mismatch.result() if mismatch is not None else None
             if differs is None:
                 info = ShardInfo.describe(
@@ -357,7 +368,8 @@ class TieredCheckpointer:
                 if runtime is None:
                     loaded = tier.read(location, step, rank)
                 elif isinstance(tier, tiers.SharedMemoryTier):
-                    loaded = tier.read_to_device(location, step, rank, device, runtime)
+                    self.last_restore_timing = {}
+                    loaded = tier.read_to_device(location, step, rank, device, runtime, self.last_restore_timing)
                 else:
                     loaded = tier.read(location, step, rank)
                     loaded = tiers.Loaded(device_restore.to_device(loaded.payload, device, runtime), loaded.size)  # type: ignore[arg-type]
@@ -396,6 +408,14 @@ class TieredCheckpointer:
 
 SAY_MAPPING_BYTES = 64 << 20
 """A save that must map its slot first says so from this size on, where the stall starts to show."""
+
+
+def _timed(into: dict[str, float], key: str, work: Callable[[], T]) -> T:
+    started = time.perf_counter()
+    try:
+        return work()
+    finally:
+        into[key] = time.perf_counter() - started
 
 
 def _beside(work: Callable[[], T]) -> Future[T]:

@@ -113,16 +113,17 @@ class SharedMemoryTier:
         info = stored.info
         reused_later = not stored.held and info.attempt == self.attempt and info.rank == self.rank
         view = self.mapper(stored)
-        got = shard.checksum(view, info.size)
+        got = shard.checksum(view, info.size, like=info.checksum)
         if got != info.checksum:
             view.close()
             raise CheckpointError(f"{stored.path}: checksum mismatch (descriptor {info.checksum}, data {got})")
         return Loaded(shard.read(view, info.metas(), info.skeleton_offset, info.size, copy=reused_later), info.size)
 
-    def read_to_device(self, location: Location, step: int, rank: int, device: Any, runtime: CudaRuntime) -> Loaded:
+    def read_to_device(self, location: Location, step: int, rank: int, device: Any, runtime: CudaRuntime,
+                       timing: dict[str, float] | None = None) -> Loaded:
         """Straight from the shard file onto ``device`` through pinned memory (device_restore.py), checksum on the way."""
         stored = self._find(location, step, rank)
-        return Loaded(device_restore.read_file(stored.path, stored.info, device, runtime), stored.info.size)
+        return Loaded(device_restore.read_file(stored.path, stored.info, device, runtime, timing), stored.info.size)
 
     def _find(self, location: Location, step: int, rank: int) -> shm.StoredShard:
         for stored in shm.scan(self.root, self.job):

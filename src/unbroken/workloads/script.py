@@ -31,13 +31,26 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, steps: int, warmup:
 
 def run(train: Callable[[argparse.Namespace, unbroken.Context], int], args: argparse.Namespace, log: logging.Logger) -> int:
     """Join the job and train; a user mistake (bad data folder, batch that does not divide) is one
-    clear log line and exit code 2, not a traceback from every rank."""
+    clear log line and exit code 2, not a traceback from every rank. Each rank logs how long after its process
+    began it joined the job (imports, torch.distributed): a restart's startup, measured where it is spent."""
     ctx = unbroken.init()
+    age = process_age()
+    log.info(f"rank {ctx.rank}: joined {age:.2f} s after its process began", extra={"process_began": time.time() - age})
     try:
         return train(args, ctx)
     except UnbrokenError as exc:
         log.error(str(exc))
         return 2
+
+
+def process_age() -> float:
+    """Seconds since this process began, to the kernel's tick (10 ms): ``/proc/uptime`` less the process's start
+    in ``/proc/self/stat``. Not psutil's create_time, which rests on a boot time rounded to the second."""
+    with open("/proc/self/stat") as f:
+        after_name = f.read().rsplit(")", 1)[1].split()
+    with open("/proc/uptime") as f:
+        uptime = float(f.read().split()[0])
+    return uptime - int(after_name[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime, in clock ticks
 
 
 def exit_rank(code: int) -> NoReturn:
