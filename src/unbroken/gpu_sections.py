@@ -26,8 +26,10 @@ EventFactory = Callable[[], Any]
 
 
 class GpuSections:
-    def __init__(self, make_event: EventFactory) -> None:
+    def __init__(self, make_event: EventFactory, current_stream: Callable[[], Any] | None = None) -> None:
         self._make_event = make_event
+        self._current_stream = current_stream
+        """The stream a section's events go on (looked up once a section: each lookup makes a Python object)."""
         self._free: list[Any] = []
         self._current: list[tuple[str, Any, Any]] = []
         """(metric key, start, end) of the sections since the last progress."""
@@ -37,17 +39,19 @@ class GpuSections:
     def for_cuda(cls) -> GpuSections:
         import torch
 
-        return cls(lambda: torch.cuda.Event(enable_timing=True))
+        return cls(lambda: torch.cuda.Event(enable_timing=True), torch.cuda.current_stream)
 
-    def start(self) -> Any:
+    def start(self) -> tuple[Any, Any]:
         event = self._free.pop() if self._free else self._make_event()
-        event.record()
-        return event
+        stream = self._current_stream() if self._current_stream is not None else None
+        event.record(stream) if stream is not None else event.record()
+        return event, stream
 
-    def stop(self, key: str, started: Any) -> None:
+    def stop(self, key: str, started: tuple[Any, Any]) -> None:
         event = self._free.pop() if self._free else self._make_event()
-        event.record()
-        self._current.append((key, started, event))
+        start_event, stream = started
+        event.record(stream) if stream is not None else event.record()
+        self._current.append((key, start_event, event))
 
     def interval(self) -> dict[str, float]:
         """At a progress: the GPU seconds per section key of the interval before this one (waiting, if need be,

@@ -136,7 +136,7 @@ class Context:
         try:
             yield
         finally:
-            if gpu is None:
+            if gpu is None or gpu_started is None:
                 self._sections[key] = self._sections.get(key, 0.0) + time.perf_counter() - started
             else:
                 gpu.stop(key, gpu_started)

@@ -218,7 +218,8 @@ class _Cuda:
         with torch.cuda.device(device):
             stream = self._streams.get(device)
             if stream is None:
-                stream = self._streams[device] = torch.cuda.Stream(device=device)
+                # the highest priority there is: its few kernels (fingerprints) go ahead of the training's queued ones
+                stream = self._streams[device] = torch.cuda.Stream(device=device, priority=-100)
             stream.wait_event(event)  # the caller's stream had queued the last writes to the tensors
             self._local.stream = stream
             with torch.cuda.stream(stream):

@@ -5,9 +5,12 @@ queued the last writes to the tensors: into the slot directly when its mapping
 is pinned (the DMA engine at the link's speed), else through a small pinned
 bounce buffer that the CUDA runtime allocated itself (exact whatever became of
 the slot's registration, at the speed of a host memcpy). On the same stream,
-right before the copy, the source is fingerprinted (fingerprint.py): the save
-is recorded only if the slot's bytes fingerprint the same on the host, which
-:meth:`DeviceCopy.verify` checks after the training step was let go.
+right after the copy and before the tensors may change, the source is
+fingerprinted (fingerprint.py): the save is recorded only if the slot's bytes
+fingerprint the same on the host, which :meth:`DeviceCopy.verify` checks after
+the training step was let go. The stream has the highest priority: on an H100
+the fingerprint kernels queued behind a 0.5 s step's matmuls held the save's
+copy to the step's end (0.49 s for what takes 0.16 s alone).
 """
 
 from __future__ import annotations
@@ -48,9 +51,11 @@ class DeviceCopy:
         runtime = self.pinning.runtime
         direct = slot.pin(self.pinning)
         with torch.no_grad(), runtime.copy_stream(ready):
+            # The copies first: the DMA engines start at once, whatever the training's kernels hold of the SMs; the
+            # fingerprints follow on the same (high-priority) stream, before anything lets the tensors change.
+            shard.write(buffer, layout, tensors, copy=self._direct if direct else self._bounced)
             device = {i: fingerprint.of_tensor(t) for i, t in enumerate(tensors)
                       if runtime.is_device(t) and layout.tensors[i].nbytes}
-            shard.write(buffer, layout, tensors, copy=self._direct if direct else self._bounced)
             runtime.synchronize()
         return Expected({i: sums.cpu() for i, sums in device.items()}, through_bounce=not direct)
 

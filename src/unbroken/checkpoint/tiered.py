@@ -280,6 +280,16 @@ class TieredCheckpointer:
             self._pool.release(slot, info)
         self._prepare_slots(layout.size, device)
 
+    def _after_restore(self, size: int, device: DeviceCopy | None) -> None:
+        self.wait_prefetch()  # a restore to the device reads the files itself: the head start may still be mapping
+        unused, self._prefetched = self._prefetched, {}
+        for view in unused.values():
+            try:
+                view.close()
+            except BufferError:
+                pass  # something still views it: its pages go with the last view
+        self._prepare_slots(size, device)
+
     def _prepare_slots(self, size: int, device: DeviceCopy | None = None) -> None:
         try:
             self._pool.prepare(size, device.pinning if device is not None else None)
@@ -308,11 +318,11 @@ class TieredCheckpointer:
                 assert loaded is not None
                 rng.apply(loaded.payload["rng"])
                 _say(f"restored step {step} from {loaded.source}")
-                self._prefetched.clear()  # mappings restore did not use: their pages go when unreferenced
-                # The next saves will be about this size: get their slots ready (pinned, for a device state) meanwhile.
+                # The next saves will be about this size: get their slots ready (pinned, for a device state) meanwhile,
+                # and let the mappings restore did not use go there too (unmapping GiBs takes a while).
                 device_copy = self._device_copy(list(device_restore.tensors_in(loaded.payload["state"])))
-                self._pending = threading.Thread(target=self._prepare_slots, args=(loaded.size, device_copy), name="ckpt-prepare",
-                                                 daemon=True)
+                self._pending = threading.Thread(target=self._after_restore, args=(loaded.size, device_copy),
+                                                 name="ckpt-prepare", daemon=True)
                 self._pending.start()
                 if self.observer is not None:
                     self.observer.restored(RestoreReport(step, loaded.kind, time.perf_counter() - started))
