@@ -91,7 +91,7 @@ def print_wheels(python_version: str) -> None:
 class Run:
     """What the sections share: the device, sizes, a scratch folder, and the local cluster (made once)."""
 
-    def __init__(self, quick: bool, work: Path, step_seconds: float) -> None:
+    def __init__(self, quick: bool, work: Path, step_seconds: float, save_gib: list[float] | None = None) -> None:
         import torch
 
         self.quick = quick
@@ -100,6 +100,7 @@ class Run:
         self.gpus = torch.cuda.device_count() if self.cuda else 0
         self.work = work
         self.step_seconds = step_seconds if self.cuda else 0.05
+        self.save_gib = save_gib or [2.0, 8.0]
         self._cluster: Any = None
 
     def sync(self) -> None:
@@ -274,7 +275,7 @@ def section_save(run: Run) -> dict[str, Any]:
 
     from unbroken.config.job import JobSpec
 
-    sizes = [2 * GIB, 8 * GIB] if run.cuda else [32 * MIB]
+    sizes = [int(g * GIB) for g in run.save_gib] if run.cuda else [32 * MIB]
     work = StepWork(run, run.step_seconds)
     out: dict[str, Any] = {"step_units": work.units}
     for size in sizes:
@@ -832,6 +833,7 @@ def main() -> int:
                         help="with --print-wheels: the GPU machine's Python (default: this one's)")
     parser.add_argument("--only", help=f"comma-separated sections, of: {', '.join(SECTIONS)}")
     parser.add_argument("--step-seconds", type=float, default=0.5, help="the training step a save runs beside (GPU)")
+    parser.add_argument("--save-gib", default="2,8", help="the states the save section saves, in GiB (GPU); the last is restored")
     args = parser.parse_args()
     if args.print_wheels:
         print_wheels(args.python_version)
@@ -851,7 +853,7 @@ def main() -> int:
     report_out = os.dup(1)
     os.dup2(2, 1)
     with tempfile.TemporaryDirectory(prefix="unbroken-gpu-") as tmp:
-        run = Run(args.quick, Path(tmp), args.step_seconds)
+        run = Run(args.quick, Path(tmp), args.step_seconds, [float(g) for g in args.save_gib.split(",")])
         result: dict[str, Any] = {"device": describe_device(run), "sections": {}, "goals": []}
         try:
             for name in chosen:
