@@ -30,10 +30,15 @@ from dataclasses import dataclass, field
 
 from unbroken.state.records import StepTiming, Worker
 
-CONFIRM_STEPS = 5
+CONFIRM_STEPS = 12
+"""Job steps a score must stay under the threshold (or above it plus the margin) to flag (or clear) a node: a
+shorter dip is a burst of noise. Traced on this machine's 2-node job beside a core-hogging process (~110 ms
+steps, medians of 9 steps): the hog's bursts dipped a healthy node's score to 0.65 for two of its reports, ~9
+steps apart; a node slowed 1.5x stayed under for good."""
 CONFIRM_REPORTS = 2
-"""Reports in a row (about a second apart: the agents' rhythm) a score must stay under the threshold, or
-above it plus the margin, to flag or clear a node."""
+"""The node's *own* reports in a row (its agent's, about a second apart) a score must stay under the threshold, or
+above it plus the margin, to flag or clear a node. Its own: the other nodes' reports move its reference too, but
+two observations a tenth of a second apart, one from each agent, are one measurement, not two."""
 EVIDENCE = 0.15
 """How far under the threshold, summed over the reports in a row, flags a node (a CUSUM): a node at
 half speed (0.5 against 0.75) is flagged on its second report, one at 1.5x (0.67) on its second, one
@@ -53,6 +58,8 @@ class NodeScore:
     section: str | None
     """That rank's slowest scored section relative to its peers (None: no per-section figures)."""
     section_score: float | None = None
+    reported_step: int | None = None
+    """The last step of the node's own report (its worker's): a new one is a new measurement of the node."""
 
 
 def scores(workers: list[Worker]) -> dict[str, NodeScore]:
@@ -61,12 +68,14 @@ def scores(workers: list[Worker]) -> dict[str, NodeScore]:
     O(nodes log nodes) per job: each agent sends its node's summary (the median rank's work and
     sections, the slowest rank's), so 2,048 nodes of 8 ranks score in milliseconds."""
     timed: dict[str, StepTiming] = {}
+    reported: dict[str, int | None] = {}
     for w in workers:
         timing = w.step_timing
         if w.phase.is_terminal or timing is None or timing.steps < MIN_MEASURED_STEPS:
             continue
         if timing.work_s and timing.slowest is not None and timing.slowest.work_s:
             timed.setdefault(w.node, timing)
+            reported.setdefault(w.node, w.last_step)
     if len(timed) < 2:
         return {}
     nodes = sorted(timed)
@@ -82,7 +91,7 @@ def scores(workers: list[Worker]) -> dict[str, NodeScore]:
             if peers is not None and seconds > 0 and (worst[1] is None or peers / seconds < worst[1]):
                 worst = (name, peers / seconds)
         out[node] = NodeScore(node, round(min(1.0, reference / slowest.work_s), 3), slowest.rank, worst[0],
-                              None if worst[1] is None else round(min(1.0, worst[1]), 3))
+                              None if worst[1] is None else round(min(1.0, worst[1]), 3), reported.get(node))
     return out
 
 
@@ -128,7 +137,7 @@ class _Track:
     high_since: int | None = None
     high_reports: int = 0
     seen_at: int | None = None
-    """The job step of the last report looked at (a pass with no new report changes nothing)."""
+    """The node's own last reported step when last looked at (a pass with no new report of it changes nothing)."""
     flagged: bool = False
     shadowed: bool = False
 
@@ -158,9 +167,10 @@ class StragglerWatch:
         changes = []
         for node, score in node_scores.items():
             track = tracks.setdefault(node, _Track())
-            if step == track.seen_at:
-                continue  # no new report since the last pass
-            track.seen_at = step
+            measured = score.reported_step if score.reported_step is not None else step
+            if measured == track.seen_at:
+                continue  # no new report of this node since the last pass
+            track.seen_at = measured
             # Enter only while continuously below the threshold; leave only while continuously above it
             # plus the margin. A score between the two keeps the state and resets both clocks.
             low = score.score < threshold
