@@ -30,11 +30,8 @@ from dataclasses import dataclass, field
 
 from unbroken.state.records import StepTiming, Worker
 
-CONFIRM_STEPS = 12
-"""Job steps a score must stay under the threshold (or above it plus the margin) to flag (or clear) a node: a
-shorter dip is a burst of noise. Traced on this machine's 2-node job beside a core-hogging process (~110 ms
-steps, medians of 9 steps): the hog's bursts dipped a healthy node's score to 0.65 for two of its reports, ~9
-steps apart; a node slowed 1.5x stayed under for good."""
+CONFIRM_STEPS = 5
+"""Job steps a score must stay under the threshold (or above it plus the margin) to flag (or clear) a node."""
 CONFIRM_REPORTS = 2
 """The node's *own* reports in a row (its agent's, about a second apart) a score must stay under the threshold, or
 above it plus the margin, to flag or clear a node. Its own: the other nodes' reports move its reference too, but
