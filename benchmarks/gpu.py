@@ -249,23 +249,21 @@ def pinned_copy_seconds(run: Run, state: dict[str, Any]) -> tuple[float, float]:
         return took, took
     host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
     stream = torch.cuda.Stream()
+
+    def timed_copies(destinations: list[Any], sources: list[Any]) -> float:
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        with torch.cuda.stream(stream):
+            for destination, source in zip(destinations, sources, strict=True):
+                destination.copy_(source, non_blocking=True)
+        stream.synchronize()
+        return time.perf_counter() - started
+
     down, up = [], []
     for _ in range(3):
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        with torch.cuda.stream(stream):
-            for h, t in zip(host, tensors, strict=True):
-                h.copy_(t, non_blocking=True)
-        stream.synchronize()
-        down.append(time.perf_counter() - started)
+        down.append(timed_copies(host, tensors))
         targets = [torch.empty_like(t) for t in tensors]
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        with torch.cuda.stream(stream):
-            for d, h in zip(targets, host, strict=True):
-                d.copy_(h, non_blocking=True)
-        stream.synchronize()
-        up.append(time.perf_counter() - started)
+        up.append(timed_copies(targets, host))
         del targets
     return median(down), median(up)
 

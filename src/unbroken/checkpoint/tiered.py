@@ -264,7 +264,10 @@ class TieredCheckpointer:
                 mismatch = _beside(lambda: _timed(self.last_save_timing, "verify_s", lambda: device.verify(buffer, layout, expected)))
             digest = shard.checksum(buffer, layout.size)
             self.last_save_timing["checksum_s"] = time.perf_counter() - started
-            differs = mismatch.result() if mismatch is not None else None
+            try:
+                differs = mismatch.result() if mismatch is not None else None
+            except Exception as exc:  # noqa: BLE001 - a check that cannot be made is a check that failed
+                differs = f"the check itself failed: {exc!r}"
             if differs is None:
                 info = ShardInfo.describe(
                     job=self.job, step=step, rank=self.rank, world_size=self.world_size, attempt=self.attempt,
