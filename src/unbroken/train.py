@@ -119,7 +119,8 @@ class Context:
         The seconds go to the agent with the next ``progress``, which scores each rank against its
         peers to find a straggler node and names the section that is slow. Cheap: two clock reads, and on a rank
         whose CUDA is in use two CUDA events, since there the scored time is the section's time on the GPU (the
-        host only queues kernels; gpu_sections.py) and the host's goes along as ``host:<name>``. Mark a section that waits for other ranks (a collective, a barrier, DDP's backward, whose
+        host only queues kernels; gpu_sections.py) and the host's goes along as ``host:<name>``.
+        Mark a section that waits for other ranks (a collective, a barrier, DDP's backward, whose
         gradient all-reduce runs inside it) with ``waits_on_peers=True``: there the *fast* ranks wait
         for the slow one, so its time is reported but not scored. ``name``: a short word
         (``[a-z][a-z0-9_-]{0,31}``), the same on every rank.
