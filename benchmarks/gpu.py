@@ -678,7 +678,7 @@ def section_llm(run: Run) -> dict[str, Any]:
     data = prepare_text([corpus], run.work / "tokens", vocab_size=2048, shard_tokens=2**20)
     del data
     # --step-time stands in for a bigger model's compute: the job must outlast a warm spare's warming (~10 s)
-    steps, kill_at, step_time = (300, 145, 0.1) if run.cuda else (200, 60, 0.1)
+    steps, kill_at, step_time = (300, 145, 0.1) if run.cuda else (300, 60, 0.1)
     out: dict[str, Any] = {}
     for spares in (0, 1):
         name = f"llm-{'warm' if spares else 'cold'}"

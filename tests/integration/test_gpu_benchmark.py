@@ -19,7 +19,7 @@ def test_the_gpu_benchmark_runs_every_section_on_a_cpu(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout)
     sections = report["sections"]
-    assert set(sections) == {"readback", "save", "dcp", "abort", "overhead", "health", "llm"}
+    assert set(sections) == {"primitives", "readback", "save", "dcp", "abort", "overhead", "health", "llm"}
     failed = {name: s["error"] for name, s in sections.items() if "error" in s}
     assert not failed, failed
     readback = sections["readback"]
