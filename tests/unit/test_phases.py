@@ -124,7 +124,7 @@ def test_every_non_terminal_state_can_reach_a_terminal_one():
 
 
 def test_documented_lifecycle_edges():
-    # DESIGN.md: Joining -> Schedulable or Pending{Reboot,Replacement}; recovery -> Joining.
+    # The node lifecycle: Joining -> Schedulable or Pending{Reboot,Replacement}; recovery -> Joining.
     assert NodeState.SCHEDULABLE in NODE_TRANSITIONS[NodeState.JOINING]
     assert NodeState.PENDING_REBOOT in NODE_TRANSITIONS[NodeState.JOINING]
     assert NodeState.PENDING_REPLACEMENT in NODE_TRANSITIONS[NodeState.JOINING]

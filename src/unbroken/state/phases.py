@@ -17,7 +17,7 @@ class IllegalTransition(UnbrokenError):
 
 
 class NodeState(StrEnum):
-    """A node's lifecycle (DESIGN.md "Node lifecycle")."""
+    """A node's lifecycle: Joining, then Schedulable or pending a reboot or a replacement, and back to Joining."""
 
     JOINING = "Joining"
     """Registered; join checks InProgress; takes no work."""
