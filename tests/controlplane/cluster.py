@@ -3,7 +3,7 @@
 Started in order and waited for, each on its own loopback port, each with its log in ``workdir/logs``:
 
 1. etcd (``/health``), ``--unsafe-no-fsync``: a test cluster needs no durability across power loss;
-2. kube-apiserver (``/readyz``) with RBAC (``--authorization-mode=Node,RBAC``), service-account signing
+2. kube-apiserver (``/readyz``) with RBAC (``--authorization-mode=Node,RBAC``) and NodeRestriction, service-account signing
    keys and client certificates the fixture made (pki.py), short default tolerations of the
    not-ready/unreachable taints so that a dead node's pods are evicted within seconds;
 3. kube-controller-manager (``/healthz``) with every default controller, per-controller service-account
@@ -240,6 +240,9 @@ class ControlPlane:
             f"--advertise-address={LOOPBACK}", f"--secure-port={self.apiserver_port}", f"--cert-dir={pki_dir}",
             f"--tls-cert-file={self.serving.cert}", f"--tls-private-key-file={self.serving.key}",
             f"--client-ca-file={self.ca.cert}", "--authorization-mode=Node,RBAC",
+            # NodeRestriction, as every managed cluster runs it (on top of the plugins on by default, which
+            # include ValidatingAdmissionPolicy: deploy/admission/agent-policy.yaml relies on it)
+            "--enable-admission-plugins=NodeRestriction",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={self.sa_keys.cert}",
             f"--service-account-signing-key-file={self.sa_keys.key}", f"--service-cluster-ip-range={SERVICE_CIDR}",

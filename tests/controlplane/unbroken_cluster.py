@@ -50,8 +50,9 @@ class Cluster:
     """The admin's: what the test itself and the CLI (a user) use."""
     operator_kubeconfig: Path
     """ServiceAccount unbroken-system/unbroken-operator's token, under deploy/'s RBAC."""
-    agent_kubeconfig: Path
-    """ServiceAccount unbroken-system/unbroken-agent's token, under deploy/'s RBAC."""
+    agent_kubeconfigs: dict[str, Path]
+    """Per node: a token of ServiceAccount unbroken-system/unbroken-agent bound to that Node, under deploy/'s RBAC and
+    admission policy: what the agent's DaemonSet pod on the node holds (a pod-bound token names the node the same way)."""
     api: kubernetes.client.ApiClient
     kubelet: ProcessKubelet
     workdir: Path
@@ -65,6 +66,9 @@ class Cluster:
     @property
     def custom(self) -> kubernetes.client.CustomObjectsApi:
         return kubernetes.client.CustomObjectsApi(self.api)
+
+    def agent_kubeconfig(self, node: str) -> Path:
+        return self.agent_kubeconfigs[node]
 
     def start_operator(self, heartbeat_host: str = "127.0.0.1") -> subprocess.Popen[bytes]:
         log = open(self.workdir / "operator.log", "ab")
@@ -143,12 +147,26 @@ def install_unbroken(plane: ControlPlane, remediations: Path) -> None:
         if obj["kind"] == "ConfigMap" and obj["metadata"]["name"] == names.CLUSTER_CONFIGMAP:
             obj["data"] = {"cluster.yaml": cluster_file(remediations)}
     plane.apply(objects)
+    wait_until(lambda: _agent_policy_enforced(plane), 30, "the agent's admission policy to be enforced")
 
 
-def service_account_kubeconfig(plane: ControlPlane, core: kubernetes.client.CoreV1Api, account: str, path: Path) -> Path:
-    """A kubeconfig with a token the API server issued for ``unbroken-system/<account>`` (a TokenRequest)."""
+def _agent_policy_enforced(plane: ControlPlane) -> bool:
+    """The API server refuses the agent a write RBAC grants it (a dry run): deploy/admission/agent-policy.yaml is in force
+    (the API server loads a new policy a moment after it is created)."""
+    result = plane.kubectl("patch", "configmap", names.CLUSTER_CONFIGMAP, "-n", SYSTEM, "--dry-run=server", "-p", '{"data":{}}',
+                           f"--as=system:serviceaccount:{SYSTEM}:unbroken-agent", check=False)
+    return result.returncode != 0 and "ValidatingAdmissionPolicy" in result.stderr
+
+
+def service_account_kubeconfig(plane: ControlPlane, core: kubernetes.client.CoreV1Api, account: str, path: Path, *,
+                               node: str | None = None) -> Path:
+    """A kubeconfig with a token the API server issued for ``unbroken-system/<account>`` (a TokenRequest), bound to the
+    Node ``node`` if given (the token then names the node: ``authentication.kubernetes.io/node-name``)."""
     wait_until(lambda: core.read_namespaced_service_account(account, SYSTEM), 30, f"ServiceAccount {account}")
-    token = core.create_namespaced_service_account_token(account, SYSTEM, {"spec": {"expirationSeconds": 24 * 3600}})
+    spec: dict[str, Any] = {"expirationSeconds": 24 * 3600}
+    if node is not None:
+        spec["boundObjectRef"] = {"apiVersion": "v1", "kind": "Node", "name": node, "uid": core.read_node(node).metadata.uid}
+    token = core.create_namespaced_service_account_token(account, SYSTEM, {"spec": spec})
     return plane.token_kubeconfig(path, token.status.token, f"system:serviceaccount:{SYSTEM}:{account}")
 
 
@@ -166,12 +184,13 @@ def unbroken_cluster(workdir: Path, *, trainer: bool = False) -> Iterator[Cluste
         install_unbroken(plane, remediations)
         plane.create_namespace(JOBS)
         operator = service_account_kubeconfig(plane, core, "unbroken-operator", workdir / "operator.kubeconfig")
-        agent = service_account_kubeconfig(plane, core, "unbroken-agent", workdir / "agent.kubeconfig")
         try:
             with ProcessKubelet(plane.kubeconfig, Path(nodes_root), plane.kubelet_serving) as kubelet:
                 for node in NODES:
                     kubelet.add_node(node, allocatable={"nvidia.com/gpu": "1"})
-                result = Cluster(plane, plane.kubeconfig, operator, agent, api, kubelet, workdir, remediations)
+                agents = {node: service_account_kubeconfig(plane, core, "unbroken-agent", workdir / f"agent-{node}.kubeconfig",
+                                                           node=node) for node in NODES}
+                result = Cluster(plane, plane.kubeconfig, operator, agents, api, kubelet, workdir, remediations)
                 try:
                     yield result
                 finally:
@@ -306,7 +325,7 @@ def start_agent(cluster: Cluster, node: str, *, kernel_log: str | None = None) -
     kernel_log = kernel_log or str(node_dir / "kmsg.log")
     log = open(cluster.workdir / f"agent-{node}.log", "ab")
     return subprocess.Popen(
-        [sys.executable, "-m", "unbroken.agent.kubernetes", "--kubernetes", "--node", node, "--kubeconfig", str(cluster.agent_kubeconfig),
+        [sys.executable, "-m", "unbroken.agent.kubernetes", "--kubernetes", "--node", node, "--kubeconfig", str(cluster.agent_kubeconfig(node)),
          "--namespace", SYSTEM, "--kernel-log", kernel_log, "--socket-dir", str(node_dir / AGENT_DIR.lstrip("/")),
          "--state-dir", str(node_dir / "state")],
         # the memory tier's hostPath (/dev/shm/unbroken), as the pods' mount of it is rewritten

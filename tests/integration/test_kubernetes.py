@@ -810,7 +810,7 @@ def test_an_agents_token_is_refused_what_only_the_operator_may_do(cluster: Clust
     """deploy/'s RBAC on the real API server: the node agent's ServiceAccount may write its node and Lease, never
     a workload, a pod's life or a deep-check Job -- the operator's may."""
     name = submit(cluster, pytorchjob("rbac", tmp_path / "ckpt", steps=10, nodes=1))
-    agent = api_client(cluster.agent_kubeconfig)
+    agent = api_client(cluster.agent_kubeconfig("gpu-a"))
     operator = api_client(cluster.operator_kubeconfig)
     patch = {"metadata": {"annotations": {names.JOB_PHASE: "Running"}}}
 
@@ -833,6 +833,33 @@ def test_an_agents_token_is_refused_what_only_the_operator_may_do(cluster: Clust
                                                                            {"metadata": {"annotations": {"x.example/y": "z"}}})) is None
     assert refused(lambda: kubernetes.client.BatchV1Api(operator).create_namespaced_job(SYSTEM, job, dry_run="All")) is None
     assert refused(lambda: kubernetes.client.CoreV1Api(operator).delete_namespaced_pod(pod, JOBS, dry_run="All")) is None
+
+
+def test_a_compromised_node_cannot_make_the_operator_run_a_command(cluster: Cluster, agents: Agents, tmp_path: Path) -> None:
+    """What an intruder on gpu-a holds is its agent's token: it tries to rewrite the cluster file's RemediationCommand
+    (the command the operator runs on a fault) and to plant its own Secret, and is refused both. Then a real Xid 79
+    in gpu-a's kernel log: the operator remediates with the administrator's command, and the intruder's never runs.
+    The agents themselves, under the same policy, did their work throughout (their Leases, the fault write)."""
+    from unbroken.health.chaos import xid_line
+
+    cluster.start_operator()
+    marker = tmp_path / "owned"
+    config = yaml.safe_load(cluster_file(cluster.remediations))
+    config["Kubernetes"]["RemediationCommand"] = ["sh", "-c", f"touch {marker}"]
+    intruder = kubernetes.client.CoreV1Api(api_client(cluster.agent_kubeconfig("gpu-a")))
+    with pytest.raises(kubernetes.client.ApiException) as refused:
+        intruder.patch_namespaced_config_map(names.CLUSTER_CONFIGMAP, SYSTEM, {"data": {"cluster.yaml": yaml.safe_dump(config)}})
+    assert refused.value.status == 403 and "only the checkpoint catalog" in str(refused.value.body), refused.value.body
+    with pytest.raises(kubernetes.client.ApiException) as refused:
+        intruder.create_namespaced_secret(SYSTEM, {"metadata": {"name": "unbroken-heartbeat-key-2"}, "stringData": {"key": "x"}})
+    assert refused.value.status == 403
+
+    with open(cluster.kubelet.node_dir("gpu-a") / "kmsg.log", "a") as kmsg:
+        kmsg.write(xid_line(79, "PCI:0000:b9:00") + "\n")
+    wait_until(lambda: "Replace gpu-a" in cluster.remediations.read_text(), 30, "the administrator's remediation command")
+    assert not marker.exists(), "the intruder's command ran"
+    assert cluster.remediations.read_text() == "Replace gpu-a\n"
+    cluster.assert_clean()
 
 
 def test_unusual_workloads_beside_a_healthy_job_never_stop_its_recovery(cluster: Cluster, tmp_path: Path) -> None:

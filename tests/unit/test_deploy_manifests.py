@@ -51,8 +51,10 @@ EXPECTED_OBJECTS = {
     ("Service", "unbroken-operator-metrics"),
     ("Deployment", "unbroken-operator"),
     ("DaemonSet", "unbroken-agent"),
+    ("ValidatingAdmissionPolicy", "unbroken-agent"),
+    ("ValidatingAdmissionPolicyBinding", "unbroken-agent"),
 }
-CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
+CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
 
 AGENT_HOST_PATHS = {  # host path -> mount path, all DirectoryOrCreate
     "/var/run/unbroken": "/var/run/unbroken",
@@ -89,8 +91,8 @@ OPERATOR_CLUSTER_RULES = rules(
 OPERATOR_NAMESPACE_RULES = rules(
     ("coordination.k8s.io", "leases", "get list watch create update patch"),
     ("batch", "jobs", "create get list watch delete"),
-    ("", "configmaps", "get list watch"),
-    ("", "secrets", "get"),  # unbroken-heartbeat-key only, by name: the agents' heartbeat signing key
+    ("", "configmaps", "get list watch"),  # never write: its configuration is the administrators'
+    ("", "secrets", "create get"),  # it makes the agents' two Secrets (create cannot be limited to names); get by name
 )
 AGENT_CLUSTER_RULES = rules(
     ("", "nodes", "get list watch patch"),
@@ -104,7 +106,7 @@ AGENT_CLUSTER_RULES = rules(
 AGENT_NAMESPACE_RULES = rules(
     ("coordination.k8s.io", "leases", "get create update patch"),
     ("", "configmaps", "get list watch create patch delete"),  # the checkpoint catalog (backends/kubernetes/catalog.py)
-    ("", "secrets", "create get"),  # unbroken-cluster-tls only (get by name; create cannot be limited to one)
+    ("", "secrets", "get"),  # the operator's two Secrets, by name; never a write
 )
 
 
@@ -164,10 +166,11 @@ def rendered(request: pytest.FixtureRequest) -> list[Obj]:
 # --- rendering and schema validation -----------------------------------------------------------
 
 
-def test_root_kustomization_installs_only_the_base() -> None:
+def test_root_kustomization_installs_the_base_and_the_admission_policy() -> None:
     root = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
-    assert root["resources"] == ["base"], "deploy/grafana and deploy/prometheus are not manifests to apply"
-    assert _render(DEPLOY) == _render(DEPLOY / "base")
+    assert root["resources"] == ["base", "admission"], "deploy/grafana and deploy/prometheus are not manifests to apply"
+    gpu = yaml.safe_load((GPU / "kustomization.yaml").read_text())
+    assert gpu["resources"] == ["../../base", "../../admission"], "the GPU install holds its agents to their nodes too"
 
 
 def test_base_and_gpu_overlay_render_the_expected_objects(rendered: list[Obj]) -> None:
@@ -398,9 +401,8 @@ def test_rbac_is_exactly_the_contract() -> None:
 
 
 def test_rbac_has_no_wildcards_no_secrets_and_no_cluster_wide_writes_of_leases_or_jobs() -> None:
-    """Secrets: only the agent's Role in unbroken's namespace, to create the memory tier's TLS Secret and the
-    heartbeat key and read those two by name; the operator's Role reads the heartbeat key by name; nothing can
-    list or watch secrets."""
+    """Secrets: only the operator's Role in unbroken's namespace creates (the memory tier's TLS Secret and the
+    heartbeat key); both Roles read those two by name; nothing can list or watch secrets, and the agent writes none."""
     objects = render(DEPLOY)
     for role in (o for o in objects if o["kind"] in {"ClusterRole", "Role"}):
         name = f"{role['kind']}/{role['metadata']['name']}"
@@ -409,9 +411,9 @@ def test_rbac_has_no_wildcards_no_secrets_and_no_cluster_wide_writes_of_leases_o
                 assert "*" not in rule.get(field, []), f"{name}: wildcard in {field}: {rule}"
             if "secrets" in rule["resources"]:
                 assert name in ("Role/unbroken-agent", "Role/unbroken-operator") and rule["resources"] == ["secrets"], f"{name}: {rule}"
-                readable = ["unbroken-cluster-tls", "unbroken-heartbeat-key"] if name == "Role/unbroken-agent" else ["unbroken-heartbeat-key"]
-                assert (rule["verbs"] == ["create"] and name == "Role/unbroken-agent") or (
-                    rule["verbs"] == ["get"] and rule.get("resourceNames") == readable), f"{name}: {rule}"
+                readable = {"unbroken-cluster-tls", "unbroken-heartbeat-key"}
+                assert (rule["verbs"] == ["create"] and name == "Role/unbroken-operator") or (
+                    rule["verbs"] == ["get"] and set(rule.get("resourceNames") or ()) == readable), f"{name}: {rule}"
             assert "nonResourceURLs" not in rule, f"{name}: {rule}"
             assert "resourceNames" not in rule or rule["resourceNames"], f"{name}: {rule}"
         assert "aggregationRule" not in role, name

@@ -4,6 +4,7 @@ Secret on the real API server, and how the Kubernetes store turns datagrams and 
 from __future__ import annotations
 
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -114,11 +115,16 @@ def api(kubeconfig: Path, namespace: str) -> kubernetes.client.ApiClient:
     return api_client(kubeconfig)
 
 
-def test_the_first_agent_makes_the_key_every_other_reads_it(api: kubernetes.client.ApiClient, namespace: str) -> None:
+def test_the_operator_makes_the_key_once_and_a_waiting_agent_reads_it(api: kubernetes.client.ApiClient, namespace: str) -> None:
     assert heartbeats.read_key(api, namespace) is None
+    got: list[bytes | None] = []
+    agent = threading.Thread(target=lambda: got.append(heartbeats.wait_key(api, namespace, threading.Event())))
+    agent.start()
     first = heartbeats.ensure_key(api, namespace)
     assert len(first) == 32
-    assert heartbeats.ensure_key(api, namespace) == first
+    assert heartbeats.ensure_key(api, namespace) == first, "a second leader keeps the key"
+    agent.join(30)
+    assert got == [first]
     assert heartbeats.read_key(api, namespace) == first
 
 

@@ -1,12 +1,15 @@
-"""The cluster's TLS credentials on Kubernetes: one Secret, made by the first agent that needs it.
+"""The cluster's TLS credentials on Kubernetes: one Secret, made by the operator.
 
 The memory tier's peer API is mutual TLS under a CA of the cluster's own
 (checkpoint/credentials.py). On Kubernetes the three files live in the Secret
-``unbroken-cluster-tls`` in unbroken's namespace, made by the first agent that
-needs it (backends/kubernetes/shared_secret.py: the first one's CA wins). Each agent then writes the files
-into its node's socket folder (``/var/run/unbroken/cluster``), which the training
-pods mount already: their ranks present the same certificate to restore from
-peers. The CA's key is not kept, as locally: nobody can mint a second certificate.
+``unbroken-cluster-tls`` in unbroken's namespace, made by the operator when it
+first leads (:func:`make`; backends/kubernetes/shared_secret.py: of two
+replicas racing, the first create wins). An agent may only read it (its Role,
+and deploy/admission/agent-policy.yaml, refuse it any Secret write): it waits for
+the Secret (:func:`wait`), then writes the files into its node's socket folder
+(``/var/run/unbroken/cluster``), which the training pods mount already: their
+ranks present the same certificate to restore from peers. The CA's key is not
+kept, as locally: nobody can mint a second certificate.
 
 ``unbroken ckpt verify`` on a cluster reads the same Secret (:func:`fetch`), never
 creating it, to dial the nodes' shard servers as a peer would.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import tempfile
+import threading
 from pathlib import Path
 
 import kubernetes
@@ -27,22 +31,29 @@ from unbroken.errors import NotFoundError
 from unbroken.backends.kubernetes import names, shared_secret
 
 _FILES = (credentials.CA_FILE, credentials.CERT_FILE, credentials.KEY_FILE)
-_REMEDY = "delete it and an agent makes a new one (every node's agent must then restart to read it)"
+_REMEDY = "delete it and the operator makes a new one (every node's agent must then restart to read it)"
 
 
-def ensure(api: kubernetes.client.ApiClient, namespace: str, directory: Path, cluster_name: str) -> Credentials:
-    """The cluster's credentials, written into ``directory`` (the Secret is created first if missing)."""
-    data = shared_secret.ensure(kubernetes.client.CoreV1Api(api), namespace, names.CLUSTER_TLS_SECRET, _FILES,
-                                lambda: _make(cluster_name), remedy=_REMEDY)
-    return _write(data, directory)
+def make(api: kubernetes.client.ApiClient, namespace: str, cluster_name: str) -> None:
+    """The operator's side: the Secret, created if there is none yet (an existing one is kept)."""
+    shared_secret.ensure(kubernetes.client.CoreV1Api(api), namespace, names.CLUSTER_TLS_SECRET, _FILES,
+                         lambda: _make(cluster_name), remedy=_REMEDY)
+
+
+def wait(api: kubernetes.client.ApiClient, namespace: str, directory: Path, stopping: threading.Event) -> Credentials | None:
+    """The agent's side: the cluster's credentials written into ``directory``, once the operator has made the Secret
+    (polled: shared_secret.wait); None if ``stopping`` is set first."""
+    core = kubernetes.client.CoreV1Api(api)
+    return shared_secret.wait(lambda: _read(core, namespace), stopping, f"Secret {namespace}/{names.CLUSTER_TLS_SECRET}",
+                              lambda data: _write(data, directory))
 
 
 def fetch(api: kubernetes.client.ApiClient, namespace: str, directory: Path) -> Credentials:
     """The cluster's credentials from the Secret, written into ``directory``; NotFoundError if no agent has made them yet."""
     data = _read(kubernetes.client.CoreV1Api(api), namespace)
     if data is None:
-        raise NotFoundError(f"Secret {namespace}/{names.CLUSTER_TLS_SECRET} does not exist: no node agent has started the "
-                            "checkpoint memory tier yet (it is made by the first one), so no node holds a copy to verify")
+        raise NotFoundError(f"Secret {namespace}/{names.CLUSTER_TLS_SECRET} does not exist: the operator has not "
+                            "led yet (it makes it), so no node runs the checkpoint memory tier and none holds a copy to verify")
     return _write(data, directory)
 
 

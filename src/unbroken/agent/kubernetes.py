@@ -93,6 +93,10 @@ class KubernetesAgent:
         self.stopping = threading.Event()
         self.rebooted_from: set[str] = set()
         """Boots this agent ran the SelfReboot command on (once each)."""
+        self.sender: heartbeats.HeartbeatSender | None = None
+        """The heartbeat datagrams' sender, once the operator's key is read."""
+        self.checkpoints: CheckpointService | None = None
+        """The node's memory tier, once it runs."""
 
     def run(self, metrics_host: str, metrics_port: int | None) -> None:
         self.socket_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -109,17 +113,16 @@ class KubernetesAgent:
                       self.metrics, source=kernel_log_source(self.kernel_log) if watch_kernel_log else None,
                       kernel_log=watch_kernel_log).start()
         self.store.renew_lease(self.node, at=time.time())
-        sender = self._heartbeat_sender()
-        checkpoints = self._start_checkpoints()
+        # Both wait for a Secret the operator makes (the heartbeat key, the cluster's TLS credentials): in
+        # threads of their own, so that an agent started before the operator does its health work meanwhile.
+        threading.Thread(target=self._beat, name="heartbeats", daemon=True).start()
+        threading.Thread(target=self._start_checkpoints, name="checkpoints", daemon=True).start()
         endpoint = metrics.serve(self.metrics.registry, metrics_host, metrics_port or 0) if metrics_port is not None else None
         log.info("agent started", extra={"node": self.node, "kernel_log": self.kernel_log, "socket": str(receiver.path),
                                          "metrics": endpoint.address if endpoint else None})
         renew_every = self.runtime.config.Kubernetes.LeaseRenewSeconds
         next_renewal = time.monotonic() + renew_every
         self_reboot = self.runtime.config.Kubernetes.Remediator is Remediator.SELF_REBOOT
-        if sender is not None:
-            # Its own thread: a slow or unreachable API server delays the Lease, never the beat.
-            threading.Thread(target=self._beat, args=(sender,), name="heartbeats", daemon=True).start()
         try:
             while not self.stopping.wait(RECEIVE_SECONDS):
                 self.book.apply(receiver.drain())
@@ -128,40 +131,37 @@ class KubernetesAgent:
                     next_renewal = max(next_renewal + renew_every, now)
                     try:
                         self.store.renew_lease(self.node, at=time.time(), progress=self.book.current())
-                        if sender is not None:
-                            sender.address = self._leader_address()
+                        if self.sender is not None:
+                            self.sender.address = self._leader_address()
                         if self_reboot:
                             self._reboot_if_asked()
                     except StoreUnavailable:
                         log.exception("lease renewal failed; retrying", extra={"node": self.node})
         finally:
             receiver.close()
-            if sender is not None:
-                sender.send(self.book.current(), leaving=True)  # a rolling update, not a lost node
-                sender.close()
-            if checkpoints is not None:
-                checkpoints.close()
+            if self.sender is not None:
+                self.sender.send(self.book.current(), leaving=True)  # a rolling update, not a lost node
+                self.sender.close()
+            if self.checkpoints is not None:
+                self.checkpoints.close()
             if endpoint is not None:
                 endpoint.close()
 
-    def _beat(self, sender: heartbeats.HeartbeatSender) -> None:
-        """A datagram to the leader every ``HeartbeatIntervalSeconds`` until the agent stops (a stall, a
-        paused agent, sends one beat after it, not a burst)."""
+    def _beat(self) -> None:
+        """Once the operator has made the heartbeat key: a datagram to the leader every ``HeartbeatIntervalSeconds``
+        until the agent stops (a stall, a paused agent, sends one beat after it, not a burst). Until then the Lease
+        alone vouches for this node, and a loss is seen ``LeaseRenewSeconds`` later."""
+        assert isinstance(self.store, KubernetesStore)  # this agent runs on open_kubernetes's runtime
+        key = heartbeats.wait_key(self.store.api, self.store.namespace, self.stopping)
+        if key is None:
+            return
+        sender = heartbeats.HeartbeatSender(key, self.node)
+        sender.address = self._leader_address()
+        self.sender = sender
         every = self.runtime.config.Local.HeartbeatIntervalSeconds
+        sender.send(self.book.current())
         while not self.stopping.wait(every):
             sender.send(self.book.current())
-
-    def _heartbeat_sender(self) -> heartbeats.HeartbeatSender | None:
-        """The datagram heartbeat to the leader (None, logged, without the key: the Lease alone then
-        vouches for this node, and a loss is seen ``LeaseRenewSeconds`` later)."""
-        assert isinstance(self.store, KubernetesStore)  # this agent runs on open_kubernetes's runtime
-        try:
-            sender = heartbeats.HeartbeatSender(heartbeats.ensure_key(self.store.api, self.store.namespace), self.node)
-        except StoreUnavailable as exc:
-            log.error("no heartbeat datagrams from this node: %s", exc, extra={"node": self.node})
-            return None
-        sender.address = self._leader_address()
-        return sender
 
     def _leader_address(self) -> tuple[str, int] | None:
         """Where the leading operator hears heartbeats (the leader Lease's annotation), None if none leads."""
@@ -173,30 +173,32 @@ class KubernetesAgent:
         text = annotations.get(heartbeats.ADDRESS_ANNOTATION, "")
         return heartbeats.parse_address(text)
 
-    def _start_checkpoints(self) -> CheckpointService | None:
-        """The memory tier on this node; None (logged) if it cannot start: the agent's health work goes on."""
+    def _start_checkpoints(self) -> None:
+        """The memory tier on this node, once the operator has made the cluster's TLS credentials; if it cannot
+        start, it stays off (logged) and the agent's health work goes on."""
         assert isinstance(self.store, KubernetesStore)  # this agent runs on open_kubernetes's runtime
         cluster_dir = self.socket_dir / rank_env.CLUSTER_FOLDER
+        creds = cluster_tls.wait(self.store.api, self.store.namespace, cluster_dir, self.stopping)
+        if creds is None:
+            return
         # The pass reads the Nodes, the workloads and the job's catalog: from watch caches, not lists (this
         # agent follows no other node's Lease and no pod: backends/kubernetes/watch_cache.py).
         caches = self.store.start_watches(leases=False, pods=False)
         if isinstance(self.runtime.catalog, KubernetesCatalog):
             self.runtime.catalog.follow(nodes=caches.nodes)
         try:
-            creds = cluster_tls.ensure(self.store.api, self.store.namespace, cluster_dir, self.runtime.config.ClusterName)
             service = CheckpointService(self.runtime.catalog, self.store, self.node, shm.node_root(cluster_dir, self.node),
                                         creds, host=self.shard_host, port=self.shard_port, metrics=self.metrics)
             service.start()
         except UnbrokenError as exc:
             log.error("the checkpoint memory tier is off on this node: %s", exc, extra={"node": self.node})
-            return None
+            return
         assert service.server is not None
         write_bytes_atomically(self.socket_dir / ENDPOINT_FILE, f"{service.server.address}\n".encode())  # ranks read it any time
-        threading.Thread(target=service.run_passes, args=(self.stopping, CHECKPOINT_PASS_SECONDS), name="checkpoints",
-                         daemon=True).start()
+        self.checkpoints = service
         log.info("checkpoint memory tier up", extra={"node": self.node, "shard_server": service.server.address,
                                                      "root": str(service.root)})
-        return service
+        service.run_passes(self.stopping, CHECKPOINT_PASS_SECONDS)
 
     def _reboot_if_asked(self) -> None:
         """SelfReboot: run ``Kubernetes.SelfRebootCommand`` once for a reboot asked of the boot this agent runs on.

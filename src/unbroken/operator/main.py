@@ -30,10 +30,11 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from unbroken import logs, metrics
+from unbroken.agent import cluster_tls
 from unbroken.controller.job_reconciler import JobReconciler
 from unbroken.controller.metrics import ClusterCollector
 from unbroken.controller.node_reconciler import NodeReconciler
-from unbroken.errors import UnbrokenError
+from unbroken.errors import StoreUnavailable, UnbrokenError
 from unbroken.backends.kubernetes import heartbeats, names
 from unbroken.operator import deep_checks
 from unbroken.operator.deep_checks import DeepCheckJobs
@@ -65,6 +66,7 @@ class Operator:
         self.stopping = threading.Event()
         self.nodes = NodeReconciler(runtime.cluster, runtime.backend, runtime.config)
         self.jobs = JobReconciler(runtime.cluster, runtime.backend, silent_after=SILENT_AFTER_SECONDS)
+        self.secrets_made = False
 
     @property
     def store(self) -> KubernetesStore:
@@ -99,8 +101,8 @@ class Operator:
                     # the beats it hears meanwhile are as good as ever.)
                     board.forget()
                 return
-            if board is not None and board.key is None:
-                board.key = heartbeats.read_key(self.store.api, self.store.namespace)  # made by the first agent
+            if not self.secrets_made:
+                self._make_secrets()
             self.warn_invalid()
             self.reboots.reconcile()
             self.deep_checks.reconcile(self.runtime.config)
@@ -109,6 +111,22 @@ class Operator:
         except Exception:  # noqa: BLE001 - the loop must outlive one bad pass (an API hiccup); it is logged
             log.exception("reconcile pass failed; retrying")
             self.stopping.wait(1.0)
+
+    def _make_secrets(self) -> None:
+        """What the agents wait for, made by the first leader (kept if there): the heartbeat key, which the board
+        verifies datagrams with, and the memory tier's TLS credentials. Only the operator may create Secrets. A
+        refusal (RBAC of an older install) is logged and tried again next pass; the rest of the pass goes on: the
+        nodes' Leases still vouch for them and jobs are still kept alive, without the memory tier."""
+        try:
+            key = heartbeats.ensure_key(self.store.api, self.store.namespace)
+            cluster_tls.make(self.store.api, self.store.namespace, self.runtime.config.ClusterName)
+        except StoreUnavailable as exc:
+            log.error("cannot make the agents' Secrets (the nodes send no heartbeat datagrams and run no memory tier "
+                      "until it can): %s", exc)
+            return
+        if self.store.heartbeats is not None:
+            self.store.heartbeats.key = key
+        self.secrets_made = True
 
     def warn_invalid(self) -> None:
         """A job that opted in with a bad annotation: one Warning Event per distinct problem, job untouched."""

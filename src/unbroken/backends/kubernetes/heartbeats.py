@@ -17,8 +17,8 @@ Where to: the leader writes its address into the leader Lease
 a new leader hears every node within one renewal.
 
 Signed: HMAC-SHA256 under a 32-byte key in the Secret
-``unbroken-heartbeat-key``, made by the first agent (backends/kubernetes/shared_secret.py) and
-read by the operator. A datagram whose signature does not verify, that repeats
+``unbroken-heartbeat-key``, made by the operator (backends/kubernetes/shared_secret.py) and
+read by every agent. A datagram whose signature does not verify, that repeats
 or precedes a sequence number already heard from the same agent process, or
 whose sender clock is more than ``MAX_CLOCK_SKEW_SECONDS`` from the operator's
 is dropped and counted: a forged or replayed datagram cannot keep a dead node
@@ -59,18 +59,24 @@ AGENT_RESTART_GRACE_SECONDS = 60.0
 """How long an agent's "leaving" beat (SIGTERM) vouches for its node: a DaemonSet pod's restart
 (image pull, Python start) fits in it."""
 _DIGEST = hashlib.sha256().digest_size
-_REMEDY = "delete it; the next agent to start makes a new one (restart every agent and the operator then)"
+_REMEDY = "delete it; the operator makes a new one when it next leads (restart the operator, then every agent)"
 
 
 def ensure_key(api: kubernetes.client.ApiClient, namespace: str) -> bytes:
-    """The agents' side: the key, the Secret made first if no agent has made it."""
+    """The operator's side: the key, the Secret made first if there is none yet."""
     data = shared_secret.ensure(kubernetes.client.CoreV1Api(api), namespace, KEY_SECRET, (KEY_FIELD,),
                                 lambda: {KEY_FIELD: base64.b64encode(secrets.token_bytes(32)).decode()}, remedy=_REMEDY)
     return base64.b64decode(data[KEY_FIELD])
 
 
+def wait_key(api: kubernetes.client.ApiClient, namespace: str, stopping: threading.Event) -> bytes | None:
+    """The agents' side: the key once the operator has made it (polled: shared_secret.wait); None if ``stopping``
+    is set first."""
+    return shared_secret.wait(lambda: read_key(api, namespace), stopping, f"Secret {namespace}/{KEY_SECRET}", lambda key: key)
+
+
 def read_key(api: kubernetes.client.ApiClient, namespace: str) -> bytes | None:
-    """The operator's side: the key, or None while no agent has made it."""
+    """The agents' side: the key, or None while the operator has not made it."""
     data = shared_secret.read(kubernetes.client.CoreV1Api(api), namespace, KEY_SECRET, (KEY_FIELD,), remedy=_REMEDY)
     return None if data is None else base64.b64decode(data[KEY_FIELD])
 

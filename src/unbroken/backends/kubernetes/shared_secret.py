@@ -1,21 +1,36 @@
-"""A Secret in unbroken's namespace made by whichever agent needs it first.
+"""A Secret in unbroken's namespace made by the operator and read by the node agents.
 
-Agents race to create it: a create is atomic, so the first one's data wins and
-the losers read the winner's. There is no install step and no operator
-dependency (the operator is granted ``get`` on such Secrets by name, never
-``create``). Used for the memory tier's TLS credentials (agent/cluster_tls.py)
-and the heartbeat key (backends/kubernetes/heartbeats.py).
+The operator makes it when it first leads (:func:`ensure`); two replicas may
+race, a create is atomic, so the first one's data wins and the loser reads the
+winner's. There is no install step (a random key cannot be written in a
+manifest). The agents may only read it, by name (deploy/base/rbac-agent.yaml;
+deploy/admission/agent-policy.yaml refuses them any Secret write): they wait for
+it (:func:`wait`). Used for the memory tier's TLS credentials
+(agent/cluster_tls.py) and the heartbeat key (backends/kubernetes/heartbeats.py).
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable, Collection
+from typing import TypeVar
 
 import kubernetes
 
 from unbroken.errors import NotFoundError, StoreUnavailable
 from unbroken.backends.kubernetes import names
 from unbroken.backends.kubernetes.api import STRICT, ApiConflict, RequestRefused, call
+
+log = logging.getLogger("unbroken.backends.kubernetes.shared_secret")
+
+D = TypeVar("D")
+T = TypeVar("T")
+FIRST_POLL_SECONDS = 1.0
+LAST_POLL_SECONDS = 10.0
+"""How often a reader looks for a Secret the operator has not made yet: every second at first (agents started
+beside the operator see it within a second of its first pass), backing off to every 10 s (an install whose operator
+does not start costs 0.1 GET per node per second, a Lease renewal's rate)."""
 
 
 def read(core: kubernetes.client.CoreV1Api, namespace: str, name: str, keys: Collection[str], *,
@@ -54,3 +69,27 @@ def ensure(core: kubernetes.client.CoreV1Api, namespace: str, name: str, keys: C
     if theirs is None:
         raise StoreUnavailable(f"Secret {namespace}/{name} was created and is gone again")
     return theirs
+
+
+def wait(read: Callable[[], D | None], stopping: threading.Event, what: str, use: Callable[[D], T]) -> T | None:
+    """``use(data)`` once ``read()`` finds the Secret; None if ``stopping`` is set first. A refused or failed read
+    (StoreUnavailable: RBAC, a key missing, the API server away) is logged and tried again: each is a state an
+    administrator can fix while the agent runs."""
+    delay = FIRST_POLL_SECONDS
+    said = ""
+    while True:
+        try:
+            data = read()
+            problem = f"{what} does not exist yet: the operator makes it when it leads"
+        except StoreUnavailable as exc:
+            data, problem = None, str(exc)
+        if data is not None:
+            if said:
+                log.info("%s is there now", what)
+            return use(data)
+        if problem != said:
+            log.warning("waiting: %s", problem)
+            said = problem
+        if stopping.wait(delay):
+            return None
+        delay = min(LAST_POLL_SECONDS, delay * 2)
