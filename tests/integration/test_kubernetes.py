@@ -98,6 +98,38 @@ def test_a_rank_killed_restarts_the_job_which_resumes_from_its_checkpoint(cluste
     wait_until(lambda: cluster.reasons(name)[-1:] == ["JobSucceeded"], 10, "the JobSucceeded event")  # a write after the phase
 
 
+def test_a_restart_beside_another_opted_in_jobs_pods_on_shared_nodes_waits_for_nothing_but_the_scheduler(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """Nodes with room for two jobs (no GPU asked): a 3-pod job runs on them (one pod per node) and a 2-pod job beside
+    it. A rank of the second is killed: it is relaunched and resumes while the first still runs, as the scheduler
+    allows; unbroken never counts the other job's pods as making a node busy (it once waited for them to leave)."""
+    cluster.start_operator()
+
+    def without_gpus(body: dict[str, Any]) -> dict[str, Any]:
+        for replica in body["spec"]["pytorchReplicaSpecs"].values():
+            replica["template"]["spec"]["containers"][0].pop("resources")
+        return body
+
+    bystander = submit(cluster, without_gpus(pytorchjob("bystander", tmp_path / "b", steps=100_000, nodes=3,
+                                                        annotations=auto_resume(1))))
+    wait_until(lambda: len({p.spec.node_name for p in cluster.pods(bystander) if p.status.phase == "Running"}) == 3, 90,
+               "the bystander's pods running on every node")
+    checkpoints = tmp_path / "ckpt"
+    name = running_with_a_checkpoint(cluster, without_gpus(pytorchjob("shared", checkpoints, steps=100_000,
+                                                                      annotations=auto_resume(2))), checkpoints)
+    rank_process(cluster, f"{name}-worker-0").send_signal(signal.SIGKILL)
+    wait_until(lambda: cluster.annotations(name).get(names.RESTART_COUNT) == "1", 30, "the restart")
+
+    def resumed() -> bool:
+        pods = cluster.pods(name)
+        return len(pods) == 2 and all((p.metadata.annotations or {}).get(names.ATTEMPT) == "1" for p in pods) \
+            and "resumed at step" in rank_log(cluster, f"{name}-master-0")
+    wait_until(resumed, 90, "attempt 1 to resume beside the bystander's pods")
+    assert cluster.annotations(bystander).get(names.JOB_PHASE) == "Running"
+    assert cluster.annotations(bystander).get(names.RESTART_COUNT, "0") == "0", "the bystander was never touched"
+    cluster.assert_clean()
+
+
 def test_a_spent_retry_budget_fails_the_job_with_the_reason(cluster: Cluster, tmp_path: Path) -> None:
     cluster.start_operator()
     name = submit(cluster, pytorchjob("budget", tmp_path / "ckpt", steps=2000, annotations=auto_resume(0)))

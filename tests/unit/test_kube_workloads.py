@@ -7,6 +7,7 @@ kube-apiserver with the Kubeflow CRDs (tests/controlplane), no Kubeflow controll
 from __future__ import annotations
 
 import copy
+import time
 import dataclasses
 import uuid
 from typing import Any
@@ -196,3 +197,49 @@ def test_a_kind_whose_crd_is_not_installed_has_no_jobs(api: kubernetes.client.Ap
     store = KubernetesStore(api, NAMESPACE, job_namespace=namespace, kinds=(PYTORCHJOB, absent))
     create(api, namespace, pytorch_job("pj", {names.AUTO_RESUME: "true"}))
     assert [j.name for j in store.list_jobs()] == [f"{namespace}/pj"]
+
+
+def test_a_job_a_queue_holds_or_another_controller_manages_is_never_started_by_unbroken(
+        api: kubernetes.client.ApiClient, namespace: str) -> None:
+    """Kueue creates its jobs suspended and unsuspends them when it admits them; MultiKueue's (``managedBy``) run on
+    another cluster. unbroken's reconciler leaves both as they are, Pending with the reason (and a JobHeld Event), and
+    starts watching a queued job once the queue has unsuspended it. (unbroken once unsuspended Kueue's jobs itself.)"""
+    from unbroken.backends.kubernetes.backend import ConditionRemediator, KubernetesBackend
+    from unbroken.controller.job_reconciler import JobReconciler
+
+    store = KubernetesStore(api, NAMESPACE, job_namespace=namespace)
+    reconciler = JobReconciler(store, KubernetesBackend(store, ConditionRemediator(store)), silent_after=2.0)
+    opted_in = {names.AUTO_RESUME: "true", names.MAX_RETRY: "3"}
+    queued = pytorch_job("queued", opted_in)
+    queued["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "team-a"}
+    queued["spec"]["runPolicy"] = {"suspend": True}
+    create(api, namespace, queued)
+    elsewhere = train_job("elsewhere", annotations=opted_in)
+    elsewhere["spec"]["managedBy"] = "kueue.x-k8s.io/multikueue"
+    create(api, namespace, elsewhere)
+    custom = kubernetes.client.CustomObjectsApi(api)
+
+    def pytorchjob() -> dict[str, Any]:
+        return custom.get_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", "queued")
+
+    for _ in range(2):
+        reconciler.reconcile_all(time.time())
+    assert pytorchjob()["spec"]["runPolicy"]["suspend"] is True, "unbroken unsuspended a job Kueue holds"
+    job = store.get_job(f"{namespace}/queued")
+    assert job.phase is JobPhase.PENDING
+    assert job.reason == "suspended until Kueue admits it from queue team-a (spec.runPolicy.suspend); unbroken starts " \
+                         "watching it then"
+    remote = store.get_job(f"{namespace}/elsewhere")
+    assert remote.phase is JobPhase.PENDING and remote.reason is not None and "managed by kueue.x-k8s.io/multikueue" in remote.reason
+    trainjob = custom.get_namespaced_custom_object("trainer.kubeflow.org", "v1alpha1", namespace, "trainjobs", "elsewhere")
+    assert "runtimePatches" not in trainjob["spec"] or all(
+        p.get("manager") != "unbroken.dev/operator" for p in trainjob["spec"]["runtimePatches"]), "untouched"
+    held = [e for e in kubernetes.client.CoreV1Api(api).list_namespaced_event(namespace).items if e.reason == "JobHeld"]
+    assert sorted(e.involved_object.name for e in held) == ["elsewhere", "queued"], "one Event each, not one per pass"
+
+    # Kueue admits it: it unsuspends the job, which is unbroken's to keep alive from then on
+    custom.patch_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", "queued",
+                                          {"spec": {"runPolicy": {"suspend": False}}})
+    reconciler.reconcile_all(time.time())
+    admitted = store.get_job(f"{namespace}/queued")
+    assert "suspended" not in (admitted.reason or ""), admitted.reason  # placed, or waiting for a node like any job

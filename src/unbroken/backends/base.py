@@ -23,6 +23,12 @@ from unbroken.state.records import Job, Node, Worker
 
 
 class Backend(Protocol):
+    places_workers: bool
+    """True where the platform's own scheduler decides where an attempt's workers go and what fits beside what
+    (Kubernetes: kube-scheduler, with the job's own placement rules and resources): a node that runs another job's
+    workers is then not busy to unbroken, and a restart waits only for what the scheduler waits for. False where
+    unbroken places them, one job's worker per node (local)."""
+
     # -- nodes ----------------------------------------------------------------------
     def reboot_node(self, node: Node) -> None:
         """Stop everything of the node and bring its agent back; it joins again (re-runs its checks)."""
@@ -32,6 +38,10 @@ class Backend(Protocol):
         one itself (local), None where something else brings capacity back (a cloud's repair)."""
 
     # -- attempts -------------------------------------------------------------------
+    def held(self, job: str) -> str | None:
+        """Why someone other than unbroken holds the job back, so that unbroken must not start it (a queue that has
+        not admitted it, another controller that manages it); None: unbroken may."""
+
     def launch_attempt(self, job: Job, attempt: int, placement: Sequence[Node]) -> str:
         """Start ``attempt`` of ``job`` on ``placement`` (node rank = position); returns the
         rendezvous endpoint. Launching an attempt that exists already changes nothing."""

@@ -51,11 +51,17 @@ class RankProcess:
 
 
 class LocalBackend:
+    places_workers = False
+    """unbroken places the workers, one job's per node (backends/base.py)."""
+
     def __init__(self, layout: ClusterLayout, store: ClusterStore, workers: WorkerTable, config: ClusterConfig) -> None:
         self.layout = layout
         self.store = store
         self.workers = workers
         self.config = config
+
+    def held(self, job: str) -> str | None:
+        return None  # nothing but unbroken starts a local job
 
     # -- nodes ----------------------------------------------------------------------
 

@@ -47,12 +47,14 @@ class JobReconciler:
         so; it grows after a newer one. Memory only: a new controller notices again, one checkpoint later."""
 
     def reconcile_all(self, now: float) -> None:
-        """One pass: nodes and busy nodes are read once and shared by every job."""
+        """One pass: nodes and busy nodes are read once and shared by every job. Where the backend's scheduler
+        places the workers (Kubernetes), no node is busy: the scheduler knows what fits, unbroken does not."""
         nodes = {n.name: n for n in self.store.list_nodes()}
         jobs = self.store.list_jobs()
         active = self.release_workers_on_lost_nodes(now, nodes)
         self.stop_unwanted(active, {j.name: j for j in jobs})
-        busy = {w.node for w in active}
+        places = self.backend.places_workers
+        busy = set() if places else {w.node for w in active}
         for job in jobs:
             if not job.phase.is_terminal:
                 try:
@@ -65,7 +67,8 @@ class JobReconciler:
                     self._warn(job, exc)  # this job's own trouble: it waits, every other job goes on
                     continue
                 self._warned.pop(job.name, None)
-                busy.update(decision.nodes)  # so the next job in this pass cannot take them
+                if not places:
+                    busy.update(decision.nodes)  # so the next job in this pass cannot take them
 
     def _warn(self, job: Job, exc: UnbrokenError) -> None:
         """One Warning Event per distinct failure of one job's reconcile, naming the job and why."""
@@ -78,6 +81,13 @@ class JobReconciler:
                                  type=EventType.WARNING)
 
     def reconcile(self, now: float, job: Job, nodes: dict[str, Node], busy: set[str]) -> Decision:
+        if job.phase is JobPhase.PENDING and not job.cancel_requested and (held := self.backend.held(job.name)) is not None:
+            # Not unbroken's to start (a queue has not admitted it): it waits, saying why, and is never unsuspended.
+            if job.reason != held:
+                self.store.add_event("Job", job.name, "JobHeld", held)
+            decision = Decision(Action.WAIT, held)
+            self._apply(now, job, decision, nodes)
+            return decision
         spec = job.spec()
         workers = self.backend.observe_attempt(job.name, job.attempt)
         if job.phase is JobPhase.RUNNING and not workers and job.nodes:

@@ -105,6 +105,9 @@ class CommandRemediator:
 
 
 class KubernetesBackend:
+    places_workers = True
+    """kube-scheduler places the pods (backends/base.py): a node with another job's pods on it may fit this job's too."""
+
     def __init__(self, store: KubernetesStore, remediator: Remediator, *, force_delete_after: float = 30.0,
                  stop_grace: int | None = 3) -> None:
         self.store = store
@@ -131,6 +134,12 @@ class KubernetesBackend:
                 self._delete(pod, grace=None)
 
     # -- attempts -------------------------------------------------------------------------
+
+    def held(self, job: str) -> str | None:
+        try:
+            return self.store.kind_of(job).held_by(self.store.workload_object(job))
+        except NotFoundError:
+            return None  # deleted: the next pass forgets it
 
     def launch_attempt(self, job: Job, attempt: int, placement: Sequence[Node]) -> str:
         short = job.name.partition("/")[2]

@@ -81,6 +81,11 @@ class WorkloadKind(Protocol):
     def problems(self, obj: Obj) -> list[str]:
         """Why unbroken cannot manage this object (empty: it can)."""
 
+    def held_by(self, obj: Obj) -> str | None:
+        """Why the workload is not unbroken's to start: suspended by its owner or a queue (unbroken never
+        unsuspends what it did not suspend), or managed by a controller other than the kind's own (MultiKueue
+        runs it on another cluster); None if unbroken may start it."""
+
     def suspend_patch(self, suspend: bool) -> Obj: ...
 
     def launch_patch(self, obj: Obj, attempt: int, *, require_deep_health: bool) -> Obj:
@@ -102,6 +107,22 @@ class WorkloadKind(Protocol):
 
     def rdzv_endpoint(self, name: str) -> str:
         """Where the workload's controller points its ranks' rendezvous."""
+
+
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+OWN_MANAGERS = {"PyTorchJob": "kubeflow.org/training-operator", "TrainJob": "trainer.kubeflow.org/trainjob-controller"}
+"""The ``managedBy`` value of each kind's own controller (its default); any other (Kueue's MultiKueue) runs it elsewhere."""
+
+
+def _held(obj: Obj, manager: str | None, own_manager: str, manager_field: str, suspended: bool, suspend_field: str) -> str | None:
+    if manager and manager != own_manager:
+        return f"managed by {manager} ({manager_field}), not {own_manager}: its pods run where that controller puts them"
+    if not suspended:
+        return None
+    queue = ((obj.get("metadata") or {}).get("labels") or {}).get(KUEUE_QUEUE_LABEL)
+    if queue:
+        return f"suspended until Kueue admits it from queue {queue} ({suspend_field}); unbroken starts watching it then"
+    return f"suspended by its owner ({suspend_field}); unbroken starts watching it once it is unsuspended"
 
 
 def _labels(pod: Obj) -> dict[str, str]:
@@ -165,6 +186,11 @@ class PyTorchJobKind:
 
     def replica_types(self, obj: Obj) -> list[str]:
         return sorted(self._replica_specs(obj))
+
+    def held_by(self, obj: Obj) -> str | None:
+        policy = (obj.get("spec") or {}).get("runPolicy") or {}
+        return _held(obj, policy.get("managedBy"), OWN_MANAGERS[self.kind], "spec.runPolicy.managedBy",
+                     bool(policy.get("suspend")), "spec.runPolicy.suspend")
 
     def suspend_patch(self, suspend: bool) -> Obj:
         return {"spec": {"runPolicy": {"suspend": suspend}}}
@@ -257,6 +283,11 @@ class TrainJobKind:
             problems.append(f'annotation {names.SPARE_PODS}: "{spares}" on a TrainJob: every pod of a TrainJob trains; '
                             "spare pods need a PyTorchJob (k8s render --kind PyTorchJob --spare-pods N)")
         return problems
+
+    def held_by(self, obj: Obj) -> str | None:
+        spec = obj.get("spec") or {}
+        return _held(obj, spec.get("managedBy"), OWN_MANAGERS[self.kind], "spec.managedBy", bool(spec.get("suspend")),
+                     "spec.suspend")
 
     def suspend_patch(self, suspend: bool) -> Obj:
         return {"spec": {"suspend": suspend}}
