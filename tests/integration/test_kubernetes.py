@@ -130,6 +130,25 @@ def test_a_restart_beside_another_opted_in_jobs_pods_on_shared_nodes_waits_for_n
     cluster.assert_clean()
 
 
+def test_an_elastic_jobs_member_exit_is_left_to_its_rendezvous_not_restarted(cluster: Cluster, tmp_path: Path) -> None:
+    """Kubeflow's elastic shape: ``elasticPolicy`` (min 1, max 2, maxRestarts 100), torchrun with c10d rendezvous in
+    Master + Worker. One member's torchrun is killed: the kubelet restarts its container, torchrun's agents
+    regroup by themselves, and unbroken restarts nothing and spends no retry (it once restarted the whole job)."""
+    cluster.start_operator()
+    checkpoints = tmp_path / "ckpt"
+    body = pytorchjob("elastic-echo", checkpoints, steps=300, annotations=auto_resume(2), elastic=(1, 2))
+    body["spec"]["elasticPolicy"]["maxRestarts"] = 100
+    name = running_with_a_checkpoint(cluster, body, checkpoints)
+    torchrun = psutil.Process(wait_until(lambda: cluster.kubelet.pid_of(JOBS, f"{name}-worker-0"), 30, "the member's torchrun"))
+    torchrun.kill()
+    wait_until(lambda: any((c.restart_count or 0) >= 1 for p in cluster.pods(name) if p.metadata.name.endswith("worker-0")
+                           for c in p.status.container_statuses or []), 60, "the kubelet to restart the member in place")
+    wait_until(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Succeeded", 240, "the job to finish")
+    assert cluster.annotations(name).get(names.RESTART_COUNT, "0") == "0", cluster.events(name)
+    assert "JobRestarting" not in cluster.reasons(name), cluster.events(name)
+    cluster.assert_clean()
+
+
 def test_a_spent_retry_budget_fails_the_job_with_the_reason(cluster: Cluster, tmp_path: Path) -> None:
     cluster.start_operator()
     name = submit(cluster, pytorchjob("budget", tmp_path / "ckpt", steps=2000, annotations=auto_resume(0)))

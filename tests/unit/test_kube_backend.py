@@ -79,3 +79,60 @@ def test_node_ranks_follow_training_operators_rank() -> None:
     assert PYTORCHJOB.node_rank(pod("worker", 0), masterless=False) == 1
     assert PYTORCHJOB.node_rank(pod("worker", 2), masterless=False) == 3
     assert PYTORCHJOB.node_rank(pod("worker", 0), masterless=True) == 0  # a Worker-only job: worker 0 is rank 0
+
+
+# --- an elastic job's member exits (absorb_member_exits) -------------------------------------------
+
+
+def member(name: str, *, restarts: int = 0, state: dict | None = None, exited: int | None = None, deleting: bool = False,
+           restart_policy: str = "OnFailure", phase: str = "Running") -> tuple[Worker, dict]:
+    """A pod of an elastic PyTorchJob and the worker it reads as (backends/kubernetes/backend.py's own reading)."""
+    from unbroken.backends.kubernetes.backend import _pod_phase
+
+    container = {"name": "pytorch", "restartCount": restarts, "state": state or {"running": {"startedAt": "2026-11-24T10:00:05Z"}},
+                 "lastState": {"terminated": {"exitCode": exited, "finishedAt": "2026-11-24T10:00:04Z"}} if exited else {}}
+    pod = {"metadata": {"name": name, **({"deletionTimestamp": "2026-11-24T10:00:06Z"} if deleting else {})},
+           "spec": {"restartPolicy": restart_policy}, "status": {"phase": phase, "containerStatuses": [container]}}
+    pod_phase, code, message, ended = _pod_phase(pod["status"])
+    worker = Worker(job="ns/elastic", attempt=0, node=f"node-{name}", node_rank=0, desired=Desired.RUN, phase=pod_phase,
+                    rdzv_endpoint="", exit_code=code, message=message, ended_at=ended)
+    return worker, pod
+
+
+def test_an_elastic_members_exit_restarted_in_place_is_left_to_the_rendezvous() -> None:
+    """Kubeflow's elastic example: a member killed, its container restarted by the kubelet, the other agents regroup.
+    Within minReplicas and maxRestarts that is no failure: the member reads as running again (it once restarted the
+    whole job and spent its retry budget)."""
+    from unbroken.backends.kubernetes.backend import absorb_member_exits
+
+    killed = member("w0", restarts=1, exited=137)
+    assert killed[0].phase is WorkerPhase.FAILED, "without the elastic policy it is a failure, as before"
+    workers = absorb_member_exits([killed, member("w1")], fewest=1, budget=100)
+    assert [w.phase for w in workers] == [WorkerPhase.RUNNING, WorkerPhase.RUNNING]
+    assert workers[0].exit_code is None and workers[0].message is None
+
+    waiting = member("w0", restarts=1, exited=1, state={"waiting": {"reason": "CrashLoopBackOff"}})
+    assert [w.phase for w in absorb_member_exits([waiting, member("w1")], fewest=1, budget=100)] == \
+        [WorkerPhase.PENDING, WorkerPhase.RUNNING]
+    done = member("w0", restarts=1, exited=1, state={"terminated": {"exitCode": 0}}, phase="Succeeded")
+    assert absorb_member_exits([done, member("w1")], fewest=1, budget=100)[0].phase is WorkerPhase.SUCCEEDED
+
+
+def test_an_elastic_job_past_its_restarts_or_below_its_min_is_a_failure_that_says_which() -> None:
+    from unbroken.backends.kubernetes.backend import absorb_member_exits
+
+    over = absorb_member_exits([member("w0", restarts=3, exited=1), member("w1", restarts=1)], fewest=1, budget=3)
+    assert over[0].phase is WorkerPhase.FAILED and "4 member restarts, over elasticPolicy.maxRestarts 3" in (over[0].message or "")
+    waiting = {"waiting": {"reason": "CrashLoopBackOff"}}
+    below = absorb_member_exits([member("w0", restarts=1, exited=1, state=waiting), member("w1")], fewest=2, budget=10)
+    assert below[0].phase is WorkerPhase.FAILED and "1 members up, below elasticPolicy.minReplicas 2" in (below[0].message or "")
+    assert below[1].phase is WorkerPhase.RUNNING
+
+
+def test_a_member_that_will_not_be_restarted_in_place_is_a_failure() -> None:
+    """``restartPolicy: Never``, a Failed pod or one being deleted: nothing brings the member back in place."""
+    from unbroken.backends.kubernetes.backend import absorb_member_exits
+
+    for gone in (member("w0", restarts=0, exited=1, restart_policy="Never", state={"terminated": {"exitCode": 1}}, phase="Failed"),
+                 member("w0", restarts=1, exited=1, deleting=True)):
+        assert absorb_member_exits([gone, member("w1")], fewest=1, budget=100)[0].phase is WorkerPhase.FAILED

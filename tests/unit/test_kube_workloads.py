@@ -23,6 +23,7 @@ from unbroken.backends.kubernetes.workloads import PYTORCHJOB, TRAINJOB, kind_of
 from unbroken.state.phases import JobPhase
 from unbroken.state.records import EventType
 from unbroken.state.updates import JobUpdate
+from unbroken.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 NAMESPACE = "unbroken-system"
@@ -243,3 +244,50 @@ def test_a_job_a_queue_holds_or_another_controller_manages_is_never_started_by_u
     reconciler.reconcile_all(time.time())
     admitted = store.get_job(f"{namespace}/queued")
     assert "suspended" not in (admitted.reason or ""), admitted.reason  # placed, or waiting for a node like any job
+
+
+def test_a_launch_whose_pods_never_come_is_said_and_sent_once_more_and_an_unschedulable_pod_is_named(
+        api: kubernetes.client.ApiClient, namespace: str) -> None:
+    """No training-operator runs here, so a launched PyTorchJob's pods never appear: 20 s after the launch unbroken
+    says so in an AttemptWaiting Event and launches it once more (suspend, unsuspend), once. A pod of the attempt
+    that the real kube-scheduler cannot place is then named with the scheduler's own message."""
+    from unbroken.backends.kubernetes.backend import ConditionRemediator, KubernetesBackend
+    from unbroken.controller.job_reconciler import LAUNCH_FOLLOW_SECONDS, JobReconciler
+
+    core = kubernetes.client.CoreV1Api(api)
+    node = f"n-{uuid.uuid4().hex[:6]}"
+    core.create_node({"metadata": {"name": node}, "status": {"conditions": [{"type": "Ready", "status": "True"}]}})
+    store = KubernetesStore(api, NAMESPACE, job_namespace=namespace)
+    reconciler = JobReconciler(store, KubernetesBackend(store, ConditionRemediator(store)), silent_after=2.0)
+    create(api, namespace, pytorch_job("late", {names.AUTO_RESUME: "true", names.MAX_RETRY: "3"}))
+    name = f"{namespace}/late"
+    now = time.time()
+    reconciler.reconcile_all(now)
+    assert store.get_job(name).phase is JobPhase.RUNNING
+
+    def waits() -> list[str]:
+        return [e.message for e in core.list_namespaced_event(namespace).items if e.reason == "AttemptWaiting"]
+
+    reconciler.reconcile_all(now + LAUNCH_FOLLOW_SECONDS / 2)
+    assert waits() == [], "too early to say anything"
+    custom = kubernetes.client.CustomObjectsApi(api)
+    version = custom.get_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", "late")["metadata"]["resourceVersion"]
+    reconciler.reconcile_all(now + LAUNCH_FOLLOW_SECONDS + 1)
+    reconciler.reconcile_all(now + LAUNCH_FOLLOW_SECONDS + 2)
+    assert len(waits()) == 1 and "no pod of attempt 0 exists: the PyTorchJob's controller has not created them; " \
+                                  "launching it once more" in waits()[0], waits()
+    after = custom.get_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", "late")
+    assert int(after["metadata"]["resourceVersion"]) > int(version) and after["spec"]["runPolicy"]["suspend"] is False
+
+    # the controller creates a pod, and the scheduler cannot place it
+    core.create_namespaced_pod(namespace, {
+        "metadata": {"name": "late-master-0", "labels": {PYTORCHJOB.pod_label: "late", PYTORCHJOB.replica_type_label: "master",
+                                                         PYTORCHJOB.replica_index_label: "0"},
+                     "annotations": {names.ATTEMPT: "0"}},
+        "spec": {"nodeSelector": {"no-such-label": "x"}, "containers": [{"name": "pytorch", "image": "img"}]}})
+
+    def unschedulable() -> list[str]:
+        reconciler.reconcile_all(time.time() + LAUNCH_FOLLOW_SECONDS)
+        return [m for m in waits() if "pod late-master-0 is not scheduled: 0/" in m]
+    found = wait_until(unschedulable, 30, "the scheduler's verdict named")
+    assert "didn't match Pod's node affinity/selector" in found[0], found

@@ -17,9 +17,19 @@ deciding and doing, and does the same again on its next pass.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from unbroken.state.records import Job, Node, Worker
+
+
+@dataclass(frozen=True)
+class AttemptWait:
+    """Why a launched attempt has no running worker: said in an Event, and whether launching again may help."""
+
+    reason: str
+    nudge: bool = False
+    """True where nothing of the attempt exists yet: its launch was missed and is sent again once."""
 
 
 class Backend(Protocol):
@@ -41,6 +51,15 @@ class Backend(Protocol):
     def held(self, job: str) -> str | None:
         """Why someone other than unbroken holds the job back, so that unbroken must not start it (a queue that has
         not admitted it, another controller that manages it); None: unbroken may."""
+
+    def attempt_waits_for(self, job: str, attempt: int) -> AttemptWait | None:
+        """What a launched attempt none of whose workers runs yet is waiting for, where the platform can say
+        (its workers never created, not placed, not starting); None if it waits for nothing unusual (a worker
+        being created or starting, its image being pulled)."""
+
+    def nudge_attempt(self, job: str, attempt: int) -> None:
+        """Launch the attempt once more where its workers were never created (a controller that missed the
+        launch, as after an API-server outage); nothing where the backend starts them itself."""
 
     def launch_attempt(self, job: Job, attempt: int, placement: Sequence[Node]) -> str:
         """Start ``attempt`` of ``job`` on ``placement`` (node rank = position); returns the

@@ -28,6 +28,7 @@ import psutil
 from unbroken import procs, rank_registry
 from unbroken.ports import free_port
 from unbroken.backends import netns_launch
+from unbroken.backends.base import AttemptWait
 from unbroken.config.cluster import ClusterConfig
 from unbroken.errors import BackendError, ConflictError
 from unbroken.launch_env import CLUSTER_DIR, NODE
@@ -62,6 +63,12 @@ class LocalBackend:
 
     def held(self, job: str) -> str | None:
         return None  # nothing but unbroken starts a local job
+
+    def attempt_waits_for(self, job: str, attempt: int) -> AttemptWait | None:
+        return None  # the agents start the worker rows they are given; a dead agent is a lost node
+
+    def nudge_attempt(self, job: str, attempt: int) -> None:
+        pass  # the worker rows are the launch: there is nothing a controller could have missed
 
     # -- nodes ----------------------------------------------------------------------
 

@@ -16,13 +16,17 @@ from unbroken.config.job import JobSpec, StragglerPolicy
 from unbroken.controller import hang_timeout, job_decisions, stragglers
 from unbroken.controller.job_decisions import Action, Decision
 from unbroken.errors import StoreUnavailable, UnbrokenError
-from unbroken.state.phases import JobPhase, NodeState
+from unbroken.state.phases import JobPhase, NodeState, WorkerPhase
 from unbroken.state.records import Desired, EventType, Job, Node, Worker
 from unbroken.state.store import ClusterStore, StaleUpdate
 from unbroken.state.updates import JobUpdate, NodeUpdate
 
 log = logging.getLogger("unbroken.controller.jobs")
 
+LAUNCH_FOLLOW_SECONDS = 20.0
+"""How long after an attempt's launch none of its workers may still be waiting before unbroken says what for (and,
+where nothing of it exists, launches it once more). Pods pulling a large image take longer: waiting on that is not
+reported (Backend.attempt_waits_for)."""
 STRAGGLER = "Straggler"
 """The fault type of a node taken out for being slow (``straggler_policy: replace``)."""
 
@@ -40,6 +44,10 @@ class JobReconciler:
         self.stragglers = stragglers.StragglerWatch()
         self._hang_timeouts: dict[str, hang_timeout.HangTimeout] = {}
         """job -> its last hang timeout measured from step times (memory only: a new controller measures again)."""
+        self._launch_waits: dict[tuple[str, int], str] = {}
+        """(job, attempt) -> what it was last reported waiting for (memory only: a new controller reports once again)."""
+        self._nudged: set[tuple[str, int]] = set()
+        """Attempts launched once more (at most once each)."""
         self._startups: dict[str, float] = {}
         """job -> the slowest launch-to-first-step seen among its attempts (memory only, as above)."""
         self._grow_noticed: dict[tuple[str, int], int] = {}
@@ -118,6 +126,7 @@ class JobReconciler:
         self._note_resume(job, workers)
         self._note_cause(job, workers)
         if job.phase is JobPhase.RUNNING and decision.action is Action.WAIT:
+            self._follow_launch(now, job, workers)
             if self._watch_stragglers(now, job, spec, workers, nodes, free):
                 # a straggler was taken out (``nodes`` holds its new state): restart now, naming it as the
                 # cause, rather than a pass later on its peers' broken connections
@@ -128,6 +137,8 @@ class JobReconciler:
         if decision.action in (Action.FAIL, Action.SUCCEED, Action.CANCEL):
             self._hang_timeouts.pop(job.name, None)
             self._startups.pop(job.name, None)
+            self._launch_waits = {key: why for key, why in self._launch_waits.items() if key[0] != job.name}
+            self._nudged = {key for key in self._nudged if key[0] != job.name}
         self._apply(now, job, decision, nodes)
         return decision
 
@@ -248,6 +259,28 @@ class JobReconciler:
             self.store.add_event("Job", job.name, "JobSucceeded", decision.reason)
         elif job.reason != decision.reason and job.phase is JobPhase.PENDING:
             self.store.update_job(job.name, JobUpdate(reason=decision.reason), expect_version=job.version)
+
+    def _follow_launch(self, now: float, job: Job, workers: list[Worker]) -> None:
+        """An attempt launched ``LAUNCH_FOLLOW_SECONDS`` ago none of whose workers runs yet: an Event saying what it
+        waits for (once per distinct reason), and where nothing of it exists, one more launch."""
+        key = (job.name, job.attempt)
+        if any(w.phase is not WorkerPhase.PENDING for w in workers):
+            self._launch_waits.pop(key, None)  # it runs: a later wait of the same attempt is reported afresh
+            return
+        if now - job.phase_changed_at < LAUNCH_FOLLOW_SECONDS:
+            return
+        wait = self.backend.attempt_waits_for(job.name, job.attempt)
+        if wait is None or self._launch_waits.get(key) == wait.reason:
+            return
+        self._launch_waits[key] = wait.reason
+        nudge = wait.nudge and key not in self._nudged
+        message = f"attempt {job.attempt}, {now - job.phase_changed_at:.0f} s after its launch: {wait.reason}" + \
+            ("; launching it once more" if nudge else "")
+        log.warning("job %s: %s", job.name, message, extra={"job": job.name})
+        self.store.add_event("Job", job.name, "AttemptWaiting", message, type=EventType.WARNING)
+        if nudge:
+            self._nudged.add(key)
+            self.backend.nudge_attempt(job.name, job.attempt)
 
     def _note_resize(self, now: float, job: Job, placement: tuple[str, ...], nodes: dict[str, Node]) -> None:
         """A JobResized event: the old and new size, the job's range, and why."""

@@ -34,6 +34,7 @@ from collections.abc import Collection, Sequence
 from typing import Any, Protocol
 
 from unbroken.errors import BackendError, NotFoundError
+from unbroken.backends.base import AttemptWait
 from unbroken.backends.kubernetes import names, node_repair
 from unbroken.backends.kubernetes.api import call, parse_time
 from unbroken.backends.kubernetes.store import KubernetesStore
@@ -44,6 +45,9 @@ from unbroken.state.records import Desired, EventType, Job, Node, Worker, Worker
 log = logging.getLogger("unbroken.backends.kubernetes.backend")
 
 _SIGNALS = {6: "SIGABRT", 9: "SIGKILL", 11: "SIGSEGV", 15: "SIGTERM"}
+_CANNOT_START = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError",
+                           "CreateContainerError", "RunContainerError"})
+"""A container waiting for one of these does not start by waiting longer."""
 
 
 class Remediator(Protocol):
@@ -141,6 +145,41 @@ class KubernetesBackend:
         except NotFoundError:
             return None  # deleted: the next pass forgets it
 
+    def attempt_waits_for(self, job: str, attempt: int) -> AttemptWait | None:
+        """No pod of the attempt (its controller has not created them: nudged), a pod the scheduler has not placed
+        (its own message: "0/3 nodes are available: ..."), or a container that cannot start (image, config)."""
+        try:
+            kind = self.store.kind_of(job)
+        except NotFoundError:
+            return None
+        pods = [p for p in self.store.job_pods(job) if _attempt(p) == attempt and not p["metadata"].get("deletionTimestamp")]
+        if not pods:
+            return AttemptWait(f"no pod of attempt {attempt} exists: the {kind.kind}'s controller has not created them",
+                               nudge=True)
+        for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
+            status, name = pod.get("status") or {}, pod["metadata"]["name"]
+            scheduled = next((c for c in status.get("conditions") or [] if c.get("type") == "PodScheduled"), None)
+            if not (pod.get("spec") or {}).get("nodeName"):
+                why = (scheduled or {}).get("message") or "the scheduler has not placed it yet"
+                return AttemptWait(f"pod {name} is not scheduled: {why}")
+            for container in status.get("containerStatuses") or []:
+                waiting = (container.get("state") or {}).get("waiting") or {}
+                if waiting.get("reason") in _CANNOT_START:
+                    return AttemptWait(f"pod {name} on {pod['spec']['nodeName']}: container {container.get('name')} "
+                                       f"{waiting['reason']}: {waiting.get('message') or ''}".rstrip(": "))
+        return None
+
+    def nudge_attempt(self, job: str, attempt: int) -> None:
+        """Suspend and launch again: the workload's controller, seeing both, creates the attempt's pods anew."""
+        try:
+            kind = self.store.kind_of(job)
+            self.store.patch_workload(job, kind.suspend_patch(True))
+            spec = self.store.get_job(job).spec()
+            self.store.patch_workload(job, kind.launch_patch(self.store.workload_object(job), attempt,
+                                                             require_deep_health=spec.resilience.require_deep_health_passed))
+        except NotFoundError:
+            return
+
     def launch_attempt(self, job: Job, attempt: int, placement: Sequence[Node]) -> str:
         short = job.name.partition("/")[2]
         obj = self.store.workload_object(job.name)
@@ -231,6 +270,13 @@ class KubernetesBackend:
         if progress is None:
             progress = self.store.lease_progress() if bound else {}
         workers = []
+        obj = self.store.watched_workload(job)
+        if obj is None:
+            try:
+                obj = self.store.workload_object(job)
+            except NotFoundError:
+                obj = {}  # deleted meanwhile: its pods go with it
+        budget, fewest = kind.member_restarts(obj), kind.fewest_pods(obj)
         for pod in bound:
             worker = self._worker(kind, job, pod, masterless)
             report = progress.get((job, worker.attempt, worker.node))
@@ -241,6 +287,11 @@ class KubernetesBackend:
                                  checkpoint_stall_s=report.checkpoint_stall_s, saved_step=report.saved_step,
                                  step_timing=report.step_timing)
             workers.append(worker)
+        if budget is not None:
+            by_attempt: dict[int, list[tuple[Worker, dict[str, Any]]]] = {}
+            for worker, pod in zip(workers, bound, strict=True):
+                by_attempt.setdefault(worker.attempt, []).append((worker, pod))
+            workers = [w for members in by_attempt.values() for w in absorb_member_exits(members, fewest or 1, budget)]
         return workers
 
     def _worker(self, kind: WorkloadKind, job: str, pod: dict[str, Any], masterless: bool) -> Worker:
@@ -253,6 +304,52 @@ class KubernetesBackend:
             created_at=parse_time(meta.get("creationTimestamp")) or 0.0, started_at=_container_started(status),
             ended_at=ended, exit_code=exit_code, message=f"pod {meta['name']}: {message}" if message else None,
         )
+
+
+def absorb_member_exits(members: list[tuple[Worker, dict[str, Any]]], fewest: int, budget: int) -> list[Worker]:
+    """An elastic job's workers of one attempt, its members' exits left to its own rendezvous where it can cope.
+
+    A member whose container exited non-zero is restarted in place by the kubelet (``restartPolicy: OnFailure``)
+    and rejoins; torchrun's agents in the other pods regroup without it meanwhile. That is no failure of the job
+    while at least ``fewest`` members (``elasticPolicy.minReplicas``) are up and the pods' container restarts,
+    together, stay within ``budget`` (``elasticPolicy.maxRestarts``): such a member reads as what its pod is doing
+    now (running again, waiting to restart, or done). Past either bound it stays a failed worker, its message
+    saying which bound, and unbroken restarts the job as usual."""
+    restarts = sum(_restart_count(pod) for _, pod in members)
+    up = sum(1 for _, pod in members if _container_running(pod))
+    rejoining = [w.phase is WorkerPhase.FAILED and _restarts_in_place(pod) for w, pod in members]
+    if not any(rejoining):
+        return [w for w, _ in members]
+    if restarts <= budget and up >= fewest:
+        return [_rejoining(w, pod) if again else w for (w, pod), again in zip(members, rejoining, strict=True)]
+    why = (f"elastic: {restarts} member restarts, over elasticPolicy.maxRestarts {budget}" if restarts > budget
+           else f"elastic: {up} members up, below elasticPolicy.minReplicas {fewest}")
+    return [replace(w, message=f"{w.message}; {why}") if again else w for (w, _), again in zip(members, rejoining, strict=True)]
+
+
+def _restarts_in_place(pod: dict[str, Any]) -> bool:
+    """The kubelet restarts the pod's container after a failure: not being deleted, not Failed for good."""
+    return not pod["metadata"].get("deletionTimestamp") and (pod.get("status") or {}).get("phase") != "Failed" \
+        and (pod.get("spec") or {}).get("restartPolicy", "Always") in ("Always", "OnFailure")
+
+
+def _rejoining(worker: Worker, pod: dict[str, Any]) -> Worker:
+    """The worker as its restarted container stands now: running again, done, or waiting to start."""
+    status = pod.get("status") or {}
+    state = next((c.get("state") or {} for c in status.get("containerStatuses") or []), {})
+    if status.get("phase") == "Succeeded" or ((state.get("terminated") or {}).get("exitCode", 1) == 0):
+        return replace(worker, phase=WorkerPhase.SUCCEEDED, exit_code=0, message=None)
+    phase = WorkerPhase.RUNNING if "running" in state else WorkerPhase.PENDING
+    return replace(worker, phase=phase, exit_code=None, ended_at=None, message=None, started_at=_container_started(status))
+
+
+def _restart_count(pod: dict[str, Any]) -> int:
+    return sum(int(c.get("restartCount") or 0) for c in (pod.get("status") or {}).get("containerStatuses") or [])
+
+
+def _container_running(pod: dict[str, Any]) -> bool:
+    return not pod["metadata"].get("deletionTimestamp") and any(
+        "running" in (c.get("state") or {}) for c in (pod.get("status") or {}).get("containerStatuses") or [])
 
 
 def _container_started(status: dict[str, Any]) -> float | None:

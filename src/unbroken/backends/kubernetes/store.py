@@ -624,6 +624,16 @@ class KubernetesStore:
         """The job's workload object as the API server has it (for the backend)."""
         return self._workload(name)
 
+    def watched_workload(self, name: str) -> dict[str, Any] | None:
+        """The job's workload object from the watch cache (no request), None where none is kept or it is not there;
+        for what the backend reads every pass of every job (a GET each would be a request per job per second)."""
+        kind = self._kinds.get(name)
+        cache = self.caches.workloads.get(kind.kind) if kind is not None and self.caches is not None else None
+        if cache is None or not cache.synced:
+            return None
+        namespace, _, short = name.partition("/")
+        return cache.get(namespace, short)
+
     def _job(self, obj: dict[str, Any]) -> Job | None:
         meta = obj["metadata"]
         settings = job_annotations.parse(meta.get("annotations"))

@@ -78,6 +78,11 @@ class WorkloadKind(Protocol):
     def fewest_pods(self, obj: Obj) -> int | None:
         """The fewest pods the workload trains on when some are lost (an elastic job's min); None: all of them."""
 
+    def member_restarts(self, obj: Obj) -> int | None:
+        """How many times the workload's pods restart an exited member in place and re-rendezvous by themselves (an
+        elastic PyTorchJob's ``elasticPolicy.maxRestarts``: torchrun's agents regroup); None: a member's exit is
+        the job's failure, for unbroken to restart."""
+
     def problems(self, obj: Obj) -> list[str]:
         """Why unbroken cannot manage this object (empty: it can)."""
 
@@ -179,6 +184,14 @@ class PyTorchJobKind:
         low = policy.get("minReplicas") if isinstance(policy, dict) else None
         return low if isinstance(low, int) and not isinstance(low, bool) and low >= 1 else None
 
+    def member_restarts(self, obj: Obj) -> int | None:
+        """``elasticPolicy.maxRestarts`` (0 when absent: torchrun's own default, no member exit is absorbed)."""
+        policy = (obj.get("spec") or {}).get("elasticPolicy")
+        if not isinstance(policy, dict):
+            return None
+        budget = policy.get("maxRestarts")
+        return budget if isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0 else 0
+
     def problems(self, obj: Obj) -> list[str]:
         if not self._replica_specs(obj):
             return ["spec.pytorchReplicaSpecs names no replica type (Master, Worker): no pods to watch"]
@@ -264,6 +277,9 @@ class TrainJobKind:
 
     def fewest_pods(self, obj: Obj) -> int | None:
         return None  # the Trainer has no elastic policy yet (kubeflow/trainer#2903)
+
+    def member_restarts(self, obj: Obj) -> int | None:
+        return None  # no elastic policy: a member's exit fails the TrainJob's attempt
 
     def problems(self, obj: Obj) -> list[str]:
         trainer_spec = self._trainer(obj)
