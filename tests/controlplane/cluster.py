@@ -13,7 +13,8 @@ Started in order and waited for, each on its own loopback port, each with its lo
 5. with ``kubeflow=True``: training-operator v1 (PyTorchJob only) with its CRD ``Established`` and its
    validating webhook registered; with ``trainer=True`` also JobSet (its defaulting webhook matters: its
    controller relies on fields only the webhook sets) and the Trainer v2 controller with its
-   ``torch-distributed`` ClusterTrainingRuntime, each with its webhooks.
+   ``torch-distributed`` ClusterTrainingRuntime, each with its webhooks;
+6. with ``kueue=True``: Kueue's controller manager (its CRDs, its webhooks, the PyTorchJob integration).
 
 The Kubeflow controllers each run in a private mount namespace (root only) whose
 ``/tmp/k8s-webhook-server`` is their own folder: both write their serving certificates to that fixed
@@ -59,7 +60,8 @@ SERVICE_CIDR = "10.96.0.0/16"
 KUBEFLOW_NAMESPACE = "kubeflow"
 JOBSET_NAMESPACE = "jobset-system"
 TRAINER_NAMESPACE = "kubeflow-system"
-"""The namespaces JobSet and the Trainer assume when not in a pod (their Secrets live there)."""
+KUEUE_NAMESPACE = "kueue-system"
+"""The namespaces JobSet, the Trainer and Kueue assume when not in a pod (their Secrets live there)."""
 
 
 @dataclass(frozen=True)
@@ -161,14 +163,15 @@ class ControlPlane:
     """etcd, kube-apiserver, kube-controller-manager, kube-scheduler (and Kubeflow's controllers) on loopback."""
 
     def __init__(self, workdir: Path, *, kubeflow: bool = True, trainer: bool = False, crds: bool = False,
-                 controllers: str = "*") -> None:
+                 kueue: bool = False, controllers: str = "*") -> None:
         """``kubeflow``: training-operator runs; ``trainer``: JobSet and the Trainer too; ``crds``: only the
         Kubeflow CRDs are installed (PyTorchJob, TrainJob and its runtimes, JobSet), no controller: for tests of
-        what unbroken writes to those objects. ``controllers``: the controller-manager's ``--controllers``
+        what unbroken writes to those objects. ``kueue``: Kueue's controller manager too, queueing PyTorchJobs (those
+        labelled ``kueue.x-k8s.io/queue-name``). ``controllers``: the controller-manager's ``--controllers``
         (benchmarks/scale.py turns the node lifecycle controller off: its Nodes have no kubelet)."""
         self.controllers = controllers
         needed = [components.ETCD, components.KUBERNETES] + [components.TRAINING_OPERATOR] * (kubeflow or trainer or crds) \
-            + [components.TRAINER] * (trainer or crds)
+            + [components.TRAINER] * (trainer or crds) + [components.KUEUE] * kueue
         missing = [c for c in needed if not c.is_built()]
         if missing:
             raise ControlPlaneError("the control plane is not built: "
@@ -177,6 +180,7 @@ class ControlPlane:
         self.workdir = workdir
         self.kubeflow = kubeflow or trainer
         self.trainer = trainer
+        self.kueue = kueue
         self.crds = crds
         (workdir / "logs").mkdir(parents=True, exist_ok=True)
         self.pki_dir = workdir / "pki"
@@ -270,6 +274,8 @@ class ControlPlane:
             self._define_training_operator()
         if self.trainer:
             self._define_trainer()
+        if self.kueue:
+            self._define_kueue()
 
     def _isolated(self, name: str, command: list[str]) -> list[str]:
         """``command`` in a mount namespace of its own whose /tmp/k8s-webhook-server is ``workdir/<name>``."""
@@ -304,6 +310,8 @@ class ControlPlane:
             if not self.crds:
                 self.install_crds()
             self._start_trainer()
+        if self.kueue:
+            self._start_kueue()
         self.ready_seconds = time.monotonic() - started
         return self
 
@@ -454,6 +462,37 @@ class ControlPlane:
         self._start("trainer", lambda: self._get(f"http://{LOOPBACK}:{self.trainer_probe_port}/readyz", tls=False))
         # the runtime Kubeflow ships for torchrun jobs, as its installation applies it
         self.kubectl("apply", "--server-side", "-f", str(directory / "trainer-runtimes" / "torch_distributed.yaml"))
+
+    def _define_kueue(self) -> None:
+        """Kueue's controller manager, from a configuration file (its only way to be configured): the PyTorchJob
+        integration only, no leader election, its webhooks on loopback, its on-demand visibility API server off
+        (an aggregated API the tests do not read)."""
+        self.kueue_webhook_port, self.kueue_probe_port = listen_port(), listen_port()
+        config = {"apiVersion": "config.kueue.x-k8s.io/v1beta2", "kind": "Configuration", "namespace": KUEUE_NAMESPACE,
+                  "health": {"healthProbeBindAddress": f"{LOOPBACK}:{self.kueue_probe_port}"}, "metrics": {"bindAddress": "0"},
+                  "webhook": {"port": self.kueue_webhook_port, "host": LOOPBACK}, "leaderElection": {"leaderElect": False},
+                  "internalCertManagement": {"enable": True, "webhookServiceName": "kueue-webhook-service",
+                                             "webhookSecretName": "kueue-webhook-server-cert"},
+                  "integrations": {"frameworks": ["kubeflow.org/pytorchjob"]}}
+        path = self.workdir / "kueue-config.yaml"
+        path.write_text(yaml.safe_dump(config))
+        self._process("kueue", self._isolated("kueue", [
+            str(components.KUEUE.binary("kueue")), f"--config={path}", "--feature-gates=VisibilityOnDemand=false"]),
+            {"KUBECONFIG": str(self.admin_kubeconfig)})
+
+    def _start_kueue(self) -> None:
+        directory = components.KUEUE.directory
+        self.kubectl("apply", "--server-side", *[arg for f in sorted((directory / "crds").glob("*.yaml")) for arg in ("-f", str(f))])
+        self.wait_established("workloads.kueue.x-k8s.io", "clusterqueues.kueue.x-k8s.io", "localqueues.kueue.x-k8s.io",
+                              "resourceflavors.kueue.x-k8s.io")
+        kept = ("pytorchjob", "workload", "clusterqueue", "localqueue", "resourceflavor", "cohort")
+        self._webhook_controller(WebhookController(
+            "kueue", KUEUE_NAMESPACE, "kueue-webhook-server-cert", "kueue-ca", "kueue-webhook-service", self.kueue_webhook_port,
+            {directory / "webhook" / "manifests.yaml": {
+                "mutating-webhook-configuration": "kueue-mutating-webhook-configuration",
+                "validating-webhook-configuration": "kueue-validating-webhook-configuration"}},
+            keep=lambda hook: any(f"{k}.kb.io" == hook["name"][1:] for k in kept)))
+        self._start("kueue", lambda: self._get(f"http://{LOOPBACK}:{self.kueue_probe_port}/readyz", tls=False))
 
     def _webhook_controller(self, controller: WebhookController) -> None:
         """What a Kubeflow controller's cert-controller would make itself, made beforehand: a CA of its name and a

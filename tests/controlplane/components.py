@@ -88,4 +88,9 @@ TRAINER = Component(
           ("sigs.k8s.io/jobset@v0.12.0", "config/components/crd/bases", "jobset-crds"),
           ("sigs.k8s.io/jobset@v0.12.0", "config/components/webhook", "jobset-webhook")))
 
-ALL = (ETCD, KUBERNETES, TRAINING_OPERATOR, TRAINER)
+KUEUE = Component(
+    "kueue", "v0.17.0", ("sigs.k8s.io/kueue/cmd/kueue",), ("kueue",),
+    data=(("sigs.k8s.io/kueue@v0.17.0", "config/components/crd/bases", "crds"),
+          ("sigs.k8s.io/kueue@v0.17.0", "config/components/webhook", "webhook")))
+
+ALL = (ETCD, KUBERNETES, TRAINING_OPERATOR, TRAINER, KUEUE)

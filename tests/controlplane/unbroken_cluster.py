@@ -171,12 +171,12 @@ def service_account_kubeconfig(plane: ControlPlane, core: kubernetes.client.Core
 
 
 @contextlib.contextmanager
-def unbroken_cluster(workdir: Path, *, trainer: bool = False) -> Iterator[Cluster]:
-    """The control plane (with JobSet and the Trainer if ``trainer``), deploy/ installed, three GPU nodes of the
-    process kubelet; the operator stopped when it ends, and then no pod process left."""
+def unbroken_cluster(workdir: Path, *, trainer: bool = False, kueue: bool = False) -> Iterator[Cluster]:
+    """The control plane (with JobSet and the Trainer if ``trainer``, Kueue if ``kueue``), deploy/ installed, three GPU
+    nodes of the process kubelet; the operator stopped when it ends, and then no pod process left."""
     # A short directory: a node's hostPath /var/run/unbroken/agent.sock must fit in a socket address (107 bytes).
     with tempfile.TemporaryDirectory(prefix="k8s-", dir="/tmp") as nodes_root, \
-            ControlPlane(workdir / "plane", trainer=trainer) as plane:
+            ControlPlane(workdir / "plane", trainer=trainer, kueue=kueue) as plane:
         api = api_client(plane.kubeconfig)
         core = kubernetes.client.CoreV1Api(api)
         remediations = workdir / "remediations.log"

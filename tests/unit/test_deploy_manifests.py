@@ -87,6 +87,7 @@ OPERATOR_CLUSTER_RULES = rules(
     ("kubeflow.org", "pytorchjobs/status", "get"),
     ("trainer.kubeflow.org", "trainjobs", "get list watch patch"),
     ("jobset.x-k8s.io", "jobsets", "get list watch delete"),
+    ("kueue.x-k8s.io", "workloads", "list patch"),  # a queued job stopped for good: its Workload deactivated
 )
 OPERATOR_NAMESPACE_RULES = rules(
     ("coordination.k8s.io", "leases", "get list watch create update patch"),

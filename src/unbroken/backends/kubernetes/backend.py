@@ -38,7 +38,7 @@ from unbroken.backends.base import AttemptWait
 from unbroken.backends.kubernetes import names, node_repair
 from unbroken.backends.kubernetes.api import call, parse_time
 from unbroken.backends.kubernetes.store import KubernetesStore
-from unbroken.backends.kubernetes.workloads import Child, WorkloadKind, job_of
+from unbroken.backends.kubernetes.workloads import PYTORCHJOB, Child, WorkloadKind, job_of, queue_name
 from unbroken.state.phases import WorkerPhase
 from unbroken.state.records import Desired, EventType, Job, Node, Worker, WorkerProgress
 
@@ -193,7 +193,11 @@ class KubernetesBackend:
         namespace, _, short = job.partition("/")
         try:
             kind = self.store.kind_of(job)
-            self.store.patch_workload(job, kind.suspend_patch(True))
+            obj = self.store.workload_object(job)
+            if kind is PYTORCHJOB and queue_name(obj) is not None:
+                self._stop_queued(job, kind, obj, attempt)
+            else:
+                self.store.patch_workload(job, kind.suspend_patch(True))
         except NotFoundError:
             return  # the job was deleted: its pods go with it
         for child in kind.children_to_recreate(short):
@@ -201,6 +205,21 @@ class KubernetesBackend:
         for pod in self.store.job_pods(job):
             if _attempt(pod) == attempt and not pod["metadata"].get("deletionTimestamp"):
                 self._delete(pod, grace=self.stop_grace)
+
+    def _stop_queued(self, job: str, kind: WorkloadKind, obj: dict[str, Any], attempt: int) -> None:
+        """A job Kueue admitted: Kueue unsuspends what its queue admitted at once, so suspending it stops nothing.
+        A restart keeps the admission (and the quota: no wait behind other jobs in the queue): the pod templates
+        are marked with the next attempt first, then the pods are deleted (by the caller) and the workload's
+        controller recreates them as the next attempt. A job stopped for good (failed, cancelled) is taken
+        off its queue as Kueue stops jobs: its Workload deactivated (``spec.active: false``), which suspends it."""
+        record = self.store.get_job(job)
+        if not record.phase.is_terminal:
+            spec = record.spec()
+            self.store.patch_workload(job, kind.launch_patch(obj, attempt + 1,
+                                                             require_deep_health=spec.resilience.require_deep_health_passed))
+            return
+        if not self.store.deactivate_queued_workload(job, obj):
+            self.store.patch_workload(job, kind.suspend_patch(True))  # no Kueue Workload: nothing unsuspends it
 
     def observe_attempt(self, job: str, attempt: int) -> list[Worker]:
         return [w for w in self._workers(job, self.store.job_pods(job)) if w.attempt == attempt]

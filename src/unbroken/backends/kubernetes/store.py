@@ -61,6 +61,8 @@ LEASE_FALLBACK_RENEWALS = 2
 """How many Lease renewal periods of stopped datagrams before the Leases are the evidence for every node:
 long enough that every live agent renewed in between, longer than an agent restart or a short stall."""
 MANAGED_BY = "app.kubernetes.io/managed-by"
+KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
+"""On the Kueue Workload of a job: the job's uid."""
 AGENT_LEASE_SELECTOR = f"{MANAGED_BY}={names.COMPONENT}"
 """The agents' Leases carry this label (the leader Lease does not)."""
 
@@ -535,6 +537,22 @@ class KubernetesStore:
         if cache is not None:
             cache.observe(obj)
         return obj
+
+    def deactivate_queued_workload(self, name: str, obj: dict[str, Any]) -> bool:
+        """Deactivate the Kueue Workload of the job's workload (``spec.active: false``: Kueue evicts it, suspends the
+        job and frees its quota); False if it has none (Kueue is not installed, or has made none for it yet)."""
+        namespace = obj["metadata"]["namespace"]
+        selector = f"{KUEUE_JOB_UID_LABEL}={obj['metadata'].get('uid', '')}"
+        try:
+            listing = self._json(self.custom.list_namespaced_custom_object, "kueue.x-k8s.io", "v1beta2", namespace,
+                                 "workloads", label_selector=selector)
+        except NotFoundError:
+            return False  # Kueue's CRDs are not installed
+        for workload in listing["items"]:
+            call(lambda: self.custom.patch_namespaced_custom_object("kueue.x-k8s.io", "v1beta2", namespace, "workloads",
+                                                                    workload["metadata"]["name"], {"spec": {"active": False}},
+                                                                    field_validation=STRICT))
+        return bool(listing["items"])
 
     def kind_of(self, name: str) -> WorkloadKind:
         """The kind of the workload that is the job ``name``."""

@@ -119,12 +119,17 @@ OWN_MANAGERS = {"PyTorchJob": "kubeflow.org/training-operator", "TrainJob": "tra
 """The ``managedBy`` value of each kind's own controller (its default); any other (Kueue's MultiKueue) runs it elsewhere."""
 
 
+def queue_name(obj: Obj) -> str | None:
+    """The Kueue LocalQueue the workload was submitted to (its ``kueue.x-k8s.io/queue-name`` label), None if none."""
+    return ((obj.get("metadata") or {}).get("labels") or {}).get(KUEUE_QUEUE_LABEL) or None
+
+
 def _held(obj: Obj, manager: str | None, own_manager: str, manager_field: str, suspended: bool, suspend_field: str) -> str | None:
     if manager and manager != own_manager:
         return f"managed by {manager} ({manager_field}), not {own_manager}: its pods run where that controller puts them"
     if not suspended:
         return None
-    queue = ((obj.get("metadata") or {}).get("labels") or {}).get(KUEUE_QUEUE_LABEL)
+    queue = queue_name(obj)
     if queue:
         return f"suspended until Kueue admits it from queue {queue} ({suspend_field}); unbroken starts watching it then"
     return f"suspended by its owner ({suspend_field}); unbroken starts watching it once it is unsuspended"
