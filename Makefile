@@ -45,7 +45,7 @@ test: $(STAMP) system-packages control-plane
 install: $(STAMP)
 
 # The Kubernetes tests' control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
-# training-operator, JobSet, Trainer), built from Go modules into ~/.cache/unbroken/control-plane/ once
+# training-operator, JobSet, Trainer, Kueue), built from Go modules into ~/.cache/unbroken/control-plane/ once
 # per version (tests/controlplane/build.py; ~8 min the first time here, nothing after that).
 # Needs Go >= 1.24 (`go`, or /usr/local/go/bin/go) and its module proxy; Debian's golang-go is too old.
 control-plane:

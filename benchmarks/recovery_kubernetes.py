@@ -24,6 +24,9 @@ Systems, the same job (2 pods of 1 rank, 50 ms steps, a checkpoint file every 20
   node's pod's place goes to the spare pod's warm spare, which takes the model from the master's memory.
 * ``unbroken+elastic``: as ``unbroken+launcher``, an elastic job (``elasticPolicy`` min 1, max 2): after a lost
   node the master pod goes on alone at once; recovery ends at its first step at the smaller size.
+* ``unbroken+bystander``: as ``unbroken``, on nodes shared with another opted-in job (three pods, one per node)
+  that runs throughout; neither job asks for a GPU, so the scheduler fits both. Its reschedule beside ``unbroken``'s
+  is the cost of sharing nodes (unbroken once waited for the other job to end).
 
 Faults: ``kill-worker`` (SIGKILL worker-0's rank), ``hang-worker`` (SIGSTOP it), ``kill-node`` (the kubelet fails worker-0's node: its processes,
 the node agent's among them, die, its Lease and status stop).
@@ -62,7 +65,7 @@ from processes import stop_process  # noqa: E402
 from recovery import _RESUMED, poll  # noqa: E402
 from unbroken.backends.kubernetes import names  # noqa: E402
 
-SYSTEMS = ("training-operator", "unbroken", "unbroken+launcher", "unbroken+spare-pod", "unbroken+elastic")
+SYSTEMS = ("training-operator", "unbroken", "unbroken+launcher", "unbroken+spare-pod", "unbroken+elastic", "unbroken+bystander")
 IN_PLACE = ("unbroken+launcher", "unbroken+spare-pod", "unbroken+elastic")
 """The systems whose pods run ``unbroken run``: their recoveries may happen in place, with no pod recreated."""
 FAULTS = ("kill-worker", "hang-worker", "kill-node")
@@ -85,11 +88,29 @@ def system_job(name: str, system: str, workdir: Path, progress: Path, *, steps: 
     """The benchmarks' PyTorchJob as ``system`` runs it: for unbroken, auto-resume with ``retries`` and the agent's socket,
     and ``unbroken run`` in place of torchrun for unbroken+launcher; rank 0's step timeline in ``progress``."""
     managed = system.startswith("unbroken")
-    return pytorchjob(name, workdir / "ckpt", steps=steps, step_time=STEP_TIME, checkpoint_every=CHECKPOINT_EVERY,
+    body = pytorchjob(name, workdir / "ckpt", steps=steps, step_time=STEP_TIME, checkpoint_every=CHECKPOINT_EVERY,
                       report_progress=managed, annotations=auto_resume(retries) if managed else None,
                       launcher=LAUNCHER if system in IN_PLACE else TORCHRUN, workload_args=("--progress-log", str(progress)),
                       spare_pods=1 if system == "unbroken+spare-pod" else 0,
                       elastic=(1, 2) if system == "unbroken+elastic" else None)
+    return _without_gpus(body) if system == "unbroken+bystander" else body
+
+
+def _without_gpus(body: dict[str, Any]) -> dict[str, Any]:
+    for replica in body["spec"]["pytorchReplicaSpecs"].values():
+        replica["template"]["spec"]["containers"][0].pop("resources", None)  # Master and Worker share one template
+    return body
+
+
+def start_bystander(cluster: Cluster, workdir: Path) -> bool:
+    """Another opted-in job, a pod on every node, running before the measured job starts."""
+    body = _without_gpus(pytorchjob("bystander", workdir / "bystander", steps=1_000_000, step_time=STEP_TIME, nodes=3,
+                                    annotations=auto_resume(1)))
+    body["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["affinity"] = {"podAntiAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": [{"topologyKey": "kubernetes.io/hostname", "labelSelector": {
+            "matchLabels": {"training.kubeflow.org/job-name": "bystander"}}}]}}
+    name = submit(cluster, body)
+    return bool(poll(lambda: sum(p.status.phase == "Running" for p in cluster.pods(name)) == 3, 120))
 
 
 def _restarting_at(cluster: Cluster, name: str) -> float | None:
@@ -115,6 +136,9 @@ def run(system: str, fault: str, workdir: Path) -> dict[str, Any]:
         agents = start_system(cluster, system)
         managed = bool(agents)
         try:
+            if system == "unbroken+bystander" and not start_bystander(cluster, workdir):
+                result["note"] = "the bystander's pods were not all running within 120 s"
+                return result
             progress = workdir / "progress.log"
             body = system_job("bench", system, workdir, progress, steps=100_000, retries=5)
             name = submit(cluster, body)
@@ -155,7 +179,7 @@ def run(system: str, fault: str, workdir: Path) -> dict[str, Any]:
                 return _first_step_line(rank_log(cluster, replacement)[replacement_offset:], fault_at)
 
             running_at = None
-            if system == "unbroken":  # the new attempt's pods come up before its first step: watch for them first
+            if system in ("unbroken", "unbroken+bystander"):  # the new attempt's pods come up before its first step: watch them
                 running_at = poll(lambda: _all_running(cluster, name, "1") and time.time(), GIVE_UP_AFTER)
             first = poll(resumed, GIVE_UP_AFTER)
             in_place = None

@@ -486,20 +486,27 @@ class ControlPlane:
         self.wait_established("workloads.kueue.x-k8s.io", "clusterqueues.kueue.x-k8s.io", "localqueues.kueue.x-k8s.io",
                               "resourceflavors.kueue.x-k8s.io")
         kept = ("pytorchjob", "workload", "clusterqueue", "localqueue", "resourceflavor", "cohort")
-        self._webhook_controller(WebhookController(
+        bundle = self._webhook_controller(WebhookController(
             "kueue", KUEUE_NAMESPACE, "kueue-webhook-server-cert", "kueue-ca", "kueue-webhook-service", self.kueue_webhook_port,
             {directory / "webhook" / "manifests.yaml": {
                 "mutating-webhook-configuration": "kueue-mutating-webhook-configuration",
                 "validating-webhook-configuration": "kueue-validating-webhook-configuration"}},
             keep=lambda hook: any(f"{k}.kb.io" == hook["name"][1:] for k in kept)))
+        # Kueue's cert-controller also injects its CA into the conversion webhooks of its CRDs (its install patches
+        # them so) and is not ready until it has: the same conversion, pointed at 127.0.0.1.
+        for crd in ("clusterqueues", "cohorts", "localqueues", "multikueueclusters", "resourceflavors", "workloads"):
+            conversion = {"strategy": "Webhook", "webhook": {"conversionReviewVersions": ["v1"], "clientConfig": {
+                "url": f"https://{LOOPBACK}:{self.kueue_webhook_port}/convert", "caBundle": bundle}}}
+            self.kubectl("patch", "crd", f"{crd}.kueue.x-k8s.io", "--type=merge", "-p", json.dumps({"spec": {"conversion": conversion}}))
         self._start("kueue", lambda: self._get(f"http://{LOOPBACK}:{self.kueue_probe_port}/readyz", tls=False))
 
-    def _webhook_controller(self, controller: WebhookController) -> None:
+    def _webhook_controller(self, controller: WebhookController) -> str:
         """What a Kubeflow controller's cert-controller would make itself, made beforehand: a CA of its name and a
         serving certificate for its Service that also names 127.0.0.1 (the address the API server is given). The
         Secret holds them (cert-controller keeps valid certificates it finds), the files its pod's Secret volume
         would hold are written (cert-controller waits for them; the webhook server reads them), and its webhook
-        configurations (its module's manifests) point at 127.0.0.1."""
+        configurations (its module's manifests) point at 127.0.0.1. Returns the CA bundle (base64), for what else
+        points at the controller (CRD conversion webhooks)."""
         home = self.workdir / controller.name
         authority = pki.Authority(home / "pki", controller.ca_name, named=True)
         serving = authority.issue("webhook", common_name=controller.service, server=True, ips=(LOOPBACK,),
@@ -524,6 +531,7 @@ class ControlPlane:
                     {"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
                      "metadata": {"name": controller.secret, "namespace": controller.namespace}, "stringData": files},
                     *configurations])
+        return bundle
 
     def stop(self) -> None:
         """SIGKILL, newest first: a test's control plane keeps nothing worth a graceful shutdown (etcd runs

@@ -549,9 +549,9 @@ class KubernetesStore:
         except NotFoundError:
             return False  # Kueue's CRDs are not installed
         for workload in listing["items"]:
-            call(lambda: self.custom.patch_namespaced_custom_object("kueue.x-k8s.io", "v1beta2", namespace, "workloads",
-                                                                    workload["metadata"]["name"], {"spec": {"active": False}},
-                                                                    field_validation=STRICT))
+            name_of = workload["metadata"]["name"]
+            call(lambda name_of=name_of: self.custom.patch_namespaced_custom_object(
+                "kueue.x-k8s.io", "v1beta2", namespace, "workloads", name_of, {"spec": {"active": False}}, field_validation=STRICT))
         return bool(listing["items"])
 
     def kind_of(self, name: str) -> WorkloadKind:
