@@ -20,6 +20,7 @@ updates and label edits by others therefore never make the reconcilers' writes s
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -549,9 +550,9 @@ class KubernetesStore:
         except NotFoundError:
             return False  # Kueue's CRDs are not installed
         for workload in listing["items"]:
-            name_of = workload["metadata"]["name"]
-            call(lambda name_of=name_of: self.custom.patch_namespaced_custom_object(
-                "kueue.x-k8s.io", "v1beta2", namespace, "workloads", name_of, {"spec": {"active": False}}, field_validation=STRICT))
+            call(functools.partial(self.custom.patch_namespaced_custom_object, "kueue.x-k8s.io", "v1beta2", namespace,
+                                   "workloads", workload["metadata"]["name"], {"spec": {"active": False}},
+                                   field_validation=STRICT))
         return bool(listing["items"])
 
     def kind_of(self, name: str) -> WorkloadKind:
