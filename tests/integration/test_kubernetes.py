@@ -64,6 +64,13 @@ def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]
 
 
 
+def resumed_as(cluster: Cluster, name: str, attempt: int) -> bool:
+    """The job's two pods are both of ``attempt`` and its master's rank has resumed from a checkpoint."""
+    pods = cluster.pods(name)
+    return len(pods) == 2 and all((p.metadata.annotations or {}).get(names.ATTEMPT) == str(attempt) for p in pods) \
+        and "resumed at step" in rank_log(cluster, f"{name}-master-0")
+
+
 def test_a_rank_killed_restarts_the_job_which_resumes_from_its_checkpoint(cluster: Cluster, tmp_path: Path) -> None:
     cluster.start_operator()
     checkpoints = tmp_path / "ckpt"
@@ -124,11 +131,7 @@ def test_a_restart_beside_another_opted_in_jobs_pods_on_shared_nodes_waits_for_n
     rank_process(cluster, f"{name}-worker-0").send_signal(signal.SIGKILL)
     wait_until(lambda: cluster.annotations(name).get(names.RESTART_COUNT) == "1", 30, "the restart")
 
-    def resumed() -> bool:
-        pods = cluster.pods(name)
-        return len(pods) == 2 and all((p.metadata.annotations or {}).get(names.ATTEMPT) == "1" for p in pods) \
-            and "resumed at step" in rank_log(cluster, f"{name}-master-0")
-    wait_until(resumed, 90, "attempt 1 to resume beside the bystander's pods")
+    wait_until(lambda: resumed_as(cluster, name, 1), 90, "attempt 1 to resume beside the bystander's pods")
     assert cluster.annotations(bystander).get(names.JOB_PHASE) == "Running"
     assert cluster.annotations(bystander).get(names.RESTART_COUNT, "0") == "0", "the bystander was never touched"
     cluster.assert_clean()
@@ -1065,12 +1068,8 @@ def test_an_api_server_down_30_s_mid_job_loses_no_node_and_restarts_nothing_and_
     # followed to its first step: the recreated pods come back and train (training-operator, whose informers lived
     # through the outage, once created them ~30 s late; unbroken then says what the attempt waits for and sends the
     # launch once more)
-    def resumed() -> bool:
-        pods = cluster.pods(name)
-        return len(pods) == 2 and all((p.metadata.annotations or {}).get(names.ATTEMPT) == "1" for p in pods) \
-            and "resumed at step" in rank_log(cluster, f"{name}-master-0")
     try:
-        wait_until(resumed, 90, "attempt 1 to resume after the outage")
+        wait_until(lambda: resumed_as(cluster, name, 1), 90, "attempt 1 to resume after the outage")
     except WaitTimeout:
         waits = [m for _, r, m in cluster.events(name) if r == "AttemptWaiting"]
         raise AssertionError(f"attempt 1 never resumed; unbroken said: {waits}") from None
@@ -1221,9 +1220,7 @@ def test_a_job_kueue_holds_is_left_held_and_once_admitted_restarts_without_leavi
     assert workload is not None
     rank_process(cluster, f"{name}-worker-0").send_signal(signal.SIGKILL)
     wait_until(lambda: cluster.annotations(name).get(names.RESTART_COUNT) == "1", 30, "unbroken's restart")
-    wait_resumed = lambda: all((p.metadata.annotations or {}).get(names.ATTEMPT) == "1" for p in cluster.pods(name)) \
-        and len(cluster.pods(name)) == 2 and "resumed at step" in rank_log(cluster, f"{name}-master-0")  # noqa: E731
-    wait_until(wait_resumed, 120, "attempt 1 to resume")
+    wait_until(lambda: resumed_as(cluster, name, 1), 120, "attempt 1 to resume")
     after = kueue_workload(cluster, name)
     assert after is not None and after["metadata"]["uid"] == workload["metadata"]["uid"] and admitted(after), \
         "the job kept its admission: it never went back to wait in the queue"
