@@ -140,8 +140,10 @@ class KubernetesBackend:
     # -- attempts -------------------------------------------------------------------------
 
     def held(self, job: str) -> str | None:
+        """Read from the watch cache where there is one: every pending job is asked every pass."""
         try:
-            return self.store.kind_of(job).held_by(self.store.workload_object(job))
+            obj = self.store.watched_workload(job) or self.store.workload_object(job)
+            return self.store.kind_of(job).held_by(obj)
         except NotFoundError:
             return None  # deleted: the next pass forgets it
 
