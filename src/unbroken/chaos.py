@@ -21,6 +21,7 @@ from pathlib import Path
 from unbroken import procs
 from unbroken.errors import UsageError
 from unbroken.health.chaos import xid_line
+from unbroken.launch_env import CLUSTER_DIR
 from unbroken.netns import NodeNet, clear, limit, namespace_exists
 from unbroken.layout import ClusterLayout
 from unbroken.runtime import Runtime, open_local
@@ -151,9 +152,12 @@ def slow_node(runtime: Runtime, node: str, factor: float, *, period: float = SLO
     pidfile = _slower_pidfile(runtime, node)
     pidfile.parent.mkdir(parents=True, exist_ok=True)
     with open(pidfile.with_suffix(".log"), "ab") as log:
+        # Tagged as the cluster's (UNBROKEN_CLUSTER_DIR): `cluster down` ends it with the cluster's other processes,
+        # where a slowing nobody cleared (a test that failed half-way) once outlived its cluster.
         slower = subprocess.Popen([sys.executable, "-m", "unbroken.chaos", "--dir", str(runtime.layout.root), "--node", node,
                                    "--factor", repr(factor), "--period", repr(period)],
-                                  stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                                  stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                  env={**os.environ, CLUSTER_DIR: str(runtime.layout.root)})
     pidfile.write_text(str(slower.pid))
     # Back only once the first cycle ran, so that "slowed at" (the event's time) is when it began.
     wait_until(lambda: _started_file(pidfile).exists() or slower.poll() is not None, 30, f"the slower of {node} to start")
