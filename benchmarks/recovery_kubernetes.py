@@ -58,7 +58,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from controlplane.unbroken_cluster import (  # noqa: E402 - tests/controlplane, on the path above
-    JOBS, LAUNCHER, TORCHRUN, Cluster, auto_resume, pytorchjob, rank_log, rank_process, start_agents, submit, unbroken_cluster,
+    JOBS, LAUNCHER, TORCHRUN, Cluster, auto_resume, one_pod_per_node, pytorchjob, rank_log, rank_process, start_agents, submit,
+    unbroken_cluster, without_gpus,
 )
 from goodput import read_timeline  # noqa: E402 - beside this script: rank 0's step timeline, read as goodput.py does
 from processes import stop_process  # noqa: E402
@@ -93,23 +94,13 @@ def system_job(name: str, system: str, workdir: Path, progress: Path, *, steps: 
                       launcher=LAUNCHER if system in IN_PLACE else TORCHRUN, workload_args=("--progress-log", str(progress)),
                       spare_pods=1 if system == "unbroken+spare-pod" else 0,
                       elastic=(1, 2) if system == "unbroken+elastic" else None)
-    return _without_gpus(body) if system == "unbroken+bystander" else body
-
-
-def _without_gpus(body: dict[str, Any]) -> dict[str, Any]:
-    for replica in body["spec"]["pytorchReplicaSpecs"].values():
-        replica["template"]["spec"]["containers"][0].pop("resources", None)  # Master and Worker share one template
-    return body
+    return without_gpus(body) if system == "unbroken+bystander" else body
 
 
 def start_bystander(cluster: Cluster, workdir: Path) -> bool:
     """Another opted-in job, a pod on every node, running before the measured job starts."""
-    body = _without_gpus(pytorchjob("bystander", workdir / "bystander", steps=1_000_000, step_time=STEP_TIME, nodes=3,
-                                    annotations=auto_resume(1)))
-    body["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["affinity"] = {"podAntiAffinity": {
-        "requiredDuringSchedulingIgnoredDuringExecution": [{"topologyKey": "kubernetes.io/hostname", "labelSelector": {
-            "matchLabels": {"training.kubeflow.org/job-name": "bystander"}}}]}}
-    name = submit(cluster, body)
+    name = submit(cluster, one_pod_per_node(without_gpus(pytorchjob(
+        "bystander", workdir / "bystander", steps=1_000_000, step_time=STEP_TIME, nodes=3, annotations=auto_resume(1)))))
     return bool(poll(lambda: sum(p.status.phase == "Running" for p in cluster.pods(name)) == 3, 120))
 
 

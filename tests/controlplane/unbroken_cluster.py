@@ -244,6 +244,22 @@ def pytorchjob(name: str, checkpoints: Path, *, steps: int, step_time: float = 0
             "metadata": {"name": name, "namespace": JOBS, "annotations": annotations or {}}, "spec": spec}
 
 
+def without_gpus(body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` (a ``pytorchjob``) asking for no GPU: the scheduler then fits several jobs' pods on one node."""
+    for replica in body["spec"]["pytorchReplicaSpecs"].values():
+        replica["template"]["spec"]["containers"][0].pop("resources", None)  # Master and Worker share one template
+    return body
+
+
+def one_pod_per_node(body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` (a ``pytorchjob``) whose pods never share a node (required pod anti-affinity on the hostname)."""
+    name = body["metadata"]["name"]
+    body["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["affinity"] = {"podAntiAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": [{"topologyKey": "kubernetes.io/hostname", "labelSelector": {
+            "matchLabels": {"training.kubeflow.org/job-name": name}}}]}}  # Master and Worker share one template
+    return body
+
+
 def auto_resume(retries: int) -> dict[str, str]:
     return {names.AUTO_RESUME: "true", names.MAX_RETRY: str(retries)}
 

@@ -39,7 +39,8 @@ import yaml
 
 from controlplane.unbroken_cluster import (
     JOBS, NODES, SYSTEM, UNBROKENS, Agents, Cluster, auto_resume, checkpoint_steps, cluster_file, node_shm, pytorchjob,
-    rank_log, rank_process, running_with_a_checkpoint, start_agent, start_agents, submit, unbroken_cluster, wait_resumed_off,
+    one_pod_per_node, rank_log, rank_process, running_with_a_checkpoint, start_agent, start_agents, submit, unbroken_cluster,
+    wait_resumed_off, without_gpus,
 )
 from helpers import run_cli
 from processes import stop_process
@@ -113,16 +114,8 @@ def test_a_restart_beside_another_opted_in_jobs_pods_on_shared_nodes_waits_for_n
     allows; unbroken never counts the other job's pods as making a node busy (it once waited for them to leave)."""
     cluster.start_operator()
 
-    def without_gpus(body: dict[str, Any]) -> dict[str, Any]:
-        for replica in body["spec"]["pytorchReplicaSpecs"].values():
-            replica["template"]["spec"]["containers"][0].pop("resources", None)  # Master and Worker share one template
-        return body
-
-    body = without_gpus(pytorchjob("bystander", tmp_path / "b", steps=100_000, nodes=3, annotations=auto_resume(1)))
-    body["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["affinity"] = {"podAntiAffinity": {  # a pod per node
-        "requiredDuringSchedulingIgnoredDuringExecution": [{"topologyKey": "kubernetes.io/hostname", "labelSelector": {
-            "matchLabels": {"training.kubeflow.org/job-name": "bystander"}}}]}}
-    bystander = submit(cluster, body)
+    bystander = submit(cluster, one_pod_per_node(without_gpus(
+        pytorchjob("bystander", tmp_path / "b", steps=100_000, nodes=3, annotations=auto_resume(1)))))
     wait_until(lambda: len({p.spec.node_name for p in cluster.pods(bystander) if p.status.phase == "Running"}) == 3, 90,
                "the bystander's pods running on every node")
     checkpoints = tmp_path / "ckpt"

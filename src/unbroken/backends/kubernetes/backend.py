@@ -142,8 +142,7 @@ class KubernetesBackend:
     def held(self, job: str) -> str | None:
         """Read from the watch cache where there is one: every pending job is asked every pass."""
         try:
-            obj = self.store.watched_workload(job) or self.store.workload_object(job)
-            return self.store.kind_of(job).held_by(obj)
+            return self.store.kind_of(job).held_by(self.store.cached_workload(job))
         except NotFoundError:
             return None  # deleted: the next pass forgets it
 
@@ -176,18 +175,14 @@ class KubernetesBackend:
         try:
             kind = self.store.kind_of(job)
             self.store.patch_workload(job, kind.suspend_patch(True))
-            spec = self.store.get_job(job).spec()
-            self.store.patch_workload(job, kind.launch_patch(self.store.workload_object(job), attempt,
-                                                             require_deep_health=spec.resilience.require_deep_health_passed))
+            self._relaunch(self.store.get_job(job), kind, self.store.workload_object(job), attempt)
         except NotFoundError:
             return
 
     def launch_attempt(self, job: Job, attempt: int, placement: Sequence[Node]) -> str:
         short = job.name.partition("/")[2]
-        obj = self.store.workload_object(job.name)
         kind = self.store.kind_of(job.name)
-        patch = kind.launch_patch(obj, attempt, require_deep_health=job.spec().resilience.require_deep_health_passed)
-        self.store.patch_workload(job.name, patch)
+        self._relaunch(job, kind, self.store.workload_object(job.name), attempt)
         return f"{kind.rdzv_endpoint(short)} (the workload's controller sets the rendezvous address)"
 
     def stop_attempt(self, job: str, attempt: int, *, hold: Collection[str] = ()) -> None:
@@ -208,6 +203,11 @@ class KubernetesBackend:
             if _attempt(pod) == attempt and not pod["metadata"].get("deletionTimestamp"):
                 self._delete(pod, grace=self.stop_grace)
 
+    def _relaunch(self, job: Job, kind: WorkloadKind, obj: dict[str, Any], attempt: int) -> None:
+        """The workload unsuspended with its pod templates marked as ``attempt`` (the launch, and its repeats)."""
+        self.store.patch_workload(job.name, kind.launch_patch(
+            obj, attempt, require_deep_health=job.spec().resilience.require_deep_health_passed))
+
     def _stop_queued(self, job: str, kind: WorkloadKind, obj: dict[str, Any], attempt: int) -> None:
         """A job Kueue admitted: Kueue unsuspends what its queue admitted at once, so suspending it stops nothing.
         A restart keeps the admission (and the quota: no wait behind other jobs in the queue): the pod templates
@@ -216,9 +216,7 @@ class KubernetesBackend:
         off its queue as Kueue stops jobs: its Workload deactivated (``spec.active: false``), which suspends it."""
         record = self.store.get_job(job)
         if not record.phase.is_terminal:
-            spec = record.spec()
-            self.store.patch_workload(job, kind.launch_patch(obj, attempt + 1,
-                                                             require_deep_health=spec.resilience.require_deep_health_passed))
+            self._relaunch(record, kind, obj, attempt + 1)
             return
         if not self.store.deactivate_queued_workload(job, obj):
             self.store.patch_workload(job, kind.suspend_patch(True))  # no Kueue Workload: nothing unsuspends it
@@ -291,12 +289,10 @@ class KubernetesBackend:
         if progress is None:
             progress = self.store.lease_progress() if bound else {}
         workers = []
-        obj = self.store.watched_workload(job)
-        if obj is None:
-            try:
-                obj = self.store.workload_object(job)
-            except NotFoundError:
-                obj = {}  # deleted meanwhile: its pods go with it
+        try:
+            obj = self.store.cached_workload(job)
+        except NotFoundError:
+            obj = {}  # deleted meanwhile: its pods go with it
         budget, fewest = kind.member_restarts(obj), kind.fewest_pods(obj)
         for pod in bound:
             worker = self._worker(kind, job, pod, masterless)

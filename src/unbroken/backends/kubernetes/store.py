@@ -643,15 +643,18 @@ class KubernetesStore:
         """The job's workload object as the API server has it (for the backend)."""
         return self._workload(name)
 
-    def watched_workload(self, name: str) -> dict[str, Any] | None:
-        """The job's workload object from the watch cache (no request), None where none is kept or it is not there;
-        for what the backend reads every pass of every job (a GET each would be a request per job per second)."""
+    def cached_workload(self, name: str) -> dict[str, Any]:
+        """The job's workload object from the watch cache where one is kept and synced (no request), else as the
+        API server has it; for what the backend reads every pass of every job (a GET each would be a request per
+        job per second). NotFoundError if there is none."""
         kind = self._kinds.get(name)
         cache = self.caches.workloads.get(kind.kind) if kind is not None and self.caches is not None else None
-        if cache is None or not cache.synced:
-            return None
-        namespace, _, short = name.partition("/")
-        return cache.get(namespace, short)
+        if cache is not None and cache.synced:
+            namespace, _, short = name.partition("/")
+            found = cache.get(namespace, short)
+            if found is not None:
+                return found
+        return self._workload(name)
 
     def _job(self, obj: dict[str, Any]) -> Job | None:
         meta = obj["metadata"]
