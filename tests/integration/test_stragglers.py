@@ -33,12 +33,15 @@ turn = 0
 while True:
     os.sched_setaffinity(0, {cpus[turn % len(cpus)]})
     turn += 1
-    until = time.monotonic() + 0.25
+    until = time.monotonic() + 0.02
     while time.monotonic() < until:
         pass
 """
-"""Busy all the time, on each core in turn. A hog left where the scheduler puts it can sit beside one rank for the
-whole test: that rank is then slower for real (a straggler, rightly named), and the test failed on it once in CI."""
+"""Busy all the time, on each core in turn, 20 ms on each: shorter than a step (~50 ms), so every step of every
+rank meets it about as often. A hog left where the scheduler puts it can sit beside one rank for the whole test:
+that rank is then slower for real (a straggler, rightly named), and the test failed on it once in CI. Turns of
+250 ms still let one rank meet it for several steps in a row; the test failed on that twice in CI, naming the
+healthy peer."""
 
 
 @pytest.fixture
@@ -48,10 +51,6 @@ def cpu_hog() -> Iterator[subprocess.Popen[bytes]]:
     yield hog
     hog.kill()
     hog.wait()
-
-
-def reasons(cluster: Cluster, job: str) -> list[str]:
-    return [e["reason"] for e in cluster.json("job", "describe", job)["events"]]
 
 
 def event(cluster: Cluster, job: str, reason: str) -> str | None:
@@ -72,8 +71,8 @@ def test_a_slowed_node_is_named_a_straggler_and_recovers_while_a_noisy_healthy_r
     # healthy beside the hog for 150 steps: scored all along (the metric), never named
     healthy_until = cluster3.step("slow") + 150
     wait_until(lambda: cluster3.step("slow") >= healthy_until, 180, "150 healthy steps")
-    metrics = cluster3.cli("job", "describe", "slow").stdout
-    assert "StragglerDetected" not in reasons(cluster3, "slow"), metrics
+    false_alarm = event(cluster3, "slow", "StragglerDetected")
+    assert false_alarm is None, (false_alarm, cluster3.cli("job", "describe", "slow").stdout)
 
     cluster3.cli("chaos", "slow-node", victim, "--factor", "2")  # returns once the slowing has begun
     slowed_at_step, slowed_at = cluster3.step("slow"), time.monotonic()
