@@ -97,7 +97,7 @@ from unbroken.config.job import JobSpec
 from unbroken.state.phases import DeepHealthStatus, JobPhase, NodeState
 from unbroken.state.records import CheckpointTier, Job, Node, StepStatus
 from unbroken.state.sqlite import SqliteStore
-from unbroken.waiting import wait_until
+from unbroken.plumbing.waiting import wait_until
 
 GIB = 2**30
 LAYERS = 8

@@ -76,10 +76,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # --back
 
 from recovery import _free_port, _rank_pid, quantiles  # noqa: E402
 
-from unbroken import chaos, jobs, procs, report  # noqa: E402
+from unbroken.controller import report  # noqa: E402
+from unbroken.controller import jobs
+from unbroken.plumbing import procs
+from unbroken.runtime import fault_injection
 from unbroken.config.cluster import ClusterConfig  # noqa: E402
 from unbroken.config.job import JobSpec  # noqa: E402
-from unbroken.layout import ClusterLayout  # noqa: E402
+from unbroken.plumbing.layout import ClusterLayout  # noqa: E402
 from unbroken.runtime import local_cluster  # noqa: E402
 
 FAULTS = ("kill-worker", "hang-worker", "kill-node", "xid79")
@@ -257,15 +260,15 @@ def run_unbroken(faults: list[Fault], minutes: float, root: Path, *, warm: bool 
         def inject(fault: Fault) -> None:
             job = store.get_job("goodput")
             if fault.kind in ("kill-worker", "hang-worker"):
-                target = chaos.pick_rank(runtime, "goodput", rank=3)
+                target = fault_injection.pick_rank(runtime, "goodput", rank=3)
                 sig = signal.SIGKILL if fault.kind == "kill-worker" else signal.SIGSTOP
-                chaos.signal_rank(runtime, target, sig, "ChaosKillWorker" if fault.kind == "kill-worker" else "ChaosHangWorker")
+                fault_injection.signal_rank(runtime, target, sig, "ChaosKillWorker" if fault.kind == "kill-worker" else "ChaosHangWorker")
                 return
             node = next(w.node for w in backend.observe_attempt("goodput", job.attempt) if w.node_rank == 1)
             if fault.kind == "kill-node":
-                chaos.kill_node(runtime, node)
+                fault_injection.kill_node(runtime, node)
             else:
-                chaos.inject_xid(runtime, node, 79)
+                fault_injection.inject_xid(runtime, node, 79)
 
         injected = run_faults(faults, started, minutes, inject, timeline_path)
         ended = time.time()

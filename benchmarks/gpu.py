@@ -113,7 +113,7 @@ class Run:
         """A one-node local cluster of this machine's instance type, joined (its join checks run)."""
         if self._cluster is None:
             from unbroken.config.cluster import ClusterConfig
-            from unbroken.layout import ClusterLayout
+            from unbroken.plumbing.layout import ClusterLayout
             from unbroken.runtime import local_cluster
 
             group: dict[str, Any] = {"InstanceGroupName": "gpus", "InstanceCount": 1,
@@ -485,7 +485,7 @@ def async_save(state: dict[str, Any], folder: Path, *, pinned: bool) -> tuple[fl
 def section_dcp(run: Run) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from unbroken.ports import free_port
+    from unbroken.plumbing.ports import free_port
     from unbroken.train import default_backend
 
     state = make_state(2 * GIB if run.cuda else 16 * MIB, run.device, seed=3)
@@ -515,8 +515,8 @@ def section_abort(run: Run) -> dict[str, Any]:
     import torch.distributed as dist
 
     from unbroken import train
-    from unbroken.launch_env import GroupPlacement
-    from unbroken.ports import free_port
+    from unbroken.rank.env import GroupPlacement
+    from unbroken.plumbing.ports import free_port
 
     def form() -> Any:
         placement = GroupPlacement(group_rank=0, nnodes=1, rendezvous=f"127.0.0.1:{free_port()}", rejoin_dir=run.work / "rejoin",
@@ -666,11 +666,12 @@ def section_primitives(run: Run) -> dict[str, Any]:
 
 
 def section_llm(run: Run) -> dict[str, Any]:
-    from unbroken import chaos, jobs, report
+    from unbroken.controller import jobs, report
+    from unbroken.runtime import fault_injection
     from unbroken.agent.warm_spare import READY_MARK
     from unbroken.config.job import JobSpec
     from unbroken.data.prepare_text import prepare_text
-    from unbroken.waiting import wait_until
+    from unbroken.plumbing.waiting import wait_until
 
     layout, runtime, _ = run.cluster()
     store, backend = runtime.cluster, runtime.backend
@@ -705,8 +706,8 @@ def section_llm(run: Run) -> dict[str, Any]:
                 wait_until(lambda p=spare_log: p.exists() and READY_MARK in p.read_text(errors="replace"), 180, "a ready warm spare")
             if store.get_job(name).phase.is_terminal:
                 raise RuntimeError(f"{name} ended before the kill")
-            target = chaos.pick_rank(runtime, name, rank=0)
-            chaos.signal_rank(runtime, target, signal.SIGKILL, "ChaosKillWorker")
+            target = fault_injection.pick_rank(runtime, name, rank=0)
+            fault_injection.signal_rank(runtime, target, signal.SIGKILL, "ChaosKillWorker")
             job = wait_until(lambda n=name: (j := store.get_job(n)).phase.is_terminal and j, 600, f"{name} to end")
             row["phase"] = job.phase.value
             row["reason"] = job.reason[:200]

@@ -51,13 +51,15 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from unbroken import chaos, jobs, procs, report
+from unbroken.controller import jobs, report
+from unbroken.plumbing import procs
+from unbroken.runtime import fault_injection
 from unbroken.agent.warm_spare import READY_MARK
 from unbroken.runtime import local_cluster
 from unbroken.config.cluster import ClusterConfig
 from unbroken.config.job import JobSpec
-from unbroken.layout import ClusterLayout
-from unbroken.waiting import WaitTimeout, wait_until
+from unbroken.plumbing.layout import ClusterLayout
+from unbroken.plumbing.waiting import WaitTimeout, wait_until
 
 STEPS = 100_000  # never reached: each scenario ends at the first step after resume
 CHECKPOINT_EVERY = 20
@@ -138,11 +140,11 @@ def run_unbroken(fault: str, root: Path, variant: str) -> Result:
             return Result(system, fault, None, None, None, "the warm spares never became ready")
         if fault == "kill-node":
             victim = next(w.node for w in backend.observe_attempt("bench", 0) if w.node_rank == 1)
-            chaos.kill_node(runtime, victim)
+            fault_injection.kill_node(runtime, victim)
         else:
-            target = chaos.pick_rank(runtime, "bench", rank=3)
+            target = fault_injection.pick_rank(runtime, "bench", rank=3)
             sig = signal.SIGKILL if fault == "kill-worker" else signal.SIGSTOP
-            chaos.signal_rank(runtime, target, sig, "ChaosKillWorker" if fault == "kill-worker" else "ChaosHangWorker")
+            fault_injection.signal_rank(runtime, target, sig, "ChaosKillWorker" if fault == "kill-worker" else "ChaosHangWorker")
 
         def resumed():
             job = store.get_job("bench")

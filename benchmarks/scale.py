@@ -68,7 +68,7 @@ from unbroken.backends.kubernetes.client import api_client  # noqa: E402
 from unbroken.backends.kubernetes.heartbeats import HeartbeatSender  # noqa: E402
 from unbroken.backends.kubernetes.store import KubernetesStore  # noqa: E402
 from unbroken.errors import UnbrokenError  # noqa: E402
-from unbroken.waiting import wait_until  # noqa: E402
+from unbroken.plumbing.waiting import wait_until  # noqa: E402
 
 BASELINE_COMMIT = "fed85c2"
 """The last commit whose agents renewed their Lease every second and whose operator had no heartbeat datagrams."""

@@ -25,13 +25,13 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from unbroken import jobs
+from unbroken.controller import jobs
 from unbroken.cli.cluster import metrics_targets
 from unbroken.config.cluster import ClusterConfig
 from unbroken.config.job import JobSpec
-from unbroken.layout import ClusterLayout
+from unbroken.plumbing.layout import ClusterLayout
 from unbroken.runtime import Runtime, local_cluster
-from unbroken.waiting import wait_until
+from unbroken.plumbing.waiting import wait_until
 
 SCRAPE_INTERVAL = 1.0
 

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from unbroken.agent.progress import ProgressBook
-from unbroken.channel import AgentReceiver, RankSender
+from unbroken.rank.channel import AgentReceiver, RankSender
 from unbroken.checkpoint.file import FileCheckpointer
 from unbroken.train import Context
 

@@ -39,12 +39,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from unbroken import chaos, jobs, procs
+from unbroken.controller import jobs
+from unbroken.plumbing import procs
+from unbroken.runtime import fault_injection
 from unbroken.config.cluster import ClusterConfig
 from unbroken.config.job import JobSpec
-from unbroken.layout import ClusterLayout
+from unbroken.plumbing.layout import ClusterLayout
 from unbroken.runtime import Runtime, local_cluster
-from unbroken.waiting import WaitTimeout, wait_until
+from unbroken.plumbing.waiting import WaitTimeout, wait_until
 
 MATMULS = 150
 """~100 ms of CPU work a step on this machine (60 gave 42 ms steps): a short training step."""
@@ -161,7 +163,7 @@ def run_unbroken(root: Path, policy: str, factor: float) -> Result:
     try:
         def slow() -> float:
             victim = next(w.node for w in runtime.backend.observe_attempt("bench", 0) if w.node_rank == 1)
-            chaos.slow_node(runtime, victim, factor)
+            fault_injection.slow_node(runtime, victim, factor)
             return time.time()
 
         result = measure(system, factor, log_path, slow, lambda: event_time(runtime, "StragglerDetected"))
@@ -175,7 +177,7 @@ def run_unbroken(root: Path, policy: str, factor: float) -> Result:
         return result
     finally:
         for node in ("node-1", "node-2", "node-3"):
-            chaos.stop_slowing(runtime, node, quiet=True)
+            fault_injection.stop_slowing(runtime, node, quiet=True)
         local_cluster.down(layout)
 
 
@@ -219,7 +221,7 @@ def run_torchrun(root: Path, factor: float) -> Result:
             nonlocal slower
             began = threading.Event()
             slower = threading.Thread(target=procs.duty_cycle, args=(lambda: [p.pid for p in procs.tree(groups[1].pid)], factor,
-                                                                     chaos.SLOW_PERIOD_S, done), kwargs={"started": began.set})
+                                                                     fault_injection.SLOW_PERIOD_S, done), kwargs={"started": began.set})
             slower.start()
             began.wait(10)
             return time.time()

@@ -39,14 +39,15 @@ from corpus import write_kjv  # noqa: E402
 from recovery import _free_port  # noqa: E402
 from imagenet_fixture import make_imagenet_val  # noqa: E402
 
-from unbroken import chaos, jobs  # noqa: E402
+from unbroken.controller import jobs  # noqa: E402
+from unbroken.runtime import fault_injection
 from unbroken.config.cluster import ClusterConfig  # noqa: E402
 from unbroken.config.job import JobSpec  # noqa: E402
 from unbroken.data.imagenet_val import sort_into_classes  # noqa: E402
 from unbroken.data.prepare_text import prepare_text  # noqa: E402
-from unbroken.layout import ClusterLayout  # noqa: E402
+from unbroken.plumbing.layout import ClusterLayout  # noqa: E402
 from unbroken.runtime import local_cluster  # noqa: E402
-from unbroken.waiting import wait_until  # noqa: E402
+from unbroken.plumbing.waiting import wait_until  # noqa: E402
 
 
 @dataclass
@@ -154,7 +155,7 @@ def run_elastic(data: Path, steps: int, root: Path) -> Resize:
         wait_until(lambda: jobs.current_step(backend.observe_attempt("elastic", 0)) >= 30, 180, "step 30")
         victim = next(w.node for w in backend.observe_attempt("elastic", 0) if w.node_rank == 1)
         faulted = time.time()
-        chaos.kill_node(runtime, victim)
+        fault_injection.kill_node(runtime, victim)
         job = wait_until(lambda: (j := store.get_job("elastic")).phase.is_terminal and j, 600, "the elastic job to end")
         events = store.list_events(object_kind="Job", object_name="elastic")
         history = backend.worker_history("elastic")

@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from helpers import Cluster, run_cli  # noqa: E402
 
-from unbroken import procs  # noqa: E402
+from unbroken.plumbing import procs  # noqa: E402
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

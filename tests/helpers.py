@@ -14,12 +14,12 @@ from typing import Any, TypeVar
 
 import yaml
 
-from unbroken.jobs import current_step
-from unbroken.layout import ClusterLayout
+from unbroken.controller.jobs import current_step
+from unbroken.plumbing.layout import ClusterLayout
 from unbroken.runtime import Runtime, open_local
 from unbroken.state.records import Worker
 from unbroken.state.sqlite import SqliteStore
-from unbroken.waiting import wait_until
+from unbroken.plumbing.waiting import wait_until
 
 T = TypeVar("T")
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from unbroken.waiting import wait_until
+from unbroken.plumbing.waiting import wait_until
 from processes import stop_process
 
 

@@ -26,14 +26,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from unbroken import logs, rank_registry, rejoin, symptoms
-from unbroken.channel import HOST_PREFIX, SECTION_NAME, SECTION_PREFIX, WAIT_PREFIX, MessageKind, RankMessage, RankSender
+from unbroken.plumbing import logs
+from unbroken.rank import registry as rank_registry, rejoin, symptoms
+from unbroken.rank.channel import HOST_PREFIX, SECTION_NAME, SECTION_PREFIX, WAIT_PREFIX, MessageKind, RankMessage, RankSender
 from unbroken.checkpoint.api import Checkpointer, RestoreReport, SaveReport
-from unbroken.gpu_sections import GpuSections
-from unbroken.group_sockets import GroupSockets
-from unbroken.launch_env import GroupPlacement, LaunchEnv
-from unbroken.leave_watch import LeaveWatch
-from unbroken.rejoin import RejoinNotice
+from unbroken.rank.gpu_sections import GpuSections
+from unbroken.rank.group_sockets import GroupSockets
+from unbroken.rank.env import GroupPlacement, LaunchEnv
+from unbroken.rank.leave_watch import LeaveWatch
+from unbroken.rank.rejoin import RejoinNotice
 
 if TYPE_CHECKING:
     from unbroken.checkpoint.live import LiveState

@@ -48,7 +48,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane import components, pki
-from unbroken.waiting import WaitTimeout, wait_until
+from unbroken.plumbing.waiting import WaitTimeout, wait_until
 
 LOOPBACK = "127.0.0.1"
 NODE_GRACE_S = 6

@@ -32,8 +32,8 @@ from processes import stop_process
 from unbroken.backends.kubernetes import names
 from unbroken.backends.kubernetes.client import api_client
 from unbroken.backends.kubernetes.rank_env import AGENT_DIR, SHM_DIR, with_rank_env
-from unbroken.ports import free_port
-from unbroken.waiting import WaitTimeout, wait_until
+from unbroken.plumbing.ports import free_port
+from unbroken.plumbing.waiting import WaitTimeout, wait_until
 
 SYSTEM = "unbroken-system"
 JOBS = "training"

@@ -8,7 +8,7 @@ import pytest
 
 from helpers import STEPS, Cluster, run_cli
 
-from unbroken import procs
+from unbroken.plumbing import procs
 
 
 @pytest.fixture(scope="session")

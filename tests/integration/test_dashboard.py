@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from unbroken.netns import NodeNet
+from unbroken.plumbing.netns import NodeNet
 from unbroken.state.phases import NodeState
-from unbroken.waiting import wait_until
+from unbroken.plumbing.waiting import wait_until
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",

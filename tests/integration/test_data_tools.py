@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from unbroken.data.token_shards import INDEX
-from unbroken.waiting import wait_until
+from unbroken.plumbing.waiting import wait_until
 
 
 def _prepare(corpus: Path, out: Path) -> subprocess.Popen[bytes]:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import yaml
 
-from unbroken.waiting import wait_until
+from unbroken.plumbing.waiting import wait_until
 
-from unbroken import procs
+from unbroken.plumbing import procs
 from unbroken.state.phases import DeepHealthStatus, NodeState
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "npd-kernel-monitor.json"

@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 import yaml
 
-from unbroken.netns import NodeNet, namespace_exists
+from unbroken.plumbing.netns import NodeNet, namespace_exists
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces, veth and tc need root")
 

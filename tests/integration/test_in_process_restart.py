@@ -18,9 +18,9 @@ from pathlib import Path
 
 from helpers import STEPS, assert_same_parameters
 
-from unbroken import rejoin
-from unbroken.launch_env import GroupPlacement
-from unbroken.waiting import wait_until
+from unbroken.rank import rejoin
+from unbroken.rank.env import GroupPlacement
+from unbroken.plumbing.waiting import wait_until
 
 RANK_SCRIPT = """
 import json, os, sys

@@ -44,12 +44,12 @@ from controlplane.unbroken_cluster import (
 )
 from helpers import run_cli
 from processes import stop_process
-from unbroken import procs
+from unbroken.plumbing import procs
 from unbroken.backends.kubernetes import names
 from unbroken.backends.kubernetes.client import api_client
 from unbroken.backends.kubernetes.catalog import KubernetesCatalog
-from unbroken.symptoms import says_peer_lost
-from unbroken.waiting import WaitTimeout, wait_until
+from unbroken.rank.symptoms import says_peer_lost
+from unbroken.plumbing.waiting import WaitTimeout, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -282,7 +282,7 @@ def agents(cluster: Cluster) -> Iterator[Agents]:
 
 
 def test_an_xid_79_in_a_nodes_kernel_log_takes_it_out_and_the_job_resumes_on_other_nodes(cluster: Cluster, agents: Agents, tmp_path: Path) -> None:
-    from unbroken.health.chaos import xid_line
+    from unbroken.health.xid_lines import xid_line
 
     cluster.start_operator()
     checkpoints = tmp_path / "ckpt"
@@ -332,7 +332,7 @@ def test_with_the_memory_tier_an_xid_79_moves_the_job_which_restores_from_a_peer
     each shard to a peer node and keep the catalog in ConfigMaps; the faulty node's memory is then gone (its agent
     killed, its /dev/shm/unbroken removed, as a replaced instance's would be), and the job resumes on the other
     two nodes from the peer replica -- no file checkpoint anywhere."""
-    from unbroken.health.chaos import xid_line
+    from unbroken.health.xid_lines import xid_line
     from unbroken.state.records import CheckpointTier, StepStatus
 
     cluster.start_operator()
@@ -582,7 +582,7 @@ def test_self_reboot_the_agent_reboots_its_node_which_joins_again_through_deep_c
     the process kubelet plays the reboot (pods die, a new bootID) and the agent starts again as its DaemonSet
     pod would → the operator sees the new boot: Joining, the deep checks run again as a Job on the node,
     Schedulable, unbroken's cordon lifted, and the agent on the new boot does not reboot again."""
-    from unbroken.health.chaos import xid_line
+    from unbroken.health.xid_lines import xid_line
 
     calls = tmp_path / "self-reboots.log"
     calls.touch()
@@ -906,7 +906,7 @@ def test_a_compromised_node_cannot_make_the_operator_run_a_command(cluster: Clus
     (the command the operator runs on a fault) and to plant its own Secret, and is refused both. Then a real Xid 79
     in gpu-a's kernel log: the operator remediates with the administrator's command, and the intruder's never runs.
     The agents themselves, under the same policy, did their work throughout (their Leases, the fault write)."""
-    from unbroken.health.chaos import xid_line
+    from unbroken.health.xid_lines import xid_line
 
     cluster.start_operator()
     marker = tmp_path / "owned"

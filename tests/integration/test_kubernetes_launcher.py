@@ -25,7 +25,7 @@ from controlplane.unbroken_cluster import (
     JOBS, LAUNCHER, Cluster, auto_resume, pytorchjob, rank_log, rank_process, submit, unbroken_cluster,
 )
 from unbroken.backends.kubernetes import names
-from unbroken.waiting import wait_until
+from unbroken.plumbing.waiting import wait_until
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 

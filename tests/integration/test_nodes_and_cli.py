@@ -13,9 +13,9 @@ import yaml
 
 from helpers import run_cli
 
-from unbroken.waiting import wait_until
+from unbroken.plumbing.waiting import wait_until
 
-from unbroken import procs
+from unbroken.plumbing import procs
 from unbroken.state.phases import DeepHealthStatus, NodeState
 
 

@@ -16,7 +16,7 @@ import yaml
 from prometheus import PromQLError, prometheus_server
 
 from unbroken.state.phases import NodeState
-from unbroken.waiting import wait_until
+from unbroken.plumbing.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "unbroken.json"

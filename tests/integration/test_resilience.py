@@ -14,10 +14,10 @@ import pytest
 
 from helpers import STEPS, assert_same_parameters
 
-from unbroken import procs
-from unbroken.layout import ClusterLayout
+from unbroken.plumbing import procs
+from unbroken.plumbing.layout import ClusterLayout
 from unbroken.state.phases import NodeState
-from unbroken.waiting import wait_until
+from unbroken.plumbing.waiting import wait_until
 
 
 

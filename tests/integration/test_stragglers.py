@@ -18,7 +18,7 @@ import pytest
 from helpers import Cluster
 
 from unbroken.state.phases import NodeState
-from unbroken.waiting import wait_until
+from unbroken.plumbing.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 

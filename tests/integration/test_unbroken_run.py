@@ -20,9 +20,9 @@ import psutil
 import pytest
 
 from helpers import STEPS, assert_same_parameters
-from unbroken import procs
-from unbroken.ports import free_port
-from unbroken.waiting import wait_until
+from unbroken.plumbing import procs
+from unbroken.plumbing.ports import free_port
+from unbroken.plumbing.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import stat
 from pathlib import Path
 
-from unbroken.atomic_file import write_bytes_atomically
+from unbroken.plumbing.atomic_file import write_bytes_atomically
 
 
 def test_a_file_replaced_atomically_keeps_the_mode_it_was_asked_for_and_leaves_no_tmp(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from unbroken.agent.progress import ProgressBook
-from unbroken.channel import MAX_DATAGRAM, AgentReceiver, MessageKind, RankMessage, RankSender, agent_socket
+from unbroken.rank.channel import MAX_DATAGRAM, AgentReceiver, MessageKind, RankMessage, RankSender, agent_socket
 from unbroken.state.records import RankInfo, WorkerProgress
 
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -134,7 +134,7 @@ def test_two_agents_receive_only_their_own_messages(tmp_path: Path) -> None:
 NETNS_SENDER = """
 import sys
 from pathlib import Path
-from unbroken.channel import MessageKind, RankMessage, RankSender
+from unbroken.rank.channel import MessageKind, RankMessage, RankSender
 ok = RankSender(Path(sys.argv[1])).send(RankMessage(kind=MessageKind.HELLO, job="j", attempt=0, rank=0, local_rank=0, pid=1, ts=1.0))
 sys.exit(0 if ok else 3)
 """
@@ -161,7 +161,7 @@ def test_a_rank_in_another_network_namespace_reaches_its_agent(tmp_path: Path) -
 SENDER = """
 import json, os, socket, sys, time
 from pathlib import Path
-from unbroken.channel import MessageKind, RankMessage, RankSender
+from unbroken.rank.channel import MessageKind, RankMessage, RankSender
 
 address = sys.argv[1]
 raw = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # blocking: waits while the agent's queue is full
@@ -389,7 +389,7 @@ def test_init_outside_an_agent(tmp_path: Path) -> None:
 def test_import_unbroken_does_not_import_torch(tmp_path: Path) -> None:
     code = """
     import sys
-    import unbroken, unbroken.checkpoint, unbroken.channel, unbroken.launch_env
+    import unbroken, unbroken.checkpoint, unbroken.rank.channel, unbroken.rank.env
     print("torch" in sys.modules, sorted(m for m in sys.modules if m.startswith("torch")))
     """
     assert run_python(code, cwd=tmp_path).stdout.strip() == "False []"

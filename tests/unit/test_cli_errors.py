@@ -18,7 +18,7 @@ from helpers import run_cli
 
 from unbroken.config.cluster import ClusterConfig
 from unbroken.errors import ConfigError, ConflictError, NotFoundError, StoreError, UsageError
-from unbroken.layout import ClusterLayout
+from unbroken.plumbing.layout import ClusterLayout
 from unbroken.runtime import create_local
 from unbroken.state.store import ClusterStore
 

@@ -40,7 +40,7 @@ from unbroken.checkpoint.tiered import TieredCheckpointer
 from unbroken.config.job import JobSpec
 from unbroken.state.phases import JobPhase
 from unbroken.state.records import Job
-from unbroken.waiting import wait_until
+from unbroken.plumbing.waiting import wait_until
 from unbroken.state.sqlite import SqliteStore
 
 JOB = "j"

@@ -21,7 +21,7 @@ from unbroken.backends.kubernetes.client import api_client
 from unbroken.operator.deep_checks import group_of, job_manifest, job_name
 from unbroken.state.phases import DeepHealthStatus, NodeState
 from unbroken.state.records import Node
-from unbroken.waiting import wait_until
+from unbroken.plumbing.waiting import wait_until
 
 CLUSTER = ClusterConfig(
     ClusterName="k8s",

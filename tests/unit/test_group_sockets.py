@@ -11,8 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from unbroken.group_sockets import GroupSockets
-from unbroken.ports import free_port
+from unbroken.rank.group_sockets import GroupSockets
+from unbroken.plumbing.ports import free_port
 
 
 def test_the_connections_opened_are_shut_and_the_listener_and_older_sockets_are_not() -> None:
@@ -59,7 +59,7 @@ def test_a_descriptor_reused_for_another_socket_is_not_touched() -> None:
 RANK = """
 import datetime, os, sys, time
 import torch, torch.distributed as dist
-from unbroken.group_sockets import GroupSockets
+from unbroken.rank.group_sockets import GroupSockets
 rank = int(sys.argv[1])
 group = GroupSockets.opened_by(lambda: dist.init_process_group(
     "gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)))

@@ -13,7 +13,7 @@ from unbroken.config.health import FaultAction, HealthSettings
 from unbroken.config.loading import validate_mapping
 from unbroken.errors import ConfigError
 from unbroken.health import faults
-from unbroken.health.chaos import sxid_line, xid_line
+from unbroken.health.xid_lines import sxid_line, xid_line
 from unbroken.health.kernel_log import rules
 from unbroken.health.kernel_log.sources import FileSource
 from unbroken.health.kernel_log.sxid import SXidTable

@@ -103,7 +103,7 @@ def test_shares_of_a_sweep_started_apart_meet_at_rank_0_which_alone_gets_the_rep
     two shares of one rank each on loopback), rendezvous at the first node's address and the given port."""
     from helpers import race
     from unbroken.health.collective.launch import run_sweep
-    from unbroken.ports import free_port
+    from unbroken.plumbing.ports import free_port
     from unbroken.health.context import Peer
 
     port = free_port("127.0.0.1")
@@ -118,7 +118,7 @@ def test_shares_of_a_sweep_started_apart_meet_at_rank_0_which_alone_gets_the_rep
 def test_a_share_whose_peer_never_comes_fails_within_its_timeout():
     from unbroken.errors import BackendError
     from unbroken.health.collective.launch import run_sweep
-    from unbroken.ports import free_port
+    from unbroken.plumbing.ports import free_port
     from unbroken.health.context import Peer
 
     peers = (Peer("joining", "127.0.0.1"), Peer("absent", "127.0.0.1"))

@@ -19,7 +19,7 @@ from unbroken.backends.kubernetes.client import api_client
 from unbroken.backends.kubernetes.heartbeats import Beat, HeartbeatBoard, HeartbeatSender
 from unbroken.backends.kubernetes.store import KubernetesStore
 from unbroken.state.records import RankInfo, RankTiming, StepTiming, WorkerProgress
-from unbroken.waiting import wait_until
+from unbroken.plumbing.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 KEY = b"k" * 32

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from unbroken import rejoin
+from unbroken.rank import rejoin
 from unbroken.agent import held
 from unbroken.agent.launcher import RunningWorker
 

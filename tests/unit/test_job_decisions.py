@@ -424,7 +424,7 @@ def test_a_restart_on_a_rank_whose_end_was_unread_names_how_it_ended_once_torchr
     """torchrun reaped the killed rank before its agent read the status: the restart names the rank at
     once, and the signal once the agent read torchrun's root cause into the worker's row."""
     from unbroken.controller.job_decisions import restart_cause
-    from unbroken.symptoms import UNREAD_EXIT
+    from unbroken.rank.symptoms import UNREAD_EXIT
 
     unread = f"rank 2 (local rank 0) {UNREAD_EXIT} (it reaped the rank before the agent read its status)"
     reason = f"worker on node-2: {unread}; restart 1 of 3"

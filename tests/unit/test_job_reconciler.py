@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from unbroken import jobs
+from unbroken.controller import jobs
 from unbroken.config.cluster import ClusterConfig
 from unbroken.config.job import JobSpec
 from unbroken.controller.job_reconciler import JobReconciler
-from unbroken.layout import ClusterLayout
+from unbroken.plumbing.layout import ClusterLayout
 from unbroken.runtime import Runtime, create_local
 from unbroken.state.phases import DeepHealthStatus, JobPhase, NodeState, WorkerPhase
 from unbroken.state.records import Desired, Node, RankTiming, StepTiming, WorkerProgress

@@ -133,7 +133,7 @@ def test_shard_servers_are_node_annotations(catalog: KubernetesCatalog) -> None:
 def test_a_pass_reads_one_list_yet_sees_its_own_writes_at_once_and_other_agents_within_the_reuse_window(
         kubeconfig: Path, namespace: str) -> None:
     from unbroken.backends.kubernetes.catalog import LIST_REUSE_SECONDS
-    from unbroken.waiting import wait_until
+    from unbroken.plumbing.waiting import wait_until
 
     mine = KubernetesCatalog(api_client(kubeconfig), namespace)
     theirs = KubernetesCatalog(api_client(kubeconfig), namespace)
@@ -188,7 +188,7 @@ def test_retiring_a_steps_last_row_is_one_write_and_a_row_beside_another_tiers_k
 
 def test_a_following_catalog_reads_from_its_watch_its_own_writes_at_once_and_others_as_they_land(
         k8s: ControlPlane, kubeconfig: Path, namespace: str) -> None:
-    from unbroken.waiting import wait_until
+    from unbroken.plumbing.waiting import wait_until
 
     mine = KubernetesCatalog(api_client(kubeconfig), namespace)
     theirs = KubernetesCatalog(api_client(kubeconfig), namespace)

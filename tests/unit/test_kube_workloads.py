@@ -23,7 +23,7 @@ from unbroken.backends.kubernetes.workloads import PYTORCHJOB, TRAINJOB, kind_of
 from unbroken.state.phases import JobPhase
 from unbroken.state.records import EventType
 from unbroken.state.updates import JobUpdate
-from unbroken.waiting import wait_until
+from unbroken.plumbing.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 NAMESPACE = "unbroken-system"

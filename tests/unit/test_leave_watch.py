@@ -11,9 +11,9 @@ import sys
 import threading
 from pathlib import Path
 
-from unbroken import rejoin
-from unbroken.leave_watch import LeaveWatch
-from unbroken.ports import free_port
+from unbroken.rank import rejoin
+from unbroken.rank.leave_watch import LeaveWatch
+from unbroken.plumbing.ports import free_port
 
 
 def test_a_request_for_this_round_is_passed_on_with_why(tmp_path: Path) -> None:
@@ -51,8 +51,8 @@ RANK = """
 import datetime, os, sys, time
 import torch, torch.distributed as dist
 from pathlib import Path
-from unbroken.group_sockets import GroupSockets
-from unbroken.leave_watch import LeaveWatch
+from unbroken.rank.group_sockets import GroupSockets
+from unbroken.rank.leave_watch import LeaveWatch
 rank, port, rejoin_dir = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
 group = GroupSockets.opened_by(lambda: dist.init_process_group(
     "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)))

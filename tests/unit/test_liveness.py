@@ -10,7 +10,7 @@ import pytest
 from unbroken.config.cluster import ClusterConfig
 from unbroken.controller import liveness
 from unbroken.controller.node_reconciler import CLUSTER_OBJECT, NodeReconciler
-from unbroken.layout import ClusterLayout
+from unbroken.plumbing.layout import ClusterLayout
 from unbroken.runtime import Runtime, create_local
 from unbroken.state.phases import DeepHealthStatus, NodeState
 from unbroken.state.records import Node

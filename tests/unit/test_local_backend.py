@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from unbroken import procs
+from unbroken.plumbing import procs
 from unbroken.backends.local import LocalBackend
 from unbroken.config.cluster import ClusterConfig
 from unbroken.errors import BackendError
-from unbroken.layout import ClusterLayout
+from unbroken.plumbing.layout import ClusterLayout
 from unbroken.runtime import Runtime, create_local
 from unbroken.state.phases import DeepHealthStatus, JobPhase, NodeState, WorkerPhase
 from unbroken.state.records import ClusterStatus, Desired, Job, Node, Worker
-from unbroken.waiting import wait_until
+from unbroken.plumbing.waiting import wait_until
 
 
 @pytest.fixture

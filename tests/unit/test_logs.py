@@ -9,7 +9,7 @@ import sys
 CODE = """
 import logging
 from pathlib import Path
-from unbroken import logs
+from unbroken.plumbing import logs
 logs.setup(component="agent", node="node-1")
 log = logging.getLogger("unbroken.test")
 log.warning("drain of step %d failed", 40, extra={"job": "mlp", "attempt": 2, "path": Path("/x")})

@@ -9,7 +9,7 @@ import pytest
 from unbroken.cli import logs_view
 from unbroken.config.job import JobSpec
 from unbroken.errors import UsageError
-from unbroken.layout import ClusterLayout
+from unbroken.plumbing.layout import ClusterLayout
 from unbroken.state.phases import JobPhase, WorkerPhase
 from unbroken.state.records import Desired, Job, RankInfo, Worker
 

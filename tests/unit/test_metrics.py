@@ -12,16 +12,16 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from unbroken import jobs
+from unbroken.controller import jobs
 from unbroken.agent.progress import ProgressBook
-from unbroken.channel import MessageKind, RankMessage
+from unbroken.rank.channel import MessageKind, RankMessage
 from unbroken.config.cluster import ClusterConfig
 from unbroken.config.job import JobSpec
 from unbroken.controller.fault_kinds import FaultKind, classify
 from unbroken.controller.metrics import ClusterCollector, fault_reason_code
 from unbroken.health.gpu_metrics import GpuCollector
-from unbroken.layout import ClusterLayout
-from unbroken.metrics import AgentMetrics
+from unbroken.plumbing.layout import ClusterLayout
+from unbroken.plumbing.metrics import AgentMetrics
 from unbroken.runtime import Runtime, create_local
 from unbroken.state.phases import DeepHealthStatus, JobPhase, NodeState, WorkerPhase
 from unbroken.state.records import EventType, Node

@@ -16,15 +16,15 @@ from pathlib import Path
 import pytest
 
 from helpers import run_cli
-from unbroken.channel import AgentReceiver, MessageKind, RankMessage, RankSender
+from unbroken.rank.channel import AgentReceiver, MessageKind, RankMessage, RankSender
 from unbroken.errors import ConfigError
-from unbroken.launch_env import AGENT_SOCKET, ENDPOINT_FILE, LaunchEnv
+from unbroken.rank.env import AGENT_SOCKET, ENDPOINT_FILE, LaunchEnv
 from unbroken.pod_launcher import arguments
 from unbroken.pod_launcher.coordinator import Coordinator, Phase
 from unbroken.pod_launcher.protocol import Kind, Message
 from unbroken.pod_launcher.relay import ProgressRelay, relay_path
-from unbroken.ports import free_port
-from unbroken.waiting import wait_until
+from unbroken.plumbing.ports import free_port
+from unbroken.plumbing.waiting import wait_until
 
 PET = {"PET_NNODES": "4", "PET_NPROC_PER_NODE": "8", "PET_NODE_RANK": "2", "PET_MASTER_ADDR": "llama-master-0",
        "PET_MASTER_PORT": "23456"}

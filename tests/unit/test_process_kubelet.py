@@ -13,7 +13,7 @@ import pytest
 
 from controlplane.cluster import ControlPlane
 from controlplane.kubelet import ProcessKubelet, pod_processes
-from unbroken.waiting import wait_until
+from unbroken.plumbing.waiting import wait_until
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ from __future__ import annotations
 import kubernetes_validate
 
 from test_deploy_manifests import schema_version
-from unbroken import launch_env
+from unbroken.rank import env as launch_env
 from unbroken.backends.kubernetes.rank_env import AGENT_DIR, VOLUME, with_rank_env
 
 LABEL = "training.kubeflow.org/job-name"

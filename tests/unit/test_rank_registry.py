@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from unbroken.rank_registry import RankIdentity, exit_code, identify, record_exit, register
+from unbroken.rank.registry import RankIdentity, exit_code, identify, record_exit, register
 
 
 def test_the_environment_wins_and_the_registry_answers_when_it_is_silent(tmp_path: Path) -> None:
@@ -39,7 +39,7 @@ def test_a_damaged_entry_is_no_identity_not_an_error(tmp_path: Path) -> None:
 
 
 def test_a_rank_of_an_in_process_job_is_known_by_its_registration_not_its_node_local_environment(tmp_path):
-    from unbroken import launch_env, rank_registry
+    from unbroken.rank import env as launch_env, registry as rank_registry
 
     assert rank_registry.IN_PROCESS_REGISTRY == launch_env.REJOIN_DIR, "the rank registers where its environment points"
     environ = {"RANK": "0", "LOCAL_RANK": "0", launch_env.REJOIN_DIR: str(tmp_path)}

@@ -21,17 +21,17 @@ from pathlib import Path
 import psutil
 import pytest
 
-from unbroken import doorbell
+from unbroken.plumbing import doorbell
 from unbroken.agent.launcher import NodeSettings, RunningWorker
 from unbroken.agent.progress import ProgressBook
 from unbroken.agent.rank_watch import Rank, RankDeath, RankWatch, wait_status
 from unbroken.agent.workers import WorkerRunner
 from unbroken.config.cluster import ClusterConfig
-from unbroken.layout import ClusterLayout
+from unbroken.plumbing.layout import ClusterLayout
 from unbroken.runtime import create_local
 from unbroken.state.phases import JobPhase, WorkerPhase
 from unbroken.state.records import Desired, Job, Worker
-from unbroken.waiting import wait_until
+from unbroken.plumbing.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from unbroken.report import summarize
+from unbroken.controller.report import summarize
 from unbroken.state.phases import JobPhase, WorkerPhase
 from unbroken.state.records import Desired, Event, EventType, Job, Worker
 
@@ -150,7 +150,7 @@ def test_pending_job_without_workers():
 
 
 def test_recovery_timeline_breaks_down_into_detect_reschedule_startup():
-    from unbroken.report import Recovery
+    from unbroken.controller.report import Recovery
 
     r = Recovery(attempt=1, fault_at=100.0, detected_at=101.5, scheduled_at=102.0, first_step_at=108.5)
     assert r.total_s == pytest.approx(8.5)

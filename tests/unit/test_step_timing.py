@@ -9,7 +9,7 @@ import pytest
 
 from unbroken.agent.progress import ProgressBook
 from unbroken.agent.step_clock import WARMUP_STEPS, WINDOW, RankClock, worker_timing
-from unbroken.channel import MessageKind, RankMessage
+from unbroken.rank.channel import MessageKind, RankMessage
 from unbroken.config.job import JobSpec
 from unbroken.controller import hang_timeout, stragglers
 from unbroken.state.phases import WorkerPhase
@@ -312,7 +312,7 @@ class _StandInEvent:
 def test_on_a_gpu_sections_report_the_devices_time_one_progress_later_and_the_hosts_beside_it() -> None:
     """On an H100 a forward's kernels took 1.39 ms while its section read 0.28 ms on the host: the straggler
     scores saw where the host waits. With CUDA in use, a section's scored figure is its CUDA-event time."""
-    from unbroken.gpu_sections import GpuSections
+    from unbroken.rank.gpu_sections import GpuSections
     from unbroken.train import Context
 
     sent: list[dict[str, float]] = []

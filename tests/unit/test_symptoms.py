@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from unbroken import symptoms
+from unbroken.rank import symptoms
 
 GLOO_CLOSED = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:41234"
 GLOO_TIMEOUT = "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 5000ms for recv operation to complete"

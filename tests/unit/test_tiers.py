@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from unbroken.waiting import wait_until
+from unbroken.plumbing.waiting import wait_until
 from s3 import empty_and_delete_bucket
 from cuda_rules import RuleKeepingCuda
 from test_file_checkpoint import Reports, assert_same, sample_state

@@ -17,7 +17,7 @@ from unbroken.backends.kubernetes.watch_cache import WatchCache
 from unbroken.backends.kubernetes.workloads import PYTORCHJOB
 from unbroken.state.phases import NodeState
 from unbroken.state.updates import NodeUpdate
-from unbroken.waiting import wait_until
+from unbroken.plumbing.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import kubernetes
 
-from unbroken.atomic_file import write_bytes_atomically
+from unbroken.plumbing.atomic_file import write_bytes_atomically
 from unbroken.checkpoint import credentials
 from unbroken.checkpoint.credentials import Credentials
 from unbroken.errors import NotFoundError

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
-from unbroken import rejoin
+from unbroken.rank import rejoin
 from unbroken.agent.launcher import RunningWorker
 
 log = logging.getLogger("unbroken.agent.held")

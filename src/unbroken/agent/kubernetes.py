@@ -38,11 +38,11 @@ import threading
 import time
 from pathlib import Path
 
-from unbroken import logs, metrics
-from unbroken.atomic_file import write_bytes_atomically
+from unbroken.plumbing import logs, metrics
+from unbroken.plumbing.atomic_file import write_bytes_atomically
 from unbroken.agent import cluster_tls
 from unbroken.agent.progress import ProgressBook
-from unbroken.channel import AgentReceiver, agent_socket
+from unbroken.rank.channel import AgentReceiver, agent_socket
 from unbroken.checkpoint import shm
 from unbroken.checkpoint.service import CheckpointService
 from unbroken.config.cluster import Remediator
@@ -51,11 +51,11 @@ from unbroken.errors import NotFoundError, StoreUnavailable, UnbrokenError
 from unbroken.health.kernel_log.sources import LineSource, open_source
 from unbroken.health.monitor import HealthMonitor
 from unbroken.backends.kubernetes import heartbeats, names, node_repair, rank_env
-from unbroken.launch_env import ENDPOINT_FILE
+from unbroken.rank.env import ENDPOINT_FILE
 from unbroken.backends.kubernetes.client import api_client
 from unbroken.backends.kubernetes.store import KubernetesStore
 from unbroken.backends.kubernetes.catalog import KubernetesCatalog
-from unbroken.metrics import AgentMetrics
+from unbroken.plumbing.metrics import AgentMetrics
 from unbroken.runtime import Runtime, open_kubernetes
 from unbroken.state.records import EventType
 

@@ -15,12 +15,13 @@ from typing import Any
 
 import psutil
 
-from unbroken import procs, rank_registry, symptoms
-from unbroken.ports import free_port
+from unbroken.plumbing import procs
+from unbroken.rank import registry as rank_registry, symptoms
+from unbroken.plumbing.ports import free_port
 from unbroken.agent import warm_spare
 from unbroken.agent.spare_pool import Spare
 from unbroken.config.job import HANG_TIMEOUT_FALLBACK_S, STARTUP_TIMEOUT_FALLBACK_S, JobSpec
-from unbroken.launch_env import GroupPlacement, LaunchEnv
+from unbroken.rank.env import GroupPlacement, LaunchEnv
 from unbroken.state.records import Worker
 
 STOP_GRACE_SECONDS = 3.0

@@ -18,11 +18,11 @@ import sys
 import threading
 import time
 
-from unbroken import logs, metrics
+from unbroken.plumbing import logs, metrics
 from unbroken.agent import join_checks, launcher
 from unbroken.agent.progress import ProgressBook
 from unbroken.agent.workers import WorkerRunner
-from unbroken.channel import AgentReceiver, agent_socket
+from unbroken.rank.channel import AgentReceiver, agent_socket
 from unbroken.checkpoint import shm
 from unbroken.checkpoint import credentials
 from unbroken.checkpoint.service import CheckpointService
@@ -31,8 +31,8 @@ from unbroken.health import join as health_join
 from unbroken.health.gpu_metrics import GpuCollector
 from unbroken.health.monitor import HealthMonitor
 from unbroken.health.result import CheckResult
-from unbroken.metrics import AgentMetrics
-from unbroken.layout import ClusterLayout
+from unbroken.plumbing.metrics import AgentMetrics
+from unbroken.plumbing.layout import ClusterLayout
 from unbroken.runtime import Runtime, open_local
 from unbroken.state.phases import DeepHealthStatus, NodeState
 from unbroken.state.records import ClusterStatus, EventType

@@ -16,8 +16,8 @@ import threading
 from dataclasses import dataclass, field
 
 from unbroken.agent.step_clock import RankClock, worker_timing
-from unbroken.channel import MessageKind, RankMessage
-from unbroken.metrics import AgentMetrics
+from unbroken.rank.channel import MessageKind, RankMessage
+from unbroken.plumbing.metrics import AgentMetrics
 from unbroken.state.records import RankInfo, WorkerProgress
 
 

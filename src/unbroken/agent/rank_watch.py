@@ -28,7 +28,8 @@ from pathlib import Path
 
 import psutil
 
-from unbroken import procs, rank_registry
+from unbroken.plumbing import procs
+from unbroken.rank import registry as rank_registry
 
 log = logging.getLogger("unbroken.agent.rank_watch")
 

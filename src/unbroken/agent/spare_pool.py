@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from unbroken import procs
+from unbroken.plumbing import procs
 from unbroken.agent import warm_spare
 from unbroken.config.job import JobSpec
 

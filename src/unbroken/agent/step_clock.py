@@ -18,7 +18,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-from unbroken.channel import SECTION_PREFIX
+from unbroken.rank.channel import SECTION_PREFIX
 from unbroken.state.records import RankTiming, StepTiming
 
 WINDOW = 20

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from unbroken import rank_registry
+from unbroken.rank import registry as rank_registry
 
 PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch.distributed.elastic.multiprocessing", "torch._dynamo",
            "unbroken.train")

@@ -23,15 +23,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from unbroken import doorbell, procs, rejoin
+from unbroken.plumbing import doorbell, procs
+from unbroken.rank import rejoin
 from unbroken.agent import held, launcher
 from unbroken.agent.progress import ProgressBook
 from unbroken.agent.rank_watch import RankDeath, RankWatch
 from unbroken.agent.spare_pool import SparePool
 from unbroken.config.job import JobSpec
 from unbroken.errors import NotFoundError
-from unbroken.launch_env import LaunchEnv
-from unbroken.layout import ClusterLayout
+from unbroken.rank.env import LaunchEnv
+from unbroken.plumbing.layout import ClusterLayout
 from unbroken.state.phases import NodeState, WorkerPhase
 from unbroken.state.records import Desired, EventType, Worker, WorkerProgress
 from unbroken.state.store import ClusterStore

@@ -25,14 +25,15 @@ from pathlib import Path
 
 import psutil
 
-from unbroken import procs, rank_registry
-from unbroken.ports import free_port
+from unbroken.plumbing import procs
+from unbroken.rank import registry as rank_registry
+from unbroken.plumbing.ports import free_port
 from unbroken.backends import netns_launch
 from unbroken.backends.base import AttemptWait
 from unbroken.config.cluster import ClusterConfig
 from unbroken.errors import BackendError, ConflictError
-from unbroken.launch_env import CLUSTER_DIR, NODE
-from unbroken.layout import ClusterLayout
+from unbroken.rank.env import CLUSTER_DIR, NODE
+from unbroken.plumbing.layout import ClusterLayout
 from unbroken.state.phases import DeepHealthStatus, NodeState, WorkerPhase
 from unbroken.state.records import ClusterStatus, Desired, Job, Node, Worker
 from unbroken.state.store import ClusterStore

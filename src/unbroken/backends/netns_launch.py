@@ -9,9 +9,9 @@ between nodes cross real (rate-limitable) veth links.
 
 from __future__ import annotations
 
-from unbroken import netns
+from unbroken.plumbing import netns
 from unbroken.config.cluster import ClusterConfig
-from unbroken.layout import ClusterLayout
+from unbroken.plumbing.layout import ClusterLayout
 
 
 def prepare(layout: ClusterLayout, config: ClusterConfig, node: str, env: dict[str, str]) -> tuple[list[str], dict[str, str], str | None]:

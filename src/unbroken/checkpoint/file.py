@@ -25,7 +25,7 @@ import torch
 
 from unbroken.checkpoint import collectives, rng
 from unbroken.checkpoint.device_restore import map_tensors
-from unbroken.atomic_file import write_atomically
+from unbroken.plumbing.atomic_file import write_atomically
 from unbroken.checkpoint.api import CheckpointObserver, Restored, RestoreReport, SaveReport
 from unbroken.errors import CheckpointError
 

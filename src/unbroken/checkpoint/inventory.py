@@ -15,7 +15,7 @@ from unbroken.checkpoint.peer import PeerClient
 from unbroken.checkpoint.persistent import PersistentStore
 from unbroken.errors import CheckpointError
 from unbroken.state.catalog import CheckpointCatalog
-from unbroken.state.records import CheckpointStep, CheckpointTier, Event, StepStatus
+from unbroken.state.records import CheckpointStep, CheckpointTier, Event
 from unbroken.state.store import ClusterStore
 
 
@@ -116,9 +116,3 @@ def verify_persistent(uri: str, job: str, steps: list[int] | None, on_bytes: Cal
                 yield CopyCheck(step, info.rank, "persistent", where, False, str(exc))
             if on_bytes:
                 on_bytes(info.size)
-
-
-def prunable(catalog: CheckpointCatalog, job: str, keep: int) -> list[int]:
-    """Committed persistent steps beyond the newest ``keep`` (never the newest committed one)."""
-    committed = [r.step for r in catalog.list_checkpoint_steps(job, tier=CheckpointTier.PERSISTENT) if r.status is StepStatus.COMMITTED]
-    return committed[max(keep, 1):]

@@ -46,7 +46,7 @@ from unbroken.checkpoint.integrity import StreamingChecksum, checksum
 from unbroken.checkpoint.manifest import ShardInfo
 from unbroken.checkpoint.restore_catalog import RestoreCatalog
 from unbroken.errors import CheckpointError
-from unbroken.http_bind import bind_without_lookup
+from unbroken.plumbing.http_bind import bind_without_lookup
 
 log = logging.getLogger("unbroken.checkpoint.peer")
 

@@ -169,6 +169,6 @@ def _sendfile(src: int, dst: int, size: int) -> None:
 
 
 def _write_local(path: Path, write: Any) -> None:
-    from unbroken.atomic_file import write_atomically
+    from unbroken.plumbing.atomic_file import write_atomically
 
     write_atomically(path, write)

@@ -30,7 +30,7 @@ from unbroken.checkpoint.peer import PeerClient, ShardServer
 from unbroken.checkpoint.persistent import PersistentStore
 from unbroken.checkpoint.restore_catalog import CatalogStep, CopyLocation, RestoreCatalog
 from unbroken.config.checkpoint import TierPolicy
-from unbroken.metrics import AgentMetrics
+from unbroken.plumbing.metrics import AgentMetrics
 from unbroken.state.catalog import CheckpointCatalog, CopyKey
 from unbroken.state.phases import NodeState
 from unbroken.state.records import CheckpointStep, CheckpointTier, EventType, Job, ShardCopy, StepStatus

@@ -35,7 +35,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from unbroken import launch_env
+from unbroken.rank import env as launch_env
 from unbroken.checkpoint.cuda_host import PinnedMemory
 from unbroken.checkpoint.manifest import ShardInfo
 from unbroken.errors import CheckpointError

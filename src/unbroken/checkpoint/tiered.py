@@ -467,7 +467,7 @@ def _map_private(path: Path, size: int) -> mmap.mmap:
 def from_environment(env: Any, rank: int, world_size: int, policy: TierPolicy, observer: CheckpointObserver | None) -> TieredCheckpointer:
     """The checkpointer a rank launched by an agent gets (``unbroken.init``)."""
     from unbroken.checkpoint import credentials
-    from unbroken.layout import ClusterLayout
+    from unbroken.plumbing.layout import ClusterLayout
 
     assert env.cluster_dir is not None
     return TieredCheckpointer(

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from unbroken import chaos
+from unbroken.runtime import fault_injection
 from unbroken.cli.common import DirOption, console, open_runtime
 
 app = typer.Typer(help="Inject real faults: signals to real processes, kernel-log lines, slow links, slow nodes.", no_args_is_help=True)
@@ -19,8 +19,8 @@ RankOpt = Annotated[int | None, typer.Option("--rank", help="Global rank to hit 
 
 def _signal_rank(directory, job: str, node: str | None, rank: int | None, sig: signal.Signals, reason: str) -> None:
     runtime = open_runtime(directory)
-    target = chaos.pick_rank(runtime, job, node=node, rank=rank)
-    chaos.signal_rank(runtime, target, sig, reason)
+    target = fault_injection.pick_rank(runtime, job, node=node, rank=rank)
+    fault_injection.signal_rank(runtime, target, sig, reason)
     console.print(f"{sig.name} -> job {job} rank {target.rank} (pid {target.pid}) on {target.node}")
 
 
@@ -39,14 +39,14 @@ def hang_worker(job: JobArg, directory: DirOption = None, node: NodeOpt = None, 
 @app.command("kill-node")
 def kill_node(node: Annotated[str, typer.Argument(help="Node name")], directory: DirOption = None) -> None:
     """SIGKILL the node's agent and all its processes at once, as when a machine loses power."""
-    count = chaos.kill_node(open_runtime(directory), node)
+    count = fault_injection.kill_node(open_runtime(directory), node)
     console.print(f"node {node}: {count} processes killed")
 
 
 @app.command("kill-controller")
 def kill_controller(directory: DirOption = None) -> None:
     """SIGKILL the controller; 'unbroken cluster up' in the same --dir starts it again."""
-    pid = chaos.kill_controller(open_runtime(directory))
+    pid = fault_injection.kill_controller(open_runtime(directory))
     console.print(f"controller pid {pid} killed")
 
 
@@ -54,7 +54,7 @@ def kill_controller(directory: DirOption = None) -> None:
 def xid(node: Annotated[str, typer.Argument(help="Node name")], code: Annotated[int, typer.Argument(help="Xid code, e.g. 79 or 13")],
         directory: DirOption = None, pci: Annotated[str, typer.Option(help="GPU bus id in the line")] = "PCI:0000:b9:00") -> None:
     """Append an 'NVRM: Xid (PCI:...): CODE, ...' line to the node's kernel log; the Xid table decides what follows."""
-    console.print(f"{node}: {chaos.inject_xid(open_runtime(directory), node, code, pci)}", highlight=False)
+    console.print(f"{node}: {fault_injection.inject_xid(open_runtime(directory), node, code, pci)}", highlight=False)
 
 
 @app.command("slow-link")
@@ -67,20 +67,20 @@ def slow_link(node: Annotated[str, typer.Argument(help="Node name")],
 
     if clear == (rate is not None):
         raise UsageError("give a RATE (e.g. 100mbit) or --clear")
-    console.print(chaos.slow_link(open_runtime(directory), node, None if clear else rate))
+    console.print(fault_injection.slow_link(open_runtime(directory), node, None if clear else rate))
 
 
 @app.command("slow-node")
 def slow_node(node: Annotated[str, typer.Argument(help="Node name")],
               factor: Annotated[float, typer.Option("--factor", help="How much slower: 2 doubles every step's compute")] = 2.0,
-              period: Annotated[float, typer.Option("--period", help="Seconds per stop/continue cycle")] = chaos.SLOW_PERIOD_S,
+              period: Annotated[float, typer.Option("--period", help="Seconds per stop/continue cycle")] = fault_injection.SLOW_PERIOD_S,
               clear: Annotated[bool, typer.Option("--clear", help="Stop slowing the node")] = False,
               directory: DirOption = None) -> None:
     """Make a node a straggler: its jobs' processes are stopped for 1 - 1/FACTOR of every cycle (SIGSTOP/SIGCONT),
     until --clear. Straggler detection should name it (job describe: StragglerDetected)."""
     runtime = open_runtime(directory)
     if clear:
-        console.print(f"node {node}: " + ("full speed again" if chaos.stop_slowing(runtime, node) else "was not slowed"))
+        console.print(f"node {node}: " + ("full speed again" if fault_injection.stop_slowing(runtime, node) else "was not slowed"))
         return
-    pid = chaos.slow_node(runtime, node, factor, period=period)
+    pid = fault_injection.slow_node(runtime, node, factor, period=period)
     console.print(f"node {node}: slowed x{factor:g} (slower pid {pid}); 'unbroken chaos slow-node {node} --clear' ends it")

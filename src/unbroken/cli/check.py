@@ -13,7 +13,7 @@ from unbroken.health import catalogue, events, runner, targets
 from unbroken.health.collective import check as collective_check
 from unbroken.health.collective.sweep import OPS, Row, format_table
 from unbroken.health.result import CheckResult, Status, Suite
-from unbroken.layout import ClusterLayout
+from unbroken.plumbing.layout import ClusterLayout
 from unbroken.state.records import Node
 from unbroken.state.store import ClusterStore
 

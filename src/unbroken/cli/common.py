@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from unbroken.layout import ClusterLayout, default_cluster_dir
+from unbroken.plumbing.layout import ClusterLayout, default_cluster_dir
 from unbroken.errors import UsageError
 from unbroken.runtime import Runtime, open_kubernetes, open_local
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from unbroken import chaos, jobs, report
+from unbroken.controller import jobs, report
+from unbroken.runtime import fault_injection
 from unbroken.checkpoint.inventory import inventory
 from unbroken.cli.common import console, layout_for, table
 from unbroken.config.cluster import ClusterConfig
@@ -89,7 +90,7 @@ def _run_with_fault(runtime: Runtime, name: str, steps: int) -> Job:
             bar.update(task, completed=step, phase=job.phase.value, note=note)
             if killed is None and job.attempt == 0 and step >= kill_at:
                 victim = next(w.node for w in workers if w.node_rank == 1)
-                chaos.kill_node(runtime, victim)
+                fault_injection.kill_node(runtime, victim)
                 killed = victim
                 bar.console.print(f"[red]chaos[/]: node {victim} lost power at step {step} (agent and ranks SIGKILLed)")
             if job.phase.is_terminal:

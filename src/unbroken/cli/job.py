@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from unbroken import jobs, report
+from unbroken.controller import jobs, report
 from unbroken.cli import k8s, logs_view
 from unbroken.cli.common import (DirOption, Output, OutputOption, ago, clock, console, field_line, on_kubernetes, open_runtime,
                                  print_json, refuse_dir_on_kubernetes, table)

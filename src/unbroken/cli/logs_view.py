@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from unbroken.errors import UsageError
-from unbroken.layout import ClusterLayout
+from unbroken.plumbing.layout import ClusterLayout
 from unbroken.state.records import Job, Worker
 from unbroken.runtime import Runtime
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from unbroken import jobs
+from unbroken.controller import jobs
 from unbroken.cli.check import run_checks
 from unbroken.cli.common import Output, console, open_runtime, print_json, table
 from unbroken.config.job import JobSpec

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from enum import StrEnum
 
-from unbroken import symptoms
+from unbroken.rank import symptoms
 from unbroken.config.job import JobSpec, RestartPolicy
 from unbroken.controller import hang_timeout
 from unbroken.controller.hang_timeout import HangTimeout

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from unbroken.crowd import most_silent_at_once
+from unbroken.backends.crowd import most_silent_at_once
 from unbroken.state.records import Node
 
 CROWD_THRESHOLD_SHARE = 0.5

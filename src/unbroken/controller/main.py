@@ -16,12 +16,12 @@ import threading
 
 from prometheus_client import CollectorRegistry
 
-from unbroken import logs, metrics
+from unbroken.plumbing import logs, metrics
 from unbroken.controller.job_reconciler import JobReconciler
 from unbroken.controller.metrics import ClusterCollector
 from unbroken.controller.node_reconciler import NodeReconciler
-from unbroken.doorbell import Doorbell
-from unbroken.layout import ClusterLayout
+from unbroken.plumbing.doorbell import Doorbell
+from unbroken.plumbing.layout import ClusterLayout
 from unbroken.runtime import Runtime, open_local
 from unbroken.state.records import ClusterStatus
 

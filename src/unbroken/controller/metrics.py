@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from unbroken import jobs as job_ops
-from unbroken import report
+from unbroken.controller import jobs as job_ops
+from unbroken.controller import report
 from unbroken.backends.base import Backend
 from unbroken.controller import hang_timeout, stragglers
 from unbroken.controller.fault_kinds import FaultKind, classify

@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from unbroken import jobs as job_ops
-from unbroken import report
+from unbroken.controller import jobs as job_ops
+from unbroken.controller import report
 from unbroken.controller import hang_timeout, stragglers
 from unbroken.controller.fault_kinds import FaultKind, classify
 from unbroken.runtime import Runtime

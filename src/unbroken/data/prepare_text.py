@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from unbroken.atomic_file import write_atomically, write_bytes_atomically
+from unbroken.plumbing.atomic_file import write_atomically, write_bytes_atomically
 from unbroken.data.token_shards import (
     END_OF_TEXT, INDEX, TOKENIZER, ResumePoint, Shard, ShardIndex, Source, dtype_for, read_index, shard_name,
 )

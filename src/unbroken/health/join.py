@@ -17,7 +17,7 @@ from unbroken.config.cluster import ClusterConfig
 from unbroken.health import catalogue, events, faults, runner, targets
 from unbroken.health.context import Peer
 from unbroken.health.result import CheckResult, FaultAction, Suite, worst
-from unbroken.layout import ClusterLayout
+from unbroken.plumbing.layout import ClusterLayout
 from unbroken.state.phases import DeepHealthStatus, NodeState
 from unbroken.state.store import ClusterStore
 

@@ -18,8 +18,8 @@ from unbroken.health import catalogue, events, runner, targets
 from unbroken.health.kernel_log.sources import LineSource, open_source
 from unbroken.health.kernel_log.watch import Finding, KernelLogWatch
 from unbroken.health.result import CheckResult, FaultAction, Status, Suite
-from unbroken.layout import ClusterLayout
-from unbroken.metrics import AgentMetrics
+from unbroken.plumbing.layout import ClusterLayout
+from unbroken.plumbing.metrics import AgentMetrics
 from unbroken.state.phases import NodeState
 from unbroken.state.store import ClusterStore
 
@@ -121,13 +121,3 @@ class HealthMonitor:
             events.log_result(result)
         if result.failed and result.action is not FaultAction.NONE:
             events.apply_fault(store, self.jobs_on, self.node, result.action, f"{result.check}: {result.message}", source=result.check)
-
-
-def detected_within(store: ClusterStore, node: str, since: float) -> float | None:
-    """Seconds from ``since`` to the node's first fault event after it (for measurements)."""
-    for event in store.list_events(object_kind="Node", object_name=node):
-        if event.ts >= since and event.reason in ("FaultyInstance", "RebootRequired"):
-            return event.ts - since
-    return None
-
-

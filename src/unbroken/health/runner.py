@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from unbroken import procs
+from unbroken.plumbing import procs
 from unbroken.health.catalogue import CheckSpec, timeout_for
 from unbroken.health.context import CheckContext
 from unbroken.health.result import TIMEOUT, CheckResult, FaultAction, Status, Suite

@@ -6,8 +6,8 @@ from typing import Any
 
 from unbroken.config.cluster import ClusterConfig
 from unbroken.health.context import CheckContext, Peer
-from unbroken.layout import ClusterLayout
-from unbroken.netns import NodeNet
+from unbroken.plumbing.layout import ClusterLayout
+from unbroken.plumbing.netns import NodeNet
 from unbroken.state.records import Node
 
 

@@ -29,7 +29,7 @@ from types import FrameType
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from unbroken import logs, metrics
+from unbroken.plumbing import logs, metrics
 from unbroken.agent import cluster_tls
 from unbroken.controller.job_reconciler import JobReconciler
 from unbroken.controller.metrics import ClusterCollector

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from unbroken.pod_launcher.protocol import Kind, Message
-from unbroken.ports import free_port
+from unbroken.plumbing.ports import free_port
 
 log = logging.getLogger("unbroken.pod_launcher.coordinator")
 

@@ -7,7 +7,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from unbroken import logs
+from unbroken.plumbing import logs
 from unbroken.errors import ConfigError
 from unbroken.pod_launcher import arguments, member
 

@@ -31,18 +31,18 @@ import time
 from enum import StrEnum
 from pathlib import Path
 
-from unbroken import rank_registry, rejoin
+from unbroken.rank import registry as rank_registry, rejoin
 from unbroken.agent import launcher, spare_pool, warm_spare
 from unbroken.agent.rank_watch import RankDeath, RankWatch
 from unbroken.agent.spare_pool import Spare
 from unbroken.errors import ConfigError
-from unbroken.launch_env import AGENT_SOCKET, ATTEMPT, JOB, GroupPlacement
+from unbroken.rank.env import AGENT_SOCKET, ATTEMPT, JOB, GroupPlacement
 from unbroken.pod_launcher.arguments import PodRun
 from unbroken.pod_launcher.link import CoordinatorLink
 from unbroken.pod_launcher.protocol import Kind, Message
 from unbroken.pod_launcher.relay import ProgressRelay, relay_path
-from unbroken.ports import free_port
-from unbroken.waiting import WaitTimeout, wait_until
+from unbroken.plumbing.ports import free_port
+from unbroken.plumbing.waiting import WaitTimeout, wait_until
 
 log = logging.getLogger("unbroken.pod_launcher")
 

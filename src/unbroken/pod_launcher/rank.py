@@ -17,7 +17,7 @@ import os
 import sys
 
 from unbroken.agent import warm_spare
-from unbroken.launch_env import GroupPlacement
+from unbroken.rank.env import GroupPlacement
 
 
 def main(argv: list[str]) -> None:

@@ -16,8 +16,8 @@ import os
 import socket
 from pathlib import Path
 
-from unbroken.channel import AgentReceiver, MessageKind
-from unbroken.launch_env import ENDPOINT_FILE
+from unbroken.rank.channel import AgentReceiver, MessageKind
+from unbroken.rank.env import ENDPOINT_FILE
 from unbroken.pod_launcher.hang import StepClock
 
 

@@ -28,7 +28,7 @@ from unbroken.backends.local import LocalBackend
 from unbroken.checkpoint import credentials
 from unbroken.config.cluster import ClusterConfig
 from unbroken.errors import ConfigError, UsageError
-from unbroken.layout import ClusterLayout
+from unbroken.plumbing.layout import ClusterLayout
 from unbroken.state.catalog import CheckpointCatalog
 from unbroken.state.sqlite import SqliteStore
 from unbroken.state.store import ClusterStore

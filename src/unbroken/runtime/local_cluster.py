@@ -9,11 +9,11 @@ from unbroken.backends import netns_launch
 from unbroken.checkpoint import credentials, shm
 from unbroken.config.cluster import ClusterConfig
 from unbroken.errors import BackendError, ConflictError, StoreError
-from unbroken.layout import ClusterLayout
+from unbroken.plumbing.layout import ClusterLayout
 from unbroken.runtime import Runtime, create_local, open_local
 from unbroken.state.phases import NodeState
 from unbroken.state.records import ClusterStatus
-from unbroken.waiting import WaitTimeout, wait_until
+from unbroken.plumbing.waiting import WaitTimeout, wait_until
 
 
 def up(layout: ClusterLayout, config: ClusterConfig) -> tuple[Runtime, bool]:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import unbroken
-from unbroken import rank_registry
+from unbroken.rank import registry as rank_registry
 from unbroken.errors import UnbrokenError
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from unbroken import launch_env
+from unbroken.rank import env as launch_env
 from unbroken.backends.kubernetes import names
 
 AGENT_DIR = "/var/run/unbroken"

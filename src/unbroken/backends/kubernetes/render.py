@@ -61,7 +61,7 @@ from kubeflow.training.models import (
 )
 from kubeflow_trainer_api import models as trainer
 
-from unbroken import launch_env
+from unbroken.rank import env as launch_env
 from unbroken.config.job import HANG_TIMEOUT_FALLBACK_S, STARTUP_TIMEOUT_FALLBACK_S, JobSpec
 from unbroken.errors import UsageError
 from unbroken.backends.kubernetes import names

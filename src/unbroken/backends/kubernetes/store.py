@@ -34,7 +34,7 @@ import kubernetes
 import yaml
 
 from unbroken.config.cluster import ClusterConfig
-from unbroken.crowd import most_silent_at_once
+from unbroken.backends.crowd import most_silent_at_once
 from unbroken.config.job import JobSpec, ResilienceSpec, RestartPolicy
 from unbroken.errors import ConfigError, NotFoundError, StoreUnavailable, UsageError
 from unbroken.backends.kubernetes import annotations as job_annotations

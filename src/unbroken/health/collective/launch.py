@@ -16,13 +16,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from unbroken import procs
+from unbroken.plumbing import procs
 from unbroken.errors import BackendError
 from unbroken.health.collective.worker import RESULT_MARK
 from unbroken.health.context import Peer
-from unbroken.launch_env import NODE
-from unbroken.netns import INNER_IFNAME
-from unbroken.ports import free_port
+from unbroken.rank.env import NODE
+from unbroken.plumbing.netns import INNER_IFNAME
+from unbroken.plumbing.ports import free_port
 
 
 def _env(peer: Peer, local_rank: int) -> dict[str, str]:

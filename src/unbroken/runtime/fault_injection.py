@@ -18,15 +18,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from unbroken import procs
+from unbroken.plumbing import procs
 from unbroken.errors import UsageError
-from unbroken.health.chaos import xid_line
-from unbroken.launch_env import CLUSTER_DIR
-from unbroken.netns import NodeNet, clear, limit, namespace_exists
-from unbroken.layout import ClusterLayout
+from unbroken.health.xid_lines import xid_line
+from unbroken.rank.env import CLUSTER_DIR
+from unbroken.plumbing.netns import NodeNet, clear, limit, namespace_exists
+from unbroken.plumbing.layout import ClusterLayout
 from unbroken.runtime import Runtime, open_local
 from unbroken.state.records import EventType
-from unbroken.waiting import wait_until
+from unbroken.plumbing.waiting import wait_until
 
 
 @dataclass(frozen=True)
@@ -154,7 +154,7 @@ def slow_node(runtime: Runtime, node: str, factor: float, *, period: float = SLO
     with open(pidfile.with_suffix(".log"), "ab") as log:
         # Tagged as the cluster's (UNBROKEN_CLUSTER_DIR): `cluster down` ends it with the cluster's other processes,
         # where a slowing nobody cleared (a test that failed half-way) once outlived its cluster.
-        slower = subprocess.Popen([sys.executable, "-m", "unbroken.chaos", "--dir", str(runtime.layout.root), "--node", node,
+        slower = subprocess.Popen([sys.executable, "-m", "unbroken.runtime.fault_injection", "--dir", str(runtime.layout.root), "--node", node,
                                    "--factor", repr(factor), "--period", repr(period)],
                                   stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                   env={**os.environ, CLUSTER_DIR: str(runtime.layout.root)})

@@ -11,7 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-CLUSTER_DIR = "UNBROKEN_CLUSTER_DIR"
+from unbroken.plumbing.layout import CLUSTER_DIR
+
 NODE = "UNBROKEN_NODE"
 JOB = "UNBROKEN_JOB"
 ATTEMPT = "UNBROKEN_ATTEMPT"

@@ -16,6 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DIR_ENV = "UNBROKEN_DIR"
+"""Where the CLI looks for the cluster when ``--dir`` is not given."""
+CLUSTER_DIR = "UNBROKEN_CLUSTER_DIR"
+"""Set in the environment of every process a cluster starts (agents, ranks, slowers): it is how
+``plumbing/procs.py`` finds a cluster's processes, and how a rank finds its cluster's files."""
 
 
 def default_cluster_dir() -> Path:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psutil
 
-from unbroken.launch_env import CLUSTER_DIR
+from unbroken.plumbing.layout import CLUSTER_DIR
 
 
 def tree(pid: int) -> list[psutil.Process]:

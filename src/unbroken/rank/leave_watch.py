@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from unbroken import rejoin
+from unbroken.rank import rejoin
 
 POLL_SECONDS = 0.05
 """How often a rank looks for its request to leave: the latency of a leave, at the cost of a failed ``open``."""

@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from unbroken.http_bind import bind_without_lookup
+from unbroken.plumbing.http_bind import bind_without_lookup
 
 SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 """From a millisecond (a warm memory-tier stall) to five minutes (a slow persistent drain)."""
