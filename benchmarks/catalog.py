@@ -97,9 +97,9 @@ def worker(system: str, nodes: int, ranks: int, saves: int) -> Result:
     from controlplane.cluster import ControlPlane
     from unbroken.backends.kubernetes.catalog import KubernetesCatalog
     from unbroken.backends.kubernetes.client import api_client
-    from unbroken.checkpoint import credentials
-    from unbroken.checkpoint.service import CheckpointService
-    from unbroken.checkpoint.tiered import TieredCheckpointer
+    from unbroken.checkpoint.node import credentials
+    from unbroken.checkpoint.node.service import CheckpointService
+    from unbroken.checkpoint.rank.tiered import TieredCheckpointer
     from unbroken.config.job import JobSpec
     from unbroken.state.phases import DeepHealthStatus, JobPhase, NodeState
     from unbroken.state.records import CheckpointTier, Job, Node, StepStatus

@@ -89,10 +89,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed.checkpoint as dcp
 
-from unbroken.checkpoint import credentials
-from unbroken.checkpoint import service as checkpoint_service
-from unbroken.checkpoint.service import CheckpointService
-from unbroken.checkpoint.tiered import TieredCheckpointer
+from unbroken.checkpoint.node import credentials
+from unbroken.checkpoint.node import service as checkpoint_service
+from unbroken.checkpoint.node.service import CheckpointService
+from unbroken.checkpoint.rank.tiered import TieredCheckpointer
 from unbroken.config.job import JobSpec
 from unbroken.state.phases import DeepHealthStatus, JobPhase, NodeState
 from unbroken.state.records import CheckpointTier, Job, Node, StepStatus

@@ -162,7 +162,7 @@ def make_state(nbytes: int, device: Any, seed: int = 0) -> dict[str, Any]:
 
 
 def tensors_of(state: Any) -> list[Any]:
-    from unbroken.checkpoint.device_restore import tensors_in
+    from unbroken.checkpoint.rank.device_restore import tensors_in
 
     return list(tensors_in(state))
 
@@ -353,7 +353,7 @@ def restore_section(run: Run, cluster: Any, state: dict[str, Any]) -> dict[str, 
     """The newest step back onto the device, the new way and the old, against the pinned copy."""
     import torch
 
-    from unbroken.checkpoint import device_restore
+    from unbroken.checkpoint.rank import device_restore
 
     out: dict[str, Any] = {}
     readers = device_restore.READERS
@@ -387,7 +387,7 @@ def restore_section(run: Run, cluster: Any, state: dict[str, Any]) -> dict[str, 
 
 
 def _to(value: Any, device: Any) -> Any:
-    from unbroken.checkpoint.device_restore import map_tensors
+    from unbroken.checkpoint.rank.device_restore import map_tensors
 
     return map_tensors(value, lambda t: t.to(device))
 
@@ -400,9 +400,10 @@ def section_readback(run: Run) -> dict[str, Any]:
 
     import torch
 
-    from unbroken.checkpoint import cuda_host, shard, shm
-    from unbroken.checkpoint.credentials import create
-    from unbroken.checkpoint.tiered import TieredCheckpointer
+    from unbroken.checkpoint.format import shard
+    from unbroken.checkpoint.node import cuda_host, shm
+    from unbroken.checkpoint.node.credentials import create
+    from unbroken.checkpoint.rank.tiered import TieredCheckpointer
     from unbroken.config.checkpoint import TierPolicy
 
     sizes = [64 * MIB, 256 * MIB, 16 * MIB, 128 * MIB, 256 * MIB] if run.cuda else [4 * MIB, 16 * MIB, 1 * MIB, 8 * MIB, 16 * MIB]

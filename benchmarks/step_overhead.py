@@ -28,7 +28,7 @@ from pathlib import Path
 
 from unbroken.agent.progress import ProgressBook
 from unbroken.rank.channel import AgentReceiver, RankSender
-from unbroken.checkpoint.file import FileCheckpointer
+from unbroken.checkpoint.rank.file import FileCheckpointer
 from unbroken.train import Context
 
 SECTIONS = ("data", "forward", "backward", "optimizer")

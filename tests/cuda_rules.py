@@ -2,7 +2,7 @@
 
 No GPU runs here, so the memory tier's device path runs on CPU tensors that play
 device tensors, against this stand-in for the few calls it makes
-(``unbroken.checkpoint.cuda_host.CudaRuntime``). It is as thin as it can be, and
+(``unbroken.checkpoint.node.cuda_host.CudaRuntime``). It is as thin as it can be, and
 strict where CUDA is:
 
 - ``cudaHostRegister`` of a range that overlaps a registered one returns 712
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from unbroken.checkpoint.cuda_host import HOST_MEMORY_ALREADY_REGISTERED, HOST_MEMORY_NOT_REGISTERED, SUCCESS, address_of
+from unbroken.checkpoint.node.cuda_host import HOST_MEMORY_ALREADY_REGISTERED, HOST_MEMORY_NOT_REGISTERED, SUCCESS, address_of
 
 
 @dataclass

@@ -37,7 +37,7 @@ from unbroken.rank.leave_watch import LeaveWatch
 from unbroken.rank.rejoin import RejoinNotice
 
 if TYPE_CHECKING:
-    from unbroken.checkpoint.live import LiveState
+    from unbroken.checkpoint.rank.live import LiveState
 
 T = TypeVar("T")
 
@@ -160,8 +160,8 @@ class Context:
         live state of this step (references) and the RNG state (a few KB) for the ranks that restore it.
         """
         if self._live is not None:
-            from unbroken.checkpoint import rng
-            from unbroken.checkpoint.live import LiveState
+            from unbroken.checkpoint.rank import rng
+            from unbroken.checkpoint.rank.live import LiveState
 
             self._live_state = LiveState(step, self._live(), rng.capture())
         values = {k: float(v) for k, v in metrics.items()}
@@ -413,18 +413,18 @@ def init(
         inner: Checkpointer
         if env.checkpoint_tiers and env.managed:
             from unbroken.config.checkpoint import TierPolicy
-            from unbroken.checkpoint.tiered import from_environment
+            from unbroken.checkpoint.rank.tiered import from_environment
 
             policy = TierPolicy.model_validate_json(env.checkpoint_tiers)
             inner = from_environment(env, rank, world_size, policy, observer)
         else:
-            from unbroken.checkpoint.file import FileCheckpointer
+            from unbroken.checkpoint.rank.file import FileCheckpointer
 
             inner = FileCheckpointer(directory, rank=rank, world_size=world_size, keep=env.checkpoint_keep, observer=observer)
         if env.group is None:
             return inner
         # in-process restarts: every rank's first restore of an attempt asks the live peers first
-        from unbroken.checkpoint.live import LiveFirst
+        from unbroken.checkpoint.rank.live import LiveFirst
 
         return LiveFirst(inner, live, rank=rank, observer=observer)
 

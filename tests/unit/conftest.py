@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from unbroken.checkpoint import credentials
-from unbroken.checkpoint.credentials import Credentials
+from unbroken.checkpoint.node import credentials
+from unbroken.checkpoint.node.credentials import Credentials
 from controlplane.cluster import ControlPlane
 from s3 import CREDENTIALS, MotoServer, moto_server
 

@@ -16,7 +16,7 @@ import pytest
 
 from helpers import race
 from unbroken.agent import cluster_tls
-from unbroken.checkpoint import credentials
+from unbroken.checkpoint.node import credentials
 from unbroken.errors import StoreUnavailable
 from unbroken.backends.kubernetes import names
 from unbroken.backends.kubernetes.client import api_client

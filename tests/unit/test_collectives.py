@@ -1,4 +1,4 @@
-"""The checkpoint collectives (``checkpoint/collectives.py``) with real process groups.
+"""The checkpoint collectives (``checkpoint/rank/collectives.py``) with real process groups.
 
 No GPU here, so NCCL cannot run; a ``cuda:gloo`` group stands in for the NCCL-only
 group ``unbroken.init()`` makes on GPUs: like it, it serves no CPU tensors, and the
@@ -21,8 +21,8 @@ RANK_SCRIPT = r'''
 import json, sys
 from pathlib import Path
 import torch, torch.distributed as dist
-from unbroken.checkpoint import collectives
-from unbroken.checkpoint.file import FileCheckpointer
+from unbroken.checkpoint.rank import collectives
+from unbroken.checkpoint.rank.file import FileCheckpointer
 
 backend, rank, world, store, ckpt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
 dist.init_process_group(backend=backend, init_method=f"file://{store}", rank=rank, world_size=world)

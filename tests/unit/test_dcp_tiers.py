@@ -30,13 +30,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from unbroken.checkpoint import credentials, shm
-from unbroken.checkpoint.credentials import Credentials
-from unbroken.checkpoint.dcp import TieredStager, TieredStorageReader, TieredStorageWriter
-from unbroken.checkpoint.persistent import PersistentStore
+from unbroken.checkpoint.node import credentials, shm
+from unbroken.checkpoint.node.credentials import Credentials
+from unbroken.checkpoint.rank.dcp import TieredStager, TieredStorageReader, TieredStorageWriter
+from unbroken.checkpoint.node.persistent import PersistentStore
 from unbroken.config.checkpoint import TierPolicy
-from unbroken.checkpoint.service import CheckpointService
-from unbroken.checkpoint.tiered import TieredCheckpointer
+from unbroken.checkpoint.node.service import CheckpointService
+from unbroken.checkpoint.rank.tiered import TieredCheckpointer
 from unbroken.config.job import JobSpec
 from unbroken.state.phases import JobPhase
 from unbroken.state.records import Job

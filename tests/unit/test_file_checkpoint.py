@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from unbroken.checkpoint.api import Restored
-from unbroken.checkpoint.file import FileCheckpointer, committed_steps, rank_file, step_dir
+from unbroken.checkpoint.rank.file import FileCheckpointer, committed_steps, rank_file, step_dir
 from unbroken.errors import CheckpointError
 
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -383,7 +383,7 @@ WORKER = textwrap.dedent(
     import torch
     import torch.distributed as dist
 
-    from unbroken.checkpoint.file import FileCheckpointer
+    from unbroken.checkpoint.rank.file import FileCheckpointer
 
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])

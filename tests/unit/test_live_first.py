@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from unbroken.checkpoint import rng
-from unbroken.checkpoint.file import FileCheckpointer
-from unbroken.checkpoint.live import LiveFirst, LiveState
+from unbroken.checkpoint.rank import rng
+from unbroken.checkpoint.rank.file import FileCheckpointer
+from unbroken.checkpoint.rank.live import LiveFirst, LiveState
 
 
 def test_a_group_of_one_restores_its_own_memory_newer_than_the_checkpoint_and_else_the_checkpoint(tmp_path: Path) -> None:

@@ -19,10 +19,11 @@ import pytest
 import torch
 from cuda_rules import RuleKeepingCuda
 
-from unbroken.checkpoint import shard, shm
-from unbroken.checkpoint.credentials import Credentials
-from unbroken.checkpoint.cuda_host import PinnedMemory
-from unbroken.checkpoint.tiered import TieredCheckpointer
+from unbroken.checkpoint.format import shard
+from unbroken.checkpoint.node import shm
+from unbroken.checkpoint.node.credentials import Credentials
+from unbroken.checkpoint.node.cuda_host import PinnedMemory
+from unbroken.checkpoint.rank.tiered import TieredCheckpointer
 from unbroken.config.checkpoint import TierPolicy
 
 MIB = 1 << 20
@@ -175,7 +176,7 @@ def test_two_checkpointers_of_one_process_never_pin_one_range_twice(shm_dir: Pat
 
 def test_to_device_moves_a_payloads_state_through_pinned_buffers_and_leaves_the_rest(cuda: RuleKeepingCuda,
                                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    from unbroken.checkpoint import device_restore
+    from unbroken.checkpoint.rank import device_restore
 
     monkeypatch.setattr(device_restore, "CHUNK_BYTES", 1 * MIB)
     state = state_of(5 * MIB, seed=3)

@@ -9,7 +9,7 @@ import sys
 import typer.main
 
 import unbroken
-from unbroken.checkpoint import dcp
+from unbroken.checkpoint.rank import dcp
 from unbroken.cli.main import app
 
 CLI = {

@@ -13,8 +13,8 @@ import pytest
 import torch
 from test_file_checkpoint import assert_same, sample_state
 
-from unbroken.checkpoint import shard
-from unbroken.checkpoint.manifest import ShardInfo, StepManifest
+from unbroken.checkpoint.format import shard
+from unbroken.checkpoint.format.manifest import ShardInfo, StepManifest
 from unbroken.config.checkpoint import MemoryTier, PersistentTier, TierPolicy
 from unbroken.config.job import JobSpec
 from unbroken.config.loading import validate_mapping
@@ -216,7 +216,7 @@ def test_a_shard_of_many_chunks_hashes_on_threads_as_a_stream_would_and_a_whole_
     carry one xxh3-64 of all their bytes (``xxh3_64:``) and still verify, computed ``like`` their own."""
     import xxhash
 
-    from unbroken.checkpoint import integrity
+    from unbroken.checkpoint.format import integrity
 
     monkeypatch.setattr(integrity, "CHUNK_BYTES", 1000)
     data = bytearray(torch.randint(0, 256, (10_500,), dtype=torch.uint8).numpy().tobytes())

@@ -33,15 +33,16 @@ from s3 import empty_and_delete_bucket
 from cuda_rules import RuleKeepingCuda
 from test_file_checkpoint import Reports, assert_same, sample_state
 
-from unbroken.checkpoint import service as service_module
-from unbroken.checkpoint import shard, shm
-from unbroken.checkpoint.manifest import ShardInfo
-from unbroken.checkpoint.credentials import Credentials
-from unbroken.checkpoint.peer import SHARD_HEADER, AuthError, PeerClient, ShardServer
-from unbroken.checkpoint.persistent import PersistentStore
-from unbroken.checkpoint.service import CheckpointService
-from unbroken.checkpoint.cuda_host import PinnedMemory
-from unbroken.checkpoint.tiered import TieredCheckpointer
+from unbroken.checkpoint.node import service as service_module
+from unbroken.checkpoint.format import shard
+from unbroken.checkpoint.node import shm
+from unbroken.checkpoint.format.manifest import ShardInfo
+from unbroken.checkpoint.node.credentials import Credentials
+from unbroken.checkpoint.node.peer import SHARD_HEADER, AuthError, PeerClient, ShardServer
+from unbroken.checkpoint.node.persistent import PersistentStore
+from unbroken.checkpoint.node.service import CheckpointService
+from unbroken.checkpoint.node.cuda_host import PinnedMemory
+from unbroken.checkpoint.rank.tiered import TieredCheckpointer
 from unbroken.config.job import JobSpec
 from unbroken.errors import CheckpointError
 from unbroken.state.phases import DeepHealthStatus, JobPhase, NodeState
@@ -262,9 +263,9 @@ def test_a_restore_to_the_device_streams_the_shard_through_pinned_buffers_and_re
         make_rig, monkeypatch: pytest.MonkeyPatch) -> None:
     """On a GPU, ``restore(device="cuda")`` reads the shard file into pinned buffers and copies them to the device,
     checksumming on the way (device_restore.py); here a CPU target plays the device, with the stand-in runtime."""
-    from unbroken.checkpoint import device_restore
+    from unbroken.checkpoint.rank import device_restore
 
-    from unbroken.checkpoint import integrity
+    from unbroken.checkpoint.format import integrity
 
     # many chunks: the ring of buffers goes round, and the readers hash chunk by chunk
     monkeypatch.setattr(device_restore, "CHUNK_BYTES", 1 << 20)
@@ -342,7 +343,7 @@ def test_a_change_outside_the_optimizer_after_fence_is_not_in_the_checkpoint(mak
 
 
 def test_a_checkpointer_that_is_closed_is_no_longer_fenced(make_rig) -> None:
-    from unbroken.checkpoint import fence
+    from unbroken.checkpoint.rank import fence
 
     rig = make_rig({"keep": 2, "replicas": 0})
     ck = rig.checkpointer()
@@ -528,9 +529,9 @@ KILLED_RANK = textwrap.dedent(
 
     import torch
 
-    from unbroken.checkpoint import credentials
+    from unbroken.checkpoint.node import credentials
     from unbroken.config.checkpoint import TierPolicy
-    from unbroken.checkpoint.tiered import TieredCheckpointer
+    from unbroken.checkpoint.rank.tiered import TieredCheckpointer
 
     root, endpoint, policy = Path(sys.argv[1]), sys.argv[2], TierPolicy.model_validate_json(sys.argv[3])
     ck = TieredCheckpointer(job="j", attempt=0, rank=0, world_size=1, node="node-1", shm_root=root,

@@ -1,7 +1,7 @@
 """The cluster's TLS credentials on Kubernetes: one Secret, made by the operator.
 
 The memory tier's peer API is mutual TLS under a CA of the cluster's own
-(checkpoint/credentials.py). On Kubernetes the three files live in the Secret
+(checkpoint/node/credentials.py). On Kubernetes the three files live in the Secret
 ``unbroken-cluster-tls`` in unbroken's namespace, made by the operator when it
 first leads (:func:`make`; backends/kubernetes/shared_secret.py: of two
 replicas racing, the first create wins). An agent may only read it (its Role,
@@ -25,8 +25,8 @@ from pathlib import Path
 import kubernetes
 
 from unbroken.plumbing.atomic_file import write_bytes_atomically
-from unbroken.checkpoint import credentials
-from unbroken.checkpoint.credentials import Credentials
+from unbroken.checkpoint.node import credentials
+from unbroken.checkpoint.node.credentials import Credentials
 from unbroken.errors import NotFoundError
 from unbroken.backends.kubernetes import names, shared_secret
 

@@ -43,8 +43,8 @@ from unbroken.plumbing.atomic_file import write_bytes_atomically
 from unbroken.agent import cluster_tls
 from unbroken.agent.progress import ProgressBook
 from unbroken.rank.channel import AgentReceiver, agent_socket
-from unbroken.checkpoint import shm
-from unbroken.checkpoint.service import CheckpointService
+from unbroken.checkpoint.node import shm
+from unbroken.checkpoint.node.service import CheckpointService
 from unbroken.config.cluster import Remediator
 from unbroken.config.health import KernelLogSource
 from unbroken.errors import NotFoundError, StoreUnavailable, UnbrokenError

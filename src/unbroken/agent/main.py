@@ -23,9 +23,9 @@ from unbroken.agent import join_checks, launcher
 from unbroken.agent.progress import ProgressBook
 from unbroken.agent.workers import WorkerRunner
 from unbroken.rank.channel import AgentReceiver, agent_socket
-from unbroken.checkpoint import shm
-from unbroken.checkpoint import credentials
-from unbroken.checkpoint.service import CheckpointService
+from unbroken.checkpoint.node import shm
+from unbroken.checkpoint.node import credentials
+from unbroken.checkpoint.node.service import CheckpointService
 from unbroken.errors import StoreUnavailable
 from unbroken.health import join as health_join
 from unbroken.health.gpu_metrics import GpuCollector

@@ -1,6 +1,6 @@
-"""Checkpoints. This release has the file checkpointer (``checkpoint.file``); the tiered
-one plugs in behind the same ``Checkpointer`` protocol. Importing this package does
-not import torch."""
+"""Checkpoints: the ``Checkpointer`` protocol (``api``) a rank's ``ctx.checkpoint`` implements, the
+rank's side (``rank/``), the node's side (``node/``) and the format both write (``format/``).
+Importing this package does not import torch."""
 
 from unbroken.checkpoint.api import Checkpointer, Restored
 

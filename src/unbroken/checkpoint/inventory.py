@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from unbroken.checkpoint.credentials import Credentials
-from unbroken.checkpoint.peer import PeerClient
-from unbroken.checkpoint.persistent import PersistentStore
+from unbroken.checkpoint.node.credentials import Credentials
+from unbroken.checkpoint.node.peer import PeerClient
+from unbroken.checkpoint.node.persistent import PersistentStore
 from unbroken.errors import CheckpointError
 from unbroken.state.catalog import CheckpointCatalog
 from unbroken.state.records import CheckpointStep, CheckpointTier, Event

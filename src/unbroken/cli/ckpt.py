@@ -12,9 +12,9 @@ import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
 from unbroken.checkpoint import inventory as inv
-from unbroken.checkpoint import credentials
-from unbroken.checkpoint.persistent import PersistentStore
-from unbroken.checkpoint.credentials import Credentials
+from unbroken.checkpoint.node import credentials
+from unbroken.checkpoint.node.persistent import PersistentStore
+from unbroken.checkpoint.node.credentials import Credentials
 from unbroken.cli.common import DirOption, Output, OutputOption, ago, console, kube_api, kubernetes_target, on_kubernetes, open_runtime, print_json, table
 from unbroken.config.checkpoint import TierPolicy
 from unbroken.errors import UsageError

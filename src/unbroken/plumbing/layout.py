@@ -1,7 +1,7 @@
 """Where a local cluster keeps its files, in one place.
 
     <dir>/state.db                         the store (SQLite, WAL)
-    <dir>/cluster-ca.crt, cluster.{crt,key} the cluster's TLS credentials (checkpoint/credentials.py)
+    <dir>/cluster-ca.crt, cluster.{crt,key} the cluster's TLS credentials (checkpoint/node/credentials.py)
     <dir>/controller.{pid,log,lock}
     <dir>/nodes/<node>/agent.{pid,log}     one folder per node (its "disk")
     <dir>/nodes/<node>/kmsg.log            the node's kernel log (health monitor source; chaos xid)

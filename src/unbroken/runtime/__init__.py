@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from unbroken.backends.base import Backend
 from unbroken.backends.local import LocalBackend
-from unbroken.checkpoint import credentials
+from unbroken.checkpoint.node import credentials
 from unbroken.config.cluster import ClusterConfig
 from unbroken.errors import ConfigError, UsageError
 from unbroken.plumbing.layout import ClusterLayout

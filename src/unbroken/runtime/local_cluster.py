@@ -6,7 +6,7 @@ import shutil
 from collections.abc import Callable
 
 from unbroken.backends import netns_launch
-from unbroken.checkpoint import credentials, shm
+from unbroken.checkpoint.node import credentials, shm
 from unbroken.config.cluster import ClusterConfig
 from unbroken.errors import BackendError, ConflictError, StoreError
 from unbroken.plumbing.layout import ClusterLayout

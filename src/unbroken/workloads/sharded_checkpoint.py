@@ -20,9 +20,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from unbroken.checkpoint.api import SaveReport
-from unbroken.checkpoint.file import FileCheckpointer
-from unbroken.checkpoint.live import LiveFirst
-from unbroken.checkpoint.tiered import TieredCheckpointer
+from unbroken.checkpoint.rank.file import FileCheckpointer
+from unbroken.checkpoint.rank.live import LiveFirst
+from unbroken.checkpoint.rank.tiered import TieredCheckpointer
 from unbroken.train import Context
 
 log = logging.getLogger("unbroken.workloads.sharded_checkpoint")
@@ -52,7 +52,7 @@ class ShardedCheckpoint:
     def save(self, step: int, state: dict[str, Any]) -> None:
         """Every rank, together. Returns once this step is committed (tiered: in shared memory)."""
         if self.tiered is not None:
-            from unbroken.checkpoint.dcp import TieredStorageWriter
+            from unbroken.checkpoint.rank.dcp import TieredStorageWriter
 
             dcp.save(state, storage_writer=TieredStorageWriter(self.tiered, step))
             # Published (checksummed, told to the agent) before the next step: the controller grows an
@@ -72,7 +72,7 @@ class ShardedCheckpoint:
         """Load the newest step every rank can read into ``state`` (in place); None: start fresh."""
         started = time.perf_counter()
         if self.tiered is not None:
-            from unbroken.checkpoint.dcp import TieredStorageReader
+            from unbroken.checkpoint.rank.dcp import TieredStorageReader
 
             if not self._agreed(bool(self.tiered.catalog(any_world_size=True).candidates())):
                 return None

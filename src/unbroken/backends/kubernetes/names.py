@@ -81,7 +81,7 @@ COMPONENT = "unbroken"
 CHECKPOINT_JOB = f"{PREFIX}/checkpoint-job"
 """On each checkpoint catalog ConfigMap (backends/kubernetes/catalog.py): label = the job's digest, annotation = its name."""
 CLUSTER_TLS_SECRET = "unbroken-cluster-tls"
-"""The cluster's TLS credentials for the memory tier's peer API (checkpoint/credentials.py), made by the operator."""
+"""The cluster's TLS credentials for the memory tier's peer API (checkpoint/node/credentials.py), made by the operator."""
 
 _LABEL_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from unbroken.checkpoint import collectives, rng
-from unbroken.checkpoint.device_restore import map_tensors
+from unbroken.checkpoint.rank import collectives, rng
+from unbroken.checkpoint.rank.device_restore import map_tensors
 from unbroken.plumbing.atomic_file import write_atomically
 from unbroken.checkpoint.api import CheckpointObserver, Restored, RestoreReport, SaveReport
 from unbroken.errors import CheckpointError

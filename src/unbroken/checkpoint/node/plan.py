@@ -4,7 +4,7 @@
 the catalog says (every tier's rows and copies), and what this agent has done
 already (recorded, replicated, drained), and returns the actions of one pass,
 in order. It reads no file and no store and does no I/O: the service
-(:mod:`unbroken.checkpoint.service`) gathers the snapshot and carries the
+(:mod:`unbroken.checkpoint.node.service`) gathers the snapshot and carries the
 actions out. Every rule of the tiers is here, so every rule is tested without
 shared memory, peers or S3.
 
@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from unbroken.checkpoint.manifest import ShardInfo
+from unbroken.checkpoint.format.manifest import ShardInfo
 from unbroken.config.checkpoint import TierPolicy
 from unbroken.state.records import CheckpointStep, CheckpointTier, Job, ShardCopy, StepStatus
 

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from unbroken.checkpoint.integrity import StreamingChecksum, checksum
-from unbroken.checkpoint.manifest import FORMAT, ShardLayout, TensorMeta
+from unbroken.checkpoint.format.integrity import StreamingChecksum, checksum
+from unbroken.checkpoint.format.manifest import FORMAT, ShardLayout, TensorMeta
 from unbroken.errors import CheckpointError
 
 __all__ = ["ALIGN", "FORMAT", "ShardLayout", "StreamingChecksum", "TensorMeta", "checksum", "plan", "read", "rebuild", "view", "write"]

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from unbroken.checkpoint import collectives, rng
+from unbroken.checkpoint.rank import collectives, rng
 from unbroken.checkpoint.api import Checkpointer, CheckpointObserver, RestoreReport, Restored
 
 

@@ -2,7 +2,7 @@
 
 HTTP/1.1 (the standard library's server and client: nothing to install on a
 node, no framing of our own) over TLS 1.3, where both sides must present a
-certificate of the cluster's CA (:mod:`unbroken.checkpoint.credentials`). The API:
+certificate of the cluster's CA (:mod:`unbroken.checkpoint.node.credentials`). The API:
 
 - ``PUT  /v1/jobs/{job}/replicas/{step}/{rank}``: the shard's bytes, its ``ShardInfo`` in the
   ``Unbroken-Shard`` header. Stored as a held replica; the checksum is checked while the
@@ -40,15 +40,15 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from unbroken.checkpoint import shm
-from unbroken.checkpoint.credentials import Credentials
-from unbroken.checkpoint.integrity import StreamingChecksum, checksum
-from unbroken.checkpoint.manifest import ShardInfo
-from unbroken.checkpoint.restore_catalog import RestoreCatalog
+from unbroken.checkpoint.node import shm
+from unbroken.checkpoint.node.credentials import Credentials
+from unbroken.checkpoint.format.integrity import StreamingChecksum, checksum
+from unbroken.checkpoint.format.manifest import ShardInfo
+from unbroken.checkpoint.format.restore_catalog import RestoreCatalog
 from unbroken.errors import CheckpointError
 from unbroken.plumbing.http_bind import bind_without_lookup
 
-log = logging.getLogger("unbroken.checkpoint.peer")
+log = logging.getLogger("unbroken.checkpoint.node.peer")
 
 SHARD_HEADER = "Unbroken-Shard"
 CONNECT_TIMEOUT = 2.0
@@ -133,7 +133,7 @@ class ShardServer:
     def receiving(self) -> frozenset[tuple[str, int]]:
         """The (job, step)s a peer is pushing replicas of to this node now: a connection that began a put
         and is still open. A peer pushes all its shards of a step on one connection, so a save's replicas
-        read as one span (the agent holds its copy records of that step through it: checkpoint/service.py)."""
+        read as one span (the agent holds its copy records of that step through it: checkpoint/node/service.py)."""
         with self._pushing_lock:
             return frozenset(self._pushing.values())
 

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
-log = logging.getLogger("unbroken.checkpoint.cuda_host")
+log = logging.getLogger("unbroken.checkpoint.node.cuda_host")
 
 SUCCESS = 0
 HOST_MEMORY_ALREADY_REGISTERED = 712

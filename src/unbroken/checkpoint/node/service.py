@@ -1,4 +1,4 @@
-"""The node agent's half of tiered checkpointing: the I/O around :func:`unbroken.checkpoint.plan.plan`.
+"""The node agent's half of tiered checkpointing: the I/O around :func:`unbroken.checkpoint.node.plan.plan`.
 
 Every ``PASS_SECONDS`` the service reads a snapshot (this node's shared memory,
 the catalog's rows and copies, the nodes and their shard servers), asks the
@@ -23,12 +23,12 @@ from pathlib import Path
 
 import tenacity
 
-from unbroken.checkpoint import plan, shm
-from unbroken.checkpoint.credentials import Credentials
-from unbroken.checkpoint.manifest import ShardInfo, StepManifest
-from unbroken.checkpoint.peer import PeerClient, ShardServer
-from unbroken.checkpoint.persistent import PersistentStore
-from unbroken.checkpoint.restore_catalog import CatalogStep, CopyLocation, RestoreCatalog
+from unbroken.checkpoint.node import plan, shm
+from unbroken.checkpoint.node.credentials import Credentials
+from unbroken.checkpoint.format.manifest import ShardInfo, StepManifest
+from unbroken.checkpoint.node.peer import PeerClient, ShardServer
+from unbroken.checkpoint.node.persistent import PersistentStore
+from unbroken.checkpoint.format.restore_catalog import CatalogStep, CopyLocation, RestoreCatalog
 from unbroken.config.checkpoint import TierPolicy
 from unbroken.plumbing.metrics import AgentMetrics
 from unbroken.state.catalog import CheckpointCatalog, CopyKey

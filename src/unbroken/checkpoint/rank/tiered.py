@@ -3,7 +3,7 @@
 ``save(step, state)`` lays the state out, takes one of the rank's
 shared-memory slots and returns: the copy into the slot runs in a background
 thread while the script goes on with its next forward and backward, and the
-next ``optimizer.step()`` waits for it (checkpoint/fence.py; ``fence()`` for
+next ``optimizer.step()`` waits for it (checkpoint/rank/fence.py; ``fence()`` for
 scripts that change the saved state otherwise). The same thread then
 checksums the slot and publishes its descriptor; the node agent takes it
 from there (commit, replicas, persistent tier). A second ``save`` first waits
@@ -34,15 +34,17 @@ from typing import Any, TypeVar
 
 import torch
 
-from unbroken.checkpoint import collectives, cuda_host, device_restore, fence, rng, shard, shm, tiers
+from unbroken.checkpoint.format import shard
+from unbroken.checkpoint.node import cuda_host, shm
+from unbroken.checkpoint.rank import collectives, device_restore, fence, rng, tiers
 from unbroken.checkpoint.api import CheckpointObserver, Restored, RestoreReport, SaveReport
-from unbroken.checkpoint.credentials import Credentials
-from unbroken.checkpoint.cuda_host import PinnedMemory
-from unbroken.checkpoint.device_copy import DeviceCopy, Expected
-from unbroken.checkpoint.manifest import ShardInfo
-from unbroken.checkpoint.restore_catalog import RestoreCatalog
-from unbroken.checkpoint.peer import PeerClient
-from unbroken.checkpoint.persistent import PersistentStore
+from unbroken.checkpoint.node.credentials import Credentials
+from unbroken.checkpoint.node.cuda_host import PinnedMemory
+from unbroken.checkpoint.rank.device_copy import DeviceCopy, Expected
+from unbroken.checkpoint.format.manifest import ShardInfo
+from unbroken.checkpoint.format.restore_catalog import RestoreCatalog
+from unbroken.checkpoint.node.peer import PeerClient
+from unbroken.checkpoint.node.persistent import PersistentStore
 from unbroken.config.checkpoint import TierPolicy
 from unbroken.errors import CheckpointError
 
@@ -466,7 +468,7 @@ def _map_private(path: Path, size: int) -> mmap.mmap:
 
 def from_environment(env: Any, rank: int, world_size: int, policy: TierPolicy, observer: CheckpointObserver | None) -> TieredCheckpointer:
     """The checkpointer a rank launched by an agent gets (``unbroken.init``)."""
-    from unbroken.checkpoint import credentials
+    from unbroken.checkpoint.node import credentials
     from unbroken.plumbing.layout import ClusterLayout
 
     assert env.cluster_dir is not None

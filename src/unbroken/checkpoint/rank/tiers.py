@@ -21,13 +21,15 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol
 
-from unbroken.checkpoint import device_restore, shard, shm
-from unbroken.checkpoint.credentials import Credentials
-from unbroken.checkpoint.cuda_host import CudaRuntime
-from unbroken.checkpoint.manifest import ShardInfo
-from unbroken.checkpoint.peer import PeerClient
-from unbroken.checkpoint.persistent import PersistentStore
-from unbroken.checkpoint.restore_catalog import RestoreCatalog
+from unbroken.checkpoint.format import shard
+from unbroken.checkpoint.node import shm
+from unbroken.checkpoint.rank import device_restore
+from unbroken.checkpoint.node.credentials import Credentials
+from unbroken.checkpoint.node.cuda_host import CudaRuntime
+from unbroken.checkpoint.format.manifest import ShardInfo
+from unbroken.checkpoint.node.peer import PeerClient
+from unbroken.checkpoint.node.persistent import PersistentStore
+from unbroken.checkpoint.format.restore_catalog import RestoreCatalog
 from unbroken.errors import CheckpointError
 
 

@@ -1,6 +1,6 @@
 """``torch.distributed.checkpoint`` on the tiers: ``dcp.save``, ``dcp.async_save`` and ``dcp.load``
 write to and read from shared memory, peers and the persistent tier through a
-:class:`~unbroken.checkpoint.tiered.TieredCheckpointer`::
+:class:`~unbroken.checkpoint.rank.tiered.TieredCheckpointer`::
 
     dcp.save(state, storage_writer=TieredStorageWriter(checkpointer, step))
     reader = TieredStorageReader(checkpointer)          # newest committed DCP step
@@ -79,13 +79,13 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from unbroken.checkpoint import collectives
+from unbroken.checkpoint.rank import collectives
 from unbroken.checkpoint.api import RestoreReport
-from unbroken.checkpoint.restore_catalog import RestoreCatalog
-from unbroken.checkpoint.tiered import TieredCheckpointer
+from unbroken.checkpoint.format.restore_catalog import RestoreCatalog
+from unbroken.checkpoint.rank.tiered import TieredCheckpointer
 from unbroken.errors import CheckpointError
 
-log = logging.getLogger("unbroken.checkpoint.dcp")
+log = logging.getLogger("unbroken.checkpoint.rank.dcp")
 
 FORMAT = "unbroken.dcp/1"
 

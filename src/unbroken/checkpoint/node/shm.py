@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from unbroken.rank import env as launch_env
-from unbroken.checkpoint.cuda_host import PinnedMemory
-from unbroken.checkpoint.manifest import ShardInfo
+from unbroken.checkpoint.node.cuda_host import PinnedMemory
+from unbroken.checkpoint.format.manifest import ShardInfo
 from unbroken.errors import CheckpointError
 
 SHM_BASE = Path(os.environ.get(launch_env.SHM_BASE, "/dev/shm"))

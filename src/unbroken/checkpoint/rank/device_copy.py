@@ -19,9 +19,11 @@ from typing import Any
 
 import torch
 
-from unbroken.checkpoint import fingerprint, shard, shm
-from unbroken.checkpoint.cuda_host import PinnedMemory
-from unbroken.checkpoint.manifest import ShardLayout
+from unbroken.checkpoint.format import shard
+from unbroken.checkpoint.node import shm
+from unbroken.checkpoint.rank import fingerprint
+from unbroken.checkpoint.node.cuda_host import PinnedMemory
+from unbroken.checkpoint.format.manifest import ShardLayout
 
 BOUNCE_BYTES = 64 << 20
 """The bounce buffer: large enough that each chunk's copy runs at the link's speed, small enough to keep."""

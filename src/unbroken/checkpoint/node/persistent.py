@@ -22,8 +22,8 @@ from urllib.parse import urlparse
 
 import fsspec
 
-from unbroken.checkpoint.manifest import ShardInfo, StepManifest, dumps
-from unbroken.checkpoint.integrity import StreamingChecksum
+from unbroken.checkpoint.format.manifest import ShardInfo, StepManifest, dumps
+from unbroken.checkpoint.format.integrity import StreamingChecksum
 from unbroken.errors import CheckpointError
 
 MARKER = "COMMITTED"

@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
-from unbroken.checkpoint import integrity, shard
-from unbroken.checkpoint.cuda_host import CudaRuntime
-from unbroken.checkpoint.integrity import StreamingChecksum
-from unbroken.checkpoint.manifest import ShardInfo, TensorMeta
+from unbroken.checkpoint.format import integrity, shard
+from unbroken.checkpoint.node.cuda_host import CudaRuntime
+from unbroken.checkpoint.format.integrity import StreamingChecksum
+from unbroken.checkpoint.format.manifest import ShardInfo, TensorMeta
 from unbroken.errors import CheckpointError
 
 CHUNK_BYTES = integrity.CHUNK_BYTES
