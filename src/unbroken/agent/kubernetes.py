@@ -53,10 +53,8 @@ from unbroken.health.monitor import HealthMonitor
 from unbroken.backends.kubernetes import heartbeats, names, node_repair, rank_env
 from unbroken.rank.env import ENDPOINT_FILE
 from unbroken.backends.kubernetes.client import api_client
-from unbroken.backends.kubernetes.store import KubernetesStore
-from unbroken.backends.kubernetes.catalog import KubernetesCatalog
 from unbroken.plumbing.metrics import AgentMetrics
-from unbroken.runtime import Runtime, open_kubernetes
+from unbroken.runtime import KubernetesRuntime, open_kubernetes
 from unbroken.state.records import EventType
 
 log = logging.getLogger("unbroken.agent.kubernetes")
@@ -79,7 +77,7 @@ def kernel_log_source(spec: str) -> LineSource:
 
 
 class KubernetesAgent:
-    def __init__(self, runtime: Runtime, node: str, socket_dir: Path, kernel_log: str, *, shard_host: str = "127.0.0.1",
+    def __init__(self, runtime: KubernetesRuntime, node: str, socket_dir: Path, kernel_log: str, *, shard_host: str = "127.0.0.1",
                  shard_port: int = 0) -> None:
         self.runtime = runtime
         self.shard_host = shard_host
@@ -151,7 +149,6 @@ class KubernetesAgent:
         """Once the operator has made the heartbeat key: a datagram to the leader every ``HeartbeatIntervalSeconds``
         until the agent stops (a stall, a paused agent, sends one beat after it, not a burst). Until then the Lease
         alone vouches for this node, and a loss is seen ``LeaseRenewSeconds`` later."""
-        assert isinstance(self.store, KubernetesStore)  # this agent runs on open_kubernetes's runtime
         key = heartbeats.wait_key(self.store.api, self.store.namespace, self.stopping)
         if key is None:
             return
@@ -165,7 +162,6 @@ class KubernetesAgent:
 
     def _leader_address(self) -> tuple[str, int] | None:
         """Where the leading operator hears heartbeats (the leader Lease's annotation), None if none leads."""
-        assert isinstance(self.store, KubernetesStore)
         try:
             annotations = self.store.lease_annotations(names.LEADER_LEASE)
         except NotFoundError:
@@ -176,7 +172,6 @@ class KubernetesAgent:
     def _start_checkpoints(self) -> None:
         """The memory tier on this node, once the operator has made the cluster's TLS credentials; if it cannot
         start, it stays off (logged) and the agent's health work goes on."""
-        assert isinstance(self.store, KubernetesStore)  # this agent runs on open_kubernetes's runtime
         cluster_dir = self.socket_dir / rank_env.CLUSTER_FOLDER
         creds = cluster_tls.wait(self.store.api, self.store.namespace, cluster_dir, self.stopping)
         if creds is None:
@@ -184,8 +179,7 @@ class KubernetesAgent:
         # The pass reads the Nodes, the workloads and the job's catalog: from watch caches, not lists (this
         # agent follows no other node's Lease and no pod: backends/kubernetes/watch_cache.py).
         caches = self.store.start_watches(leases=False, pods=False)
-        if isinstance(self.runtime.catalog, KubernetesCatalog):
-            self.runtime.catalog.follow(nodes=caches.nodes)
+        self.runtime.catalog.follow(nodes=caches.nodes)
         try:
             service = CheckpointService(self.runtime.catalog, self.store, self.node, shm.node_root(cluster_dir, self.node),
                                         creds, host=self.shard_host, port=self.shard_port, metrics=self.metrics)
@@ -208,7 +202,6 @@ class KubernetesAgent:
         is not retried: the node stays Rebooting until ``RebootTimeoutSeconds`` makes it a
         replacement; an agent restarted on the same boot tries once more).
         """
-        assert isinstance(self.store, KubernetesStore)  # this agent runs on open_kubernetes's runtime
         boot = node_repair.read_boot(self.store, self.node)
         if not boot.reboot_due_here or boot.boot_id in self.rebooted_from:
             return

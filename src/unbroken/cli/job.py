@@ -210,11 +210,10 @@ def logs(
 
 def _pod_logs(runtime: Runtime, job: Job, *, node: str | None, rank: int | None, attempt: int | None, follow: bool) -> None:
     from unbroken.backends.kubernetes import pod_logs  # here: local commands need not import the kubernetes client
-    from unbroken.backends.kubernetes.store import KubernetesStore
 
-    assert isinstance(runtime.cluster, KubernetesStore)
+    store = runtime.on_kubernetes("a pod's logs").cluster
     namespace, _, short = job.name.partition("/")
-    kubectl = f"kubectl logs -n {namespace} -l {runtime.cluster.kind_of(job.name).pod_selector(short)} --prefix --tail=-1"
+    kubectl = f"kubectl logs -n {namespace} -l {store.kind_of(job.name).pod_selector(short)} --prefix --tail=-1"
     if follow:
         raise UsageError(f"--follow is not built for Kubernetes jobs; follow the pods with: {kubectl} --follow")
     if rank is not None:
@@ -223,7 +222,7 @@ def _pod_logs(runtime: Runtime, job: Job, *, node: str | None, rank: int | None,
     if attempt is not None and attempt != job.attempt:
         raise UsageError(f"on Kubernetes only the pods of the latest attempt ({job.attempt}) exist, and with them their logs; "
                          f"attempt {attempt}'s went with its pods (keep them with a log collector)")
-    found = pod_logs.job_pod_logs(runtime.cluster, job.name, node=node)
+    found = pod_logs.job_pod_logs(store, job.name, node=node)
     if not found:
         where = f" on node {node}" if node else ""
         raise UsageError(f"job {job.name} has no pods{where} now (phase {job.phase.value}); its Events say why: "

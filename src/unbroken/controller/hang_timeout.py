@@ -28,16 +28,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from unbroken.config.job import HANG_TIMEOUT_FALLBACK_S, STARTUP_TIMEOUT_FALLBACK_S, JobSpec
+from unbroken.config.hang_policy import (FALLBACK_S, FLOOR_S, GAP_MULTIPLE, MIN_STEPS, STARTUP_FLOOR_S, STARTUP_MULTIPLE,
+                                         STEP_MULTIPLE, from_step_times)
+from unbroken.config.job import STARTUP_TIMEOUT_FALLBACK_S, JobSpec
 from unbroken.state.records import Worker
 
-FLOOR_S = 3.0
-STEP_MULTIPLE = 20.0
-GAP_MULTIPLE = 2.0
-MIN_STEPS = 10
-FALLBACK_S = HANG_TIMEOUT_FALLBACK_S
-STARTUP_FLOOR_S = 60.0
-STARTUP_MULTIPLE = 3.0
+__all__ = ["FALLBACK_S", "FLOOR_S", "GAP_MULTIPLE", "MIN_STEPS", "STARTUP_FLOOR_S", "STARTUP_MULTIPLE", "STEP_MULTIPLE",
+           "HangTimeout", "in_force", "observed_startup", "startup_in_force"]
 
 
 @dataclass(frozen=True)
@@ -66,7 +63,7 @@ def in_force(spec: JobSpec, workers: list[Worker], *, previous: HangTimeout | No
         return HangTimeout(FALLBACK_S, f"from step times once every worker has run {MIN_STEPS} steps; until then the default")
     median = max(t.median_s for t in measured)
     longest = max(t.longest_s for t in measured)
-    seconds = max(FLOOR_S, STEP_MULTIPLE * median, GAP_MULTIPLE * longest)
+    seconds = from_step_times(median, longest)
     return HangTimeout(round(seconds, 3), f"from step times: max({FLOOR_S:g} s, {STEP_MULTIPLE:g} x median step {median:.3f} s, "
                                           f"{GAP_MULTIPLE:g} x longest gap {longest:.3f} s)", measured=True)
 

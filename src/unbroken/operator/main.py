@@ -39,11 +39,10 @@ from unbroken.backends.kubernetes import heartbeats, names
 from unbroken.operator import deep_checks
 from unbroken.operator.deep_checks import DeepCheckJobs
 from unbroken.operator.reboots import RebootReturns
-from unbroken.backends.kubernetes.catalog import KubernetesCatalog
 from unbroken.backends.kubernetes.client import api_client
 from unbroken.backends.kubernetes.leader import LeaderLease
 from unbroken.backends.kubernetes.store import KubernetesStore
-from unbroken.runtime import Runtime, open_kubernetes
+from unbroken.runtime import KubernetesRuntime, open_kubernetes
 from unbroken.state.records import EventType
 
 log = logging.getLogger("unbroken.operator")
@@ -57,7 +56,7 @@ SILENT_AFTER_SECONDS = 3.0
 
 
 class Operator:
-    def __init__(self, runtime: Runtime, leader: LeaderLease, deep_checks: DeepCheckJobs) -> None:
+    def __init__(self, runtime: KubernetesRuntime, leader: LeaderLease, deep_checks: DeepCheckJobs) -> None:
         self.runtime = runtime
         self.leader = leader
         self.deep_checks = deep_checks
@@ -70,7 +69,6 @@ class Operator:
 
     @property
     def store(self) -> KubernetesStore:
-        assert isinstance(self.runtime.cluster, KubernetesStore)
         return self.runtime.cluster
 
     def run(self) -> None:
@@ -196,7 +194,6 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         log.error("cannot hear heartbeats on %s:%s: %s", args.heartbeat_host, port, exc)
         return 2
-    assert isinstance(runtime.cluster, KubernetesStore)  # open_kubernetes's store
     runtime.cluster.heartbeats = board
     address = f"{args.heartbeat_address}:{board.port}"
     log.info("hearing heartbeats", extra={"address": address})
@@ -220,8 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     caches = runtime.cluster.start_watches(on_change=operator.wake.set)
-    if isinstance(runtime.catalog, KubernetesCatalog):
-        runtime.catalog.follow(nodes=caches.nodes)  # what /metrics reads of the checkpoints, per scrape
+    runtime.catalog.follow(nodes=caches.nodes)  # what /metrics reads of the checkpoints, per scrape
     log.info("operator started", extra={"namespace": args.namespace, "identity": args.identity,
                                         "watches": [cache.name for cache in caches.all()]})
     try:

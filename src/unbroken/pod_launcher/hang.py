@@ -6,7 +6,7 @@ say so breaks the round (coordinator.py), every rank is asked to leave
 (``rejoin.request_leave``: the blocked ones leave at once), and the ranks that do
 not leave in a few steps' time (the hung one) are replaced from the warm spare.
 
-The timeout is the operator's (controller/hang_timeout.py: a floor, a multiple of
+The timeout is the operator's (config/hang_policy.py, explained in controller/hang_timeout.py: a floor, a multiple of
 the median step, a multiple of the longest pause seen) at half its size, floor
 included: the pods act first and in place, and the operator, which sees the same
 silence later (through the agents' reports), recreates the pods only when they
@@ -25,7 +25,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
-from unbroken.controller import hang_timeout
+from unbroken.config import hang_policy
 
 SHARE_OF_THE_OPERATORS = 0.5
 """The launcher's timeout (its floor and multiples, or a job's own timeout) as a share of the operator's: it must act,
@@ -67,19 +67,18 @@ class StepClock:
             self._longest = max(self._longest, at - previous)
 
     def median_step(self) -> float | None:
-        """None until ``hang_timeout.MIN_STEPS`` steps were measured."""
-        return statistics.median(self._intervals) if len(self._intervals) >= hang_timeout.MIN_STEPS else None
+        """None until ``hang_policy.MIN_STEPS`` steps were measured."""
+        return statistics.median(self._intervals) if len(self._intervals) >= hang_policy.MIN_STEPS else None
 
     def timeout(self, job_timeout: float | None = None) -> float | None:
         """Seconds of silence that make the pod's ranks hung (the share of ``job_timeout``, the job's own hang
         timeout, when it sets one); None until their steps are measured."""
         median = self.median_step()
-        if median is None or self._round_steps < hang_timeout.MIN_STEPS:
+        if median is None or self._round_steps < hang_policy.MIN_STEPS:
             return None
         if job_timeout:
             return SHARE_OF_THE_OPERATORS * job_timeout
-        multiples = max(hang_timeout.STEP_MULTIPLE * median, hang_timeout.GAP_MULTIPLE * self._longest)
-        return SHARE_OF_THE_OPERATORS * max(hang_timeout.FLOOR_S, multiples)
+        return SHARE_OF_THE_OPERATORS * hang_policy.from_step_times(median, self._longest)
 
     def finished(self, local_rank: int, at: float) -> None:
         if at > self._since:

@@ -37,9 +37,13 @@ from unbroken.state.worker_table import WorkerTable
 if TYPE_CHECKING:
     import kubernetes
 
+    from unbroken.backends.kubernetes.backend import KubernetesBackend
+    from unbroken.backends.kubernetes.catalog import KubernetesCatalog
+    from unbroken.backends.kubernetes.store import KubernetesStore
+
 Clock = Callable[[], float]
 
-__all__ = ["Clock", "Runtime", "create_local", "open_kubernetes", "open_local"]
+__all__ = ["Clock", "KubernetesRuntime", "Runtime", "create_local", "open_kubernetes", "open_local"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,22 @@ class Runtime:
         if not isinstance(self.backend, LocalBackend):
             raise UsageError(f"{what} needs a local cluster (this one runs on {type(self.backend).__name__})")
         return self.backend
+
+    def on_kubernetes(self, what: str) -> "KubernetesRuntime":
+        """This runtime as a :class:`KubernetesRuntime`, for what only exists there (pods, Secrets, the API)."""
+        if not isinstance(self, KubernetesRuntime):
+            raise UsageError(f"{what} needs a Kubernetes cluster (this one runs on {type(self.backend).__name__})")
+        return self
+
+
+@dataclass(frozen=True)
+class KubernetesRuntime(Runtime):
+    """``open_kubernetes``'s runtime: the same seams, typed as what they are there, so the operator, the
+    node agent and the CLI's Kubernetes commands reach the API's own calls without casting."""
+
+    cluster: KubernetesStore
+    catalog: KubernetesCatalog
+    backend: KubernetesBackend
 
 
 def open_local(layout: ClusterLayout, *, clock: Clock = time.time) -> Runtime:
@@ -88,7 +108,7 @@ def _local(layout: ClusterLayout, store: SqliteStore, clock: Clock) -> Runtime:
 
 
 def open_kubernetes(api: "kubernetes.client.ApiClient", namespace: str, *, job_namespace: str | None = None,
-                    state_dir: Path = Path("/var/lib/unbroken"), clock: Clock = time.time) -> Runtime:
+                    state_dir: Path = Path("/var/lib/unbroken"), clock: Clock = time.time) -> KubernetesRuntime:
     """The runtime of the cluster behind ``api``: unbroken installed in ``namespace`` (its
     ConfigMap ``unbroken-cluster`` holds the cluster file); jobs in ``job_namespace`` or all."""
     from unbroken.config.cluster import Remediator
@@ -111,5 +131,5 @@ def open_kubernetes(api: "kubernetes.client.ApiClient", namespace: str, *, job_n
         remediator = ConditionRemediator(store)
     backend = KubernetesBackend(store, remediator, force_delete_after=settings.ForceDeleteGraceSeconds,
                                 stop_grace=settings.StopGraceSeconds)
-    return Runtime(cluster=store, catalog=KubernetesCatalog(api, namespace), backend=backend, config=config,
-                   layout=ClusterLayout.at(state_dir), clock=clock)
+    return KubernetesRuntime(cluster=store, catalog=KubernetesCatalog(api, namespace), backend=backend, config=config,
+                             layout=ClusterLayout.at(state_dir), clock=clock)
