@@ -669,7 +669,7 @@ def section_primitives(run: Run) -> dict[str, Any]:
 def section_llm(run: Run) -> dict[str, Any]:
     from unbroken.controller import jobs, report
     from unbroken.runtime import fault_injection
-    from unbroken.agent.warm_spare import READY_MARK
+    from unbroken.supervision.warm_spare import READY_MARK
     from unbroken.config.job import JobSpec
     from unbroken.data.prepare_text import prepare_text
     from unbroken.plumbing.waiting import wait_until

@@ -54,7 +54,7 @@ from pathlib import Path
 from unbroken.controller import jobs, report
 from unbroken.plumbing import procs
 from unbroken.runtime import fault_injection
-from unbroken.agent.warm_spare import READY_MARK
+from unbroken.supervision.warm_spare import READY_MARK
 from unbroken.runtime import local_cluster
 from unbroken.config.cluster import ClusterConfig
 from unbroken.config.job import JobSpec

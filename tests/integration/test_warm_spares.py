@@ -14,9 +14,9 @@ from pathlib import Path
 from helpers import STEPS, assert_same_parameters
 
 from unbroken.plumbing import procs
-from unbroken.agent.launcher import TRAMPOLINE, describe_exit
-from unbroken.agent.spare_pool import SparePool
-from unbroken.agent.warm_spare import READY_MARK, Identity
+from unbroken.supervision.torchrun import TRAMPOLINE, describe_exit
+from unbroken.supervision.spare_pool import SparePool
+from unbroken.supervision.warm_spare import READY_MARK, Identity
 from unbroken.config.job import JobSpec
 from unbroken.rank.registry import REGISTRY_DIR
 from unbroken.plumbing.waiting import wait_until

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from unbroken.rank import rejoin
 from unbroken.agent import held
-from unbroken.agent.launcher import RunningWorker
+from unbroken.supervision.torchrun import RunningWorker
 
 
 def _worker(tmp_path: Path, ranks: int = 2, abort_timeout: float = 5.0) -> RunningWorker:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from unbroken.agent.launcher import describe_exit, root_cause
+from unbroken.supervision.torchrun import describe_exit, root_cause
 
 PLAIN = """
 import os, sys

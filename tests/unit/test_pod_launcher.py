@@ -395,10 +395,10 @@ def test_node_rank_0_whose_coordinator_port_is_taken_exits_2_naming_the_port() -
     assert "Traceback" not in result.stderr
 
 
-def test_the_step_clock_times_a_hang_at_half_the_operators_timeout_and_a_leave_in_a_few_steps() -> None:
-    from unbroken.pod_launcher.hang import StepClock
+def test_the_hang_watch_times_a_hang_at_half_the_operators_timeout_and_a_leave_in_a_few_steps() -> None:
+    from unbroken.pod_launcher.hang import HangWatch
 
-    clock = StepClock()
+    clock = HangWatch()
     clock.new_round(1000.0)
     assert clock.timeout() is None and clock.silent_for(1001.0) is None  # nothing measured: no hang declared
     assert clock.leave_timeout(10.0) == 10.0

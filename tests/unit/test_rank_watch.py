@@ -1,4 +1,4 @@
-"""The agent's own watch on its ranks (agent/rank_watch.py), what the agent makes of the deaths it sees
+"""The agent's own watch on its ranks (supervision/rank_watch.py), what the agent makes of the deaths it sees
 (agent/workers.py), and the controller's doorbell (doorbell.py).
 
 Real processes throughout: a stand-in for torchrun that starts two "ranks" (children with LOCAL_RANK in
@@ -22,9 +22,9 @@ import psutil
 import pytest
 
 from unbroken.plumbing import doorbell
-from unbroken.agent.launcher import NodeSettings, RunningWorker
+from unbroken.supervision.torchrun import NodeSettings, RunningWorker
 from unbroken.agent.progress import ProgressBook
-from unbroken.agent.rank_watch import Rank, RankDeath, RankWatch, wait_status
+from unbroken.supervision.rank_watch import Rank, RankDeath, RankWatch, wait_status
 from unbroken.agent.workers import WorkerRunner
 from unbroken.config.cluster import ClusterConfig
 from unbroken.plumbing.layout import ClusterLayout

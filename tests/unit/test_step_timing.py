@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from unbroken.agent.progress import ProgressBook
-from unbroken.agent.step_clock import WARMUP_STEPS, WINDOW, RankClock, worker_timing
+from unbroken.supervision.step_clock import WARMUP_STEPS, WINDOW, RankClock, worker_timing
 from unbroken.rank.channel import MessageKind, RankMessage
 from unbroken.config.job import JobSpec
 from unbroken.controller import hang_timeout, stragglers

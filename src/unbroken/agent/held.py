@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from unbroken.rank import rejoin
-from unbroken.agent.launcher import RunningWorker
+from unbroken.supervision.torchrun import RunningWorker
 
 log = logging.getLogger("unbroken.agent.held")
 

@@ -19,7 +19,8 @@ import threading
 import time
 
 from unbroken.plumbing import logs, metrics
-from unbroken.agent import join_checks, launcher
+from unbroken.agent import join_checks
+from unbroken.supervision import torchrun
 from unbroken.agent.progress import ProgressBook
 from unbroken.agent.workers import WorkerRunner
 from unbroken.rank.channel import AgentReceiver, agent_socket
@@ -178,8 +179,8 @@ class Agent:
     def _jobs_on(self, node: str) -> list[str]:
         return [w.job for w in self.runtime.backend.active_workers() if w.node == node]
 
-    def _launch_settings(self) -> launcher.NodeSettings:
-        return launcher.NodeSettings(
+    def _launch_settings(self) -> torchrun.NodeSettings:
+        return torchrun.NodeSettings(
             agent_socket=self.receiver.path,
             checkpoint_endpoint=self.checkpoints.server.address if self.checkpoints.server else None,
             local_addr=self.store.get_node(self.node).address,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from unbroken.agent.step_clock import RankClock, worker_timing
+from unbroken.supervision.step_clock import RankClock, worker_timing
 from unbroken.rank.channel import MessageKind, RankMessage
 from unbroken.plumbing.metrics import AgentMetrics
 from unbroken.state.records import RankInfo, WorkerProgress

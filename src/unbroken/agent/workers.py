@@ -8,7 +8,7 @@ Failed (with the failing rank and its exit code) or Stopped. It keeps only the
 it cannot see are stopped and reported lost.
 
 A rank that dies of its own accord fails its worker at once (``rank_died``,
-from the rank watch: agent/rank_watch.py) and rings the controller's doorbell,
+from the rank watch: supervision/rank_watch.py) and rings the controller's doorbell,
 without waiting for torchrun to notice, stop the other ranks and exit; the row
 is then closed, so the next pass stops what is left of the group. Every other
 closing write (stopped, succeeded, failed at torchrun's exit) rings it too.
@@ -25,10 +25,11 @@ from typing import Any
 
 from unbroken.plumbing import doorbell, procs
 from unbroken.rank import rejoin
-from unbroken.agent import held, launcher
+from unbroken.agent import held
+from unbroken.supervision import torchrun
 from unbroken.agent.progress import ProgressBook
-from unbroken.agent.rank_watch import RankDeath, RankWatch
-from unbroken.agent.spare_pool import SparePool
+from unbroken.supervision.rank_watch import RankDeath, RankWatch
+from unbroken.supervision.spare_pool import SparePool
 from unbroken.config.job import JobSpec
 from unbroken.errors import NotFoundError
 from unbroken.rank.env import LaunchEnv
@@ -59,7 +60,7 @@ JOBS_READ_SECONDS = 2.0
 
 class WorkerRunner:
     def __init__(self, node: str, table: WorkerTable, store: ClusterStore, layout: ClusterLayout, book: ProgressBook,
-                 launch_settings: Callable[[], launcher.NodeSettings]) -> None:
+                 launch_settings: Callable[[], torchrun.NodeSettings]) -> None:
         self.node = node
         self.table = table
         self.store = store
@@ -67,11 +68,11 @@ class WorkerRunner:
         self.book = book
         self.launch_settings = launch_settings
         """Where this node's ranks find their agent (socket, shard server) and its address, read at launch."""
-        self.running: dict[int, launcher.RunningWorker] = {}
+        self.running: dict[int, torchrun.RunningWorker] = {}
         self._lock = threading.Lock()
         """Held by a pass and by ``rank_died`` (the watch's thread): one writer of a worker's closing row."""
         self.watch = RankWatch(self.rank_died)
-        self.spares = SparePool(node, layout.node_dir(node), launcher.TRAMPOLINE)
+        self.spares = SparePool(node, layout.node_dir(node), torchrun.TRAMPOLINE)
         self._spare_wants: dict[int, tuple[JobSpec, dict[str, str]]] = {}
         """By worker id, for the running workers whose job keeps warm spares: its spec and environment."""
         self._jobs_wanting: dict[str, tuple[JobSpec, dict[str, str]]] = {}
@@ -107,7 +108,7 @@ class WorkerRunner:
                 return
             running.reported = True
             running.reported_unread = death.exit_code is None or death.exit_code == -signal.SIGTERM
-            message = launcher.rank_exit_message(death.rank.rank, death.rank.local_rank, death.exit_code, running.log_dir)
+            message = torchrun.rank_exit_message(death.rank.rank, death.rank.local_rank, death.exit_code, running.log_dir)
             last = _progress_update(self.book.take(worker.job, worker.attempt))
             self.table.update_worker(worker.id, WorkerUpdate(phase=WorkerPhase.FAILED, exit_code=death.exit_code, ended_at=time.time(),
                                                              message=message, **last))
@@ -143,7 +144,7 @@ class WorkerRunner:
             self.held.expire(self._job_over)
         self._keep_spares(active)
 
-    def _hold(self, worker: Worker, running: launcher.RunningWorker) -> None:
+    def _hold(self, worker: Worker, running: torchrun.RunningWorker) -> None:
         """An in-process restart (agent/held.py): keep the worker once its ranks left their process group."""
         verdict, left = held.leaving(running, worker.attempt, time.monotonic())
         extra = {"node": self.node, "job": worker.job, "attempt": worker.attempt, "pid": running.process.pid}
@@ -163,12 +164,12 @@ class WorkerRunner:
         doorbell.ring(self.layout.controller_doorbell)
         log.info("in-process restart: worker held for the next attempt", extra=extra)
 
-    def _lingers(self, worker: Worker, running: launcher.RunningWorker) -> bool:
+    def _lingers(self, worker: Worker, running: torchrun.RunningWorker) -> bool:
         """Every rank of the worker said it finished, and the worker is still there past the grace."""
         done = self.book.finished_at(worker.job, worker.attempt, running.ranks)
         return done is not None and time.time() - done > finished_exit_grace(self._spec_of(worker))
 
-    def _end_lingering(self, worker: Worker, running: launcher.RunningWorker) -> None:
+    def _end_lingering(self, worker: Worker, running: torchrun.RunningWorker) -> None:
         """Ranks that said they finished and did not exit (a teardown stuck in a library, a torchrun waiting for a
         value that never comes): nobody would time them, and the job would stay Running. End them; the worker is
         judged on what its ranks reported, with an Event that says so."""
@@ -186,7 +187,7 @@ class WorkerRunner:
         except NotFoundError:
             return None
 
-    def _notice_interruption(self, worker: Worker, running: launcher.RunningWorker) -> None:
+    def _notice_interruption(self, worker: Worker, running: torchrun.RunningWorker) -> None:
         """A rank that left its process group (in-process restarts) means the attempt is broken: say so now.
         When a whole node is lost nobody else reports the dead ranks until the node is declared lost."""
         assert running.rejoin_dir is not None
@@ -234,7 +235,7 @@ class WorkerRunner:
                     continue
                 spec = job.spec()
                 if spec.resilience.warm_spares:
-                    self._jobs_wanting[job.name] = (spec, launcher.job_environ(spec, self._launch_env(spec, job.name, job.attempt)))
+                    self._jobs_wanting[job.name] = (spec, torchrun.job_environ(spec, self._launch_env(spec, job.name, job.attempt)))
         return self._jobs_wanting
 
     def stop_orphans(self) -> None:
@@ -262,12 +263,12 @@ class WorkerRunner:
                 running.begin_stop()
                 running.continue_stop()
 
-    def _name_the_unread_exit(self, worker_id: int, running: launcher.RunningWorker) -> None:
+    def _name_the_unread_exit(self, worker_id: int, running: torchrun.RunningWorker) -> None:
         """The failure this worker reported named a rank torchrun reaped before we read how it ended, or
         one it stopped with SIGTERM (maybe its teardown after a rank we never watched). torchrun's root
         cause, written as it exits, says how: the row gets it, and the controller names it in a
         JobRestartCause event (the restart was not delayed for it)."""
-        cause = launcher.root_cause(running.log_dir)
+        cause = torchrun.root_cause(running.log_dir)
         if cause is None or cause[0] == -signal.SIGTERM:  # torchrun knows no better
             return
         exit_code, message = cause
@@ -307,7 +308,7 @@ class WorkerRunner:
         checkpoint_dir = spec.checkpoint.dir or self.layout.checkpoint_dir(worker.job)
         spare = self.spares.take(worker.job)
         try:
-            running = launcher.launch(spec, worker, cluster_dir=self.layout.root, node=self.node, log_dir=log_dir,
+            running = torchrun.launch(spec, worker, cluster_dir=self.layout.root, node=self.node, log_dir=log_dir,
                                       checkpoint_dir=checkpoint_dir, settings=self.launch_settings(), nnodes=nnodes, spare=spare)
         except OSError as exc:
             # e.g. the working_dir was deleted: the job's fault, not the node's. Report it
@@ -319,7 +320,7 @@ class WorkerRunner:
             return
         self.running[worker.id] = running
         if spec.resilience.warm_spares:
-            self._spare_wants[worker.id] = (spec, launcher.job_environ(spec, self._launch_env(spec, worker.job, worker.attempt)))
+            self._spare_wants[worker.id] = (spec, torchrun.job_environ(spec, self._launch_env(spec, worker.job, worker.attempt)))
         self.watch.track(worker.id, running.process.pid, spec.procs_per_node, log_dir / "ranks" if running.warm else None)
         self.table.update_worker(worker.id, WorkerUpdate(phase=WorkerPhase.RUNNING, pid=running.process.pid,
                                                          started_at=time.time(), log_dir=str(log_dir)))
@@ -339,7 +340,7 @@ class WorkerRunner:
         self.watch.track(worker.id, running.process.pid, running.ranks, running.log_dir / "ranks" if running.warm else None)
         spec = job.spec()
         if spec.resilience.warm_spares:
-            self._spare_wants[worker.id] = (spec, launcher.job_environ(spec, self._launch_env(spec, worker.job, worker.attempt)))
+            self._spare_wants[worker.id] = (spec, torchrun.job_environ(spec, self._launch_env(spec, worker.job, worker.attempt)))
         # The logs stay where the process writes them: the folder of the attempt that launched it.
         self.table.update_worker(worker.id, WorkerUpdate(phase=WorkerPhase.RUNNING, pid=running.process.pid,
                                                          started_at=time.time(), log_dir=str(running.log_dir)))
@@ -349,10 +350,10 @@ class WorkerRunner:
 
     def _launch_env(self, spec: JobSpec, job: str, attempt: int) -> LaunchEnv:
         checkpoint_dir = spec.checkpoint.dir or self.layout.checkpoint_dir(job)
-        return launcher.launch_environ(spec, job, attempt, cluster_dir=self.layout.root, node=self.node,
+        return torchrun.launch_environ(spec, job, attempt, cluster_dir=self.layout.root, node=self.node,
                                        checkpoint_dir=checkpoint_dir, settings=self.launch_settings())
 
-    def _record_exit(self, worker: Worker, running: launcher.RunningWorker, code: int) -> None:
+    def _record_exit(self, worker: Worker, running: torchrun.RunningWorker, code: int) -> None:
         self._forget(worker.id)
         # Stopped only if we stopped it: a worker that died on its own before the stop request
         # reached it keeps its real exit, which is what names the cause of a restart.
@@ -364,7 +365,7 @@ class WorkerRunner:
             phase, exit_code, message = WorkerPhase.SUCCEEDED, 0, "all ranks exited 0"
         else:
             phase = WorkerPhase.FAILED
-            exit_code, message = launcher.describe_exit(code, running.log_dir)
+            exit_code, message = torchrun.describe_exit(code, running.log_dir)
         # The worker's last steps go with its closing write, not with the next lease renewal.
         last = _progress_update(self.book.take(worker.job, worker.attempt))
         self.table.update_worker(worker.id, WorkerUpdate(phase=phase, exit_code=exit_code, ended_at=time.time(), message=message,

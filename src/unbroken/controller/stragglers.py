@@ -12,7 +12,7 @@ time of the ranks on the job's *other* nodes over its own, capped at 1:
   rank: it leaves out the rank's own node, so a node whose eight ranks all slow
   down together does not raise its own reference, and a two-node job still has one.
 - Each rank's work time is already a median over its last 20 steps
-  (``agent/step_clock.py``): a noisy step moves nothing.
+  (``supervision/step_clock.py``): a noisy step moves nothing.
 
 A node's score is its worst rank's. A node is a **straggler** once its score
 has stayed under the threshold, report after report, for ``CONFIRM_STEPS`` job

@@ -22,10 +22,8 @@ counts against ``--max-restarts``.
 
 from __future__ import annotations
 
-import statistics
-from collections import deque
-
 from unbroken.config import hang_policy
+from unbroken.supervision.step_clock import StepIntervals
 
 SHARE_OF_THE_OPERATORS = 0.5
 """The launcher's timeout (its floor and multiples, or a job's own timeout) as a share of the operator's: it must act,
@@ -36,16 +34,17 @@ replaced (a healthy rank reaches its next collective, and fails there, within a 
 LEAVE_FLOOR_S = 0.5
 
 
-class StepClock:
-    """The steps of one pod's ranks: their median step, their longest pause, and how long they have been silent."""
+class HangWatch:
+    """The steps of one pod's ranks: their median step, their longest pause (the step clock's, over
+    the pod's lowest local rank that steps), and how long they have been silent."""
 
     def __init__(self) -> None:
         self._last: dict[int, float] = {}
         self._finished: set[int] = set()
         """Local ranks whose training returned in this round (``MessageKind.FINISHED``): exiting, not hung."""
         self._round_steps = 0
-        self._intervals: deque[float] = deque(maxlen=200)
-        self._longest = 0.0
+        self._intervals = StepIntervals(window=200)
+        """Across rounds: a pause seen in one round (a checkpoint) is still the job's in the next."""
         self._since = 0.0
 
     def new_round(self, started: float) -> None:
@@ -63,12 +62,11 @@ class StepClock:
         self._last[local_rank] = max(at, previous or 0.0)
         if previous is not None and local_rank == min(self._last) and at > previous:
             self._round_steps += 1
-            self._intervals.append(at - previous)
-            self._longest = max(self._longest, at - previous)
+            self._intervals.add(at - previous)
 
     def median_step(self) -> float | None:
         """None until ``hang_policy.MIN_STEPS`` steps were measured."""
-        return statistics.median(self._intervals) if len(self._intervals) >= hang_policy.MIN_STEPS else None
+        return self._intervals.median() if self._intervals.count >= hang_policy.MIN_STEPS else None
 
     def timeout(self, job_timeout: float | None = None) -> float | None:
         """Seconds of silence that make the pod's ranks hung (the share of ``job_timeout``, the job's own hang
@@ -78,7 +76,7 @@ class StepClock:
             return None
         if job_timeout:
             return SHARE_OF_THE_OPERATORS * job_timeout
-        return SHARE_OF_THE_OPERATORS * hang_policy.from_step_times(median, self._longest)
+        return SHARE_OF_THE_OPERATORS * hang_policy.from_step_times(median, self._intervals.longest)
 
     def finished(self, local_rank: int, at: float) -> None:
         if at > self._since:

@@ -32,9 +32,9 @@ from enum import StrEnum
 from pathlib import Path
 
 from unbroken.rank import registry as rank_registry, rejoin
-from unbroken.agent import launcher, spare_pool, warm_spare
-from unbroken.agent.rank_watch import RankDeath, RankWatch
-from unbroken.agent.spare_pool import Spare
+from unbroken.supervision import spare_pool, torchrun, warm_spare
+from unbroken.supervision.rank_watch import RankDeath, RankWatch
+from unbroken.supervision.spare_pool import Spare
 from unbroken.errors import ConfigError
 from unbroken.rank.env import AGENT_SOCKET, ATTEMPT, JOB, GroupPlacement
 from unbroken.pod_launcher.arguments import PodRun
@@ -98,7 +98,7 @@ class PodLauncher:
         """A spare pod said it stands by (once its warm spare is ready)."""
         self._hang_backoff = 1.0
         """The hang timeout's multiplier: doubled by every hang this launcher declares (``_hung``)."""
-        self.ranks: launcher.RunningWorker | None = None
+        self.ranks: torchrun.RunningWorker | None = None
         self.spare: Spare | None = None
         self._phase_started = time.monotonic()
         self._round_started = time.time()
@@ -291,10 +291,10 @@ class PodLauncher:
         spare, self.spare = self.spare, None
         if spare is not None and not spare.alive():
             spare = None
-        process, warm = launcher.start_torchrun(
+        process, warm = torchrun.start_torchrun(
             self._torchrun_args(log_dir), {**group.to_environ(), AGENT_SOCKET: str(self.relay.path)}, working_dir=os.getcwd(), log_dir=log_dir, log="/dev/stdout",
             spare=spare, base_env=self._base_env)
-        self.ranks = launcher.RunningWorker(worker_id=self.round - 1, process=process, log_dir=log_dir, warm=warm,
+        self.ranks = torchrun.RunningWorker(worker_id=self.round - 1, process=process, log_dir=log_dir, warm=warm,
                                             rejoin_dir=group.rejoin_dir, ranks=self.run.nproc_per_node,
                                             abort_timeout=self.run.abort_timeout)
         self._watch_ranks()  # forgets round - 1's: the torchrun this one replaces
@@ -339,8 +339,8 @@ class PodLauncher:
             assert self.ranks.rejoin_dir is not None
             identity = rank_registry.identify(death.rank.pid, {rank_registry.IN_PROCESS_REGISTRY: str(self.ranks.rejoin_dir)}, None)
             rank = identity.rank if identity is not None else death.rank.rank
-            return launcher.rank_exit_message(rank, death.rank.local_rank, death.exit_code, self.ranks.log_dir)
-        return launcher.describe_exit(code or 1, self.ranks.log_dir)[1]
+            return torchrun.rank_exit_message(rank, death.rank.local_rank, death.exit_code, self.ranks.log_dir)
+        return torchrun.describe_exit(code or 1, self.ranks.log_dir)[1]
 
     def keep_spare(self) -> None:
         """Start the warm spare once every rank of this pod has stepped in this round (relay.py): warming imports
@@ -352,7 +352,7 @@ class PodLauncher:
         if not spare_pod and (self.phase is not Phase.RUNNING or self.ranks is None or stepped < self.run.nproc_per_node):
             return
         ready_file = self.run_dir / f"spare-{time.monotonic_ns()}.ready"
-        self.spare = spare_pool.start_spare(f"pod-{self.run.node_rank}", launcher.TRAMPOLINE,
+        self.spare = spare_pool.start_spare(f"pod-{self.run.node_rank}", torchrun.TRAMPOLINE,
                                             {**self._base_env, warm_spare.READY_FILE: str(ready_file)},
                                             cwd=os.getcwd(), out=None, ready_file=ready_file)
         log.info("warm spare started: it imports torch, then prints that it is ready", extra={"pid": self.spare.process.pid})

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 
-from unbroken.agent import warm_spare
+from unbroken.supervision import warm_spare
 from unbroken.rank.env import GroupPlacement
 
 

@@ -3,7 +3,7 @@
 The launcher learns from it when its ranks have stepped (``ctx.progress``), which
 is when it may start warming a spare: importing torch takes a core for seconds,
 and must not compete with a round's startup (the local agent waits for the same,
-agent/spare_pool.py). The ranks' ``UNBROKEN_AGENT_SOCKET`` points here; the node
+supervision/spare_pool.py). The ranks' ``UNBROKEN_AGENT_SOCKET`` points here; the node
 agent's socket (from the pod's environment) gets every datagram as before, and
 ``checkpoint-endpoint`` beside this socket is a link to the one the agent writes
 beside its own, so the tiered checkpoint finds its shard server as before.
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from unbroken.rank.channel import AgentReceiver, MessageKind
 from unbroken.rank.env import ENDPOINT_FILE
-from unbroken.pod_launcher.hang import StepClock
+from unbroken.pod_launcher.hang import HangWatch
 
 
 class ProgressRelay:
@@ -34,7 +34,7 @@ class ProgressRelay:
             endpoint.symlink_to(agent_socket.parent / ENDPOINT_FILE)
         self._stepped: dict[int, float] = {}
         """Local rank -> when it sent its last step (its own time stamp)."""
-        self.clock = StepClock()
+        self.clock = HangWatch()
         """The ranks' step times, for the hang timeout (hang.py); fed by ``stepped_since``."""
 
     def stepped_since(self, since: float) -> int:

@@ -3,7 +3,7 @@
 A rank that torchrun starts with ``subprocess`` carries ``RANK`` and
 ``LOCAL_RANK`` in its environment, and the agent, chaos and the local backend
 read them from ``/proc/<pid>/environ``. A rank forked from a warm spare's
-forkserver (agent/warm_spare.py) does not: the kernel shows the environment a
+forkserver (supervision/warm_spare.py) does not: the kernel shows the environment a
 process was *exec'ed* with, and a forked rank was exec'ed as the forkserver.
 Such a rank writes one small file, ``<registry>/<pid>.json``, before it runs the
 script; readers look there when the environment is silent. The registry is the

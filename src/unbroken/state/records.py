@@ -92,7 +92,7 @@ class RankInfo:
 
 @dataclass(frozen=True)
 class RankTiming:
-    """One rank's recent step times, as its agent measured them (``agent/step_clock.py``)."""
+    """One rank's recent step times, as its agent measured them (``supervision/step_clock.py``)."""
 
     rank: int
     work_s: float | None = None

@@ -60,7 +60,7 @@ def exit_rank(code: int) -> NoReturn:
     them ("terminate called without an active exception", a joinable thread of torch's) after a
     run that ended well, which reads as a rank killed by SIGABRT and fails the job at its last
     line. A warm spare's rank is a function that torchrun's elastic agent runs in a forked
-    process (agent/warm_spare.py): the agent counts a rank done only once the function returns
+    process (supervision/warm_spare.py): the agent counts a rank done only once the function returns
     its value through a queue, so such a rank raises ``SystemExit`` to its runner instead, which
     records the code and ends the process the same way (``os._exit``) once the agent has it. An
     ``os._exit`` here would leave that torchrun waiting for a value that never comes: a job on a

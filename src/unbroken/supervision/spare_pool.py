@@ -1,7 +1,7 @@
 """The agent's warm spares, per job: started while the job trains, handed out when it restarts.
 
 A job opts in with ``resilience.warm_spares: N``; each node it runs on then keeps
-N spares (agent/warm_spare.py) for it. A spare is started only while none of the
+N spares (supervision/warm_spare.py) for it. A spare is started only while none of the
 node's workers is starting up: warming imports torch on every core of a small
 machine, which must not slow the attempt that is starting (or the one a fault
 just caused). The first attempt is therefore cold and the next ones are warm. A
@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import IO
 
 from unbroken.plumbing import procs
-from unbroken.agent import warm_spare
+from unbroken.supervision import warm_spare
 from unbroken.config.job import JobSpec
 
-log = logging.getLogger("unbroken.agent.spare_pool")
+log = logging.getLogger("unbroken.supervision.spare_pool")
 
 
 @dataclass
@@ -89,7 +89,7 @@ class SparePool:
 
 def start_spare(job: str, trampoline: str, env: dict[str, str], *, cwd: str | Path | None, out: IO[bytes] | int | None,
                 ready_file: Path | None = None) -> Spare:
-    """A warm spare (agent/warm_spare.py) for ``job``, writing to ``out`` (None: our own stdout) until it is given an
+    """A warm spare (supervision/warm_spare.py) for ``job``, writing to ``out`` (None: our own stdout) until it is given an
     identity; ``ready_file``: the spare's ``warm_spare.READY_FILE`` in ``env``, if set there."""
     process = subprocess.Popen([sys.executable, "-c", trampoline, *warm_spare.SPARE_ARGV], cwd=cwd, env=env,
                                stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

@@ -31,7 +31,7 @@ import psutil
 from unbroken.plumbing import procs
 from unbroken.rank import registry as rank_registry
 
-log = logging.getLogger("unbroken.agent.rank_watch")
+log = logging.getLogger("unbroken.supervision.rank_watch")
 
 SCAN_SECONDS = 0.05
 

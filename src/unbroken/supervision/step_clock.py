@@ -1,4 +1,8 @@
-"""Step times of one worker's ranks, from the progress datagrams they already send.
+"""The one step clock: the times between a rank's steps (``StepIntervals``), and what the node agent
+builds on it for its reports (``RankClock``, ``worker_timing``); ``unbroken run``'s hang watch
+(``pod_launcher/hang.py``) keeps a ``StepIntervals`` of its pod's ranks.
+
+Step times of one worker's ranks, from the progress datagrams they already send.
 
 Per rank: the wall time between consecutive steps over the last ``WINDOW`` steps, and the
 time in each ``ctx.section`` (sent with ``ctx.progress``) over the last ``SCORE_WINDOW``.
@@ -34,17 +38,33 @@ MAX_SECTIONS = 16
 """Section names kept per rank: a datagram is anyone's to send, the agent's memory is not."""
 
 
+class StepIntervals:
+    """Seconds per step between consecutive steps: the median of the last ``window``, the longest gap
+    ever added, and how many were added."""
+
+    def __init__(self, window: int = WINDOW) -> None:
+        self.recent: deque[float] = deque(maxlen=window)
+        self.longest = 0.0
+        self.count = 0
+
+    def add(self, per_step: float, gap: float | None = None) -> None:
+        """One interval: ``per_step`` seconds a step, over a ``gap`` (default: one step's) between two reports."""
+        self.recent.append(per_step)
+        self.longest = max(self.longest, per_step if gap is None else gap)
+        self.count += 1
+
+    def median(self) -> float | None:
+        return statistics.median(self.recent) if self.recent else None
+
+
 @dataclass
 class RankClock:
     """One rank process's recent step times."""
 
     last_step: int | None = None
     last_ts: float | None = None
-    measured: int = 0
-    """Step intervals measured (after the warm-up)."""
     reports: int = 0
-    longest: float = 0.0
-    intervals: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    intervals: StepIntervals = field(default_factory=StepIntervals)
     work: deque[float] = field(default_factory=lambda: deque(maxlen=SCORE_WINDOW))
     sections: dict[str, deque[float]] = field(default_factory=dict)
 
@@ -55,9 +75,7 @@ class RankClock:
             if self.reports > WARMUP_STEPS:
                 steps = step - self.last_step
                 gap = max(0.0, ts - self.last_ts)
-                self.measured += 1
-                self.intervals.append(gap / steps)
-                self.longest = max(self.longest, gap)
+                self.intervals.add(gap / steps, gap)
                 self._observe_sections(metrics, steps)
         if self.last_step is None or step >= self.last_step:
             self.last_step, self.last_ts = step, ts
@@ -88,16 +106,16 @@ def worker_timing(clocks: dict[int, RankClock]) -> StepTiming | None:
     """The worker's timing from its ranks' clocks: the slowest rank's median step, the longest gap of
     any, the median rank's work and sections, and the slowest rank's; None until every rank that
     reports has measured a step. O(ranks x sections) once per report, a few hundred bytes out."""
-    measured = {rank: clock for rank, clock in clocks.items() if clock.intervals}
+    measured = {rank: clock for rank, clock in clocks.items() if clock.intervals.count}
     if not measured or len(measured) < len([c for c in clocks.values() if c.last_step is not None]):
         return None
     ranks = [clock.timing(rank) for rank, clock in sorted(measured.items())]
     working = [r for r in ranks if r.work_s is not None]
     names = {name for r in working for name in r.sections}
     return StepTiming(
-        steps=min(clock.measured for clock in measured.values()),
-        median_s=max(statistics.median(clock.intervals) for clock in measured.values()),
-        longest_s=max(clock.longest for clock in measured.values()),
+        steps=min(clock.intervals.count for clock in measured.values()),
+        median_s=max(clock.intervals.median() or 0.0 for clock in measured.values()),
+        longest_s=max(clock.intervals.longest for clock in measured.values()),
         work_s=statistics.median(r.work_s for r in working if r.work_s is not None) if working else None,
         sections={name: statistics.median(r.sections[name] for r in working if name in r.sections) for name in sorted(names)},
         slowest=max(working, key=lambda r: r.work_s or 0.0) if working else None,

@@ -18,8 +18,8 @@ import psutil
 from unbroken.plumbing import procs
 from unbroken.rank import registry as rank_registry, symptoms
 from unbroken.plumbing.ports import free_port
-from unbroken.agent import warm_spare
-from unbroken.agent.spare_pool import Spare
+from unbroken.supervision import warm_spare
+from unbroken.supervision.spare_pool import Spare
 from unbroken.config.job import HANG_TIMEOUT_FALLBACK_S, STARTUP_TIMEOUT_FALLBACK_S, JobSpec
 from unbroken.rank.env import GroupPlacement, LaunchEnv
 from unbroken.state.records import Worker
@@ -160,7 +160,7 @@ def launch(
     spec: JobSpec, worker: Worker, *, cluster_dir: Path, node: str, log_dir: Path, checkpoint_dir: Path, settings: NodeSettings,
     nnodes: int | None = None, spare: Spare | None = None,
 ) -> RunningWorker:
-    """Start the worker's torchrun: a new process, or ``spare`` (a warm one, see agent/warm_spare.py) given its identity."""
+    """Start the worker's torchrun: a new process, or ``spare`` (a warm one, see supervision/warm_spare.py) given its identity."""
     log_dir.mkdir(parents=True, exist_ok=True)
     group = group_placement(spec, worker, log_dir, nnodes)
     job_env = job_environ(spec, launch_environ(spec, worker.job, worker.attempt, cluster_dir=cluster_dir, node=node,

@@ -40,9 +40,9 @@ because building DDP (and FSDP) imports it, with sympy and inductor: 0.8 s a ran
 with four ranks on two cores, as long as importing torch itself."""
 WARM_IMPORTS = "UNBROKEN_WARM_IMPORTS"
 """Comma-separated modules the job asks its spares to import too."""
-SPARE_ARGV = ("-c", "import sys; from unbroken.agent.warm_spare import main; sys.exit(main())")
+SPARE_ARGV = ("-c", "import sys; from unbroken.supervision.warm_spare import main; sys.exit(main())")
 """Python's arguments for a spare. Not ``-m``: the ranks' entrypoint must pickle as
-``unbroken.agent.warm_spare.run_rank``, not as ``__main__.run_rank``."""
+``unbroken.supervision.warm_spare.run_rank``, not as ``__main__.run_rank``."""
 READY_MARK = "warm spare ready"
 """Printed (to the spare's log) once torch is imported everywhere. The agent hands out a spare ready
 or not (a half-warm one is still ahead of a cold start); tests and benchmarks wait for the mark."""
