@@ -95,8 +95,8 @@ def worker(system: str, nodes: int, ranks: int, saves: int) -> Result:
     import torch
 
     from controlplane.cluster import ControlPlane
-    from unbroken.backends.kubernetes.catalog import KubernetesCatalog
-    from unbroken.backends.kubernetes.client import api_client
+    from unbroken.kubernetes.backend.catalog import KubernetesCatalog
+    from unbroken.kubernetes.backend.client import api_client
     from unbroken.checkpoint.node import credentials
     from unbroken.checkpoint.node.service import CheckpointService
     from unbroken.checkpoint.rank.tiered import TieredCheckpointer
@@ -134,7 +134,7 @@ def worker(system: str, nodes: int, ranks: int, saves: int) -> Result:
             own = SqliteStore(Path(scratch) / "state.db")
             catalog = KubernetesCatalog(api_client(plane.kubeconfig), NAMESPACE)
             if hasattr(catalog, "follow"):  # as the agent does: the catalog and the Nodes from watch caches
-                from unbroken.backends.kubernetes.watch_cache import WatchCache
+                from unbroken.kubernetes.backend.watch_cache import WatchCache
 
                 nodes_cache = WatchCache("nodes", kubernetes.client.CoreV1Api(api_client(plane.kubeconfig)).list_node)
                 nodes_cache.start()

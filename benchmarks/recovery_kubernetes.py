@@ -16,7 +16,7 @@ Systems, the same job (2 pods of 1 rank, 50 ms steps, a checkpoint file every 20
 * ``unbroken``: the same job with ``auto-resume`` (5 retries) and the node agent's socket mounted (progress, hang
   timeouts from step times), unbroken's operator and an agent per node: a restart deletes and recreates every pod.
 * ``unbroken+launcher``: as ``unbroken``, with the pods' command ``unbroken run`` instead of torchrun
-  (pod_launcher/): a failed rank is replaced in place from the pod's warm spare and takes the model from the
+  (kubernetes/pod_launcher/): a failed rank is replaced in place from the pod's warm spare and takes the model from the
   surviving rank's memory; the launchers give up, and the operator recreates the pods, when a round cannot be
   made (a lost node). A hang is seen by the launchers from their ranks' step times (half the operator's hang
   timeout) and restarted in place too: the hung rank's pod's ranks are replaced, the others held.
@@ -64,7 +64,7 @@ from controlplane.unbroken_cluster import (  # noqa: E402 - tests/controlplane, 
 from goodput import read_timeline  # noqa: E402 - beside this script: rank 0's step timeline, read as goodput.py does
 from processes import stop_process  # noqa: E402
 from recovery import _RESUMED, poll  # noqa: E402
-from unbroken.backends.kubernetes import names  # noqa: E402
+from unbroken.kubernetes.backend import names  # noqa: E402
 
 SYSTEMS = ("training-operator", "unbroken", "unbroken+launcher", "unbroken+spare-pod", "unbroken+elastic", "unbroken+bystander")
 IN_PLACE = ("unbroken+launcher", "unbroken+spare-pod", "unbroken+elastic")

@@ -8,7 +8,7 @@ CRDs; no kubelet):
   runs without its node lifecycle controller (it would mark them all NotReady).
 * N simulated node agents speak what a real agent speaks, from this process:
   - ``unbroken``: a signed heartbeat datagram to the operator every second
-    (backends/kubernetes/heartbeats.py), and a Lease renewal every 10 s followed by a read of
+    (kubernetes/backend/heartbeats.py), and a Lease renewal every 10 s followed by a read of
     the leader Lease (the heartbeat address), through the real KubernetesStore;
   - ``baseline``: the design before it (commit ``BASELINE_COMMIT``): a Lease
     renewal every second, nothing else. Its operator runs from that commit's
@@ -63,10 +63,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 import baseline  # noqa: E402 - benchmarks/baseline.py, beside this script
 from controlplane.cluster import ControlPlane  # noqa: E402
 
-from unbroken.backends.kubernetes import heartbeats, names  # noqa: E402
-from unbroken.backends.kubernetes.client import api_client  # noqa: E402
-from unbroken.backends.kubernetes.heartbeats import HeartbeatSender  # noqa: E402
-from unbroken.backends.kubernetes.store import KubernetesStore  # noqa: E402
+from unbroken.kubernetes.backend import heartbeats, names  # noqa: E402
+from unbroken.kubernetes.backend.client import api_client  # noqa: E402
+from unbroken.kubernetes.backend.heartbeats import HeartbeatSender  # noqa: E402
+from unbroken.kubernetes.backend.store import KubernetesStore  # noqa: E402
 from unbroken.errors import UnbrokenError  # noqa: E402
 from unbroken.plumbing.waiting import wait_until  # noqa: E402
 
@@ -264,7 +264,7 @@ def baseline_sources() -> Path:
 
 
 def start_operator(system: str, plane: ControlPlane, log: Path) -> subprocess.Popen[bytes]:
-    command = [sys.executable, "-m", "unbroken.operator", "--kubeconfig", str(plane.kubeconfig), "--namespace", NAMESPACE,
+    command = [sys.executable, "-m", "unbroken.kubernetes.operator", "--kubeconfig", str(plane.kubeconfig), "--namespace", NAMESPACE,
                "--metrics-port", "0", "--metrics-host", "127.0.0.1", "--identity", f"{system}-operator"]
     env = dict(os.environ)
     if system == "unbroken":

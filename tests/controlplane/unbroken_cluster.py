@@ -29,9 +29,9 @@ import yaml
 from controlplane.cluster import ControlPlane
 from controlplane.kubelet import ProcessKubelet, pod_processes
 from processes import stop_process
-from unbroken.backends.kubernetes import names
-from unbroken.backends.kubernetes.client import api_client
-from unbroken.backends.kubernetes.rank_env import AGENT_DIR, SHM_DIR, with_rank_env
+from unbroken.kubernetes.backend import names
+from unbroken.kubernetes.backend.client import api_client
+from unbroken.kubernetes.backend.rank_env import AGENT_DIR, SHM_DIR, with_rank_env
 from unbroken.plumbing.ports import free_port
 from unbroken.plumbing.waiting import WaitTimeout, wait_until
 
@@ -73,7 +73,7 @@ class Cluster:
     def start_operator(self, heartbeat_host: str = "127.0.0.1") -> subprocess.Popen[bytes]:
         log = open(self.workdir / "operator.log", "ab")
         self.operator = subprocess.Popen(
-            [sys.executable, "-m", "unbroken.operator", "--kubeconfig", str(self.operator_kubeconfig), "--namespace", SYSTEM,
+            [sys.executable, "-m", "unbroken.kubernetes.operator", "--kubeconfig", str(self.operator_kubeconfig), "--namespace", SYSTEM,
              "--metrics-port", "0", "--metrics-host", "127.0.0.1", "--identity", f"operator-{uuid.uuid4().hex[:4]}",
              "--heartbeat-host", heartbeat_host, "--heartbeat-port", "0", "--heartbeat-address", heartbeat_host],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "KUBECONFIG": str(self.operator_kubeconfig)})
@@ -204,7 +204,7 @@ def unbroken_cluster(workdir: Path, *, trainer: bool = False, kueue: bool = Fals
 
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
 LAUNCHER = (sys.executable, "-m", "unbroken", "run")
-"""``unbroken run``, the launcher that restarts ranks in place (pod_launcher/), in place of torchrun."""
+"""``unbroken run``, the launcher that restarts ranks in place (kubernetes/pod_launcher/), in place of torchrun."""
 
 
 def pytorchjob(name: str, checkpoints: Path, *, steps: int, step_time: float = 0.05, annotations: dict[str, str] | None = None,
@@ -214,7 +214,7 @@ def pytorchjob(name: str, checkpoints: Path, *, steps: int, step_time: float = 0
     """A PyTorchJob as a user writes it: Master + Workers, torchrun (or ``launcher``) reading training-operator's PET_* env;
     ``spare_pods`` more Workers that ``unbroken run --spare-pods`` keeps standing by (the annotation tells the operator);
     ``elastic`` (min, max): an elasticPolicy, ``nodes`` being max;
-    with ``report_progress``, its pods mount the node agent's socket and name their job (backends/kubernetes/rank_env.py);
+    with ``report_progress``, its pods mount the node agent's socket and name their job (kubernetes/backend/rank_env.py);
     with ``tiers_json`` they checkpoint through the tiered checkpoint (the node's memory tier, peer replicas)."""
     if spare_pods:
         launcher = (*launcher, "--spare-pods", str(spare_pods))
@@ -341,7 +341,7 @@ def start_agent(cluster: Cluster, node: str, *, kernel_log: str | None = None) -
     kernel_log = kernel_log or str(node_dir / "kmsg.log")
     log = open(cluster.workdir / f"agent-{node}.log", "ab")
     return subprocess.Popen(
-        [sys.executable, "-m", "unbroken.agent.kubernetes", "--kubernetes", "--node", node, "--kubeconfig", str(cluster.agent_kubeconfig(node)),
+        [sys.executable, "-m", "unbroken.kubernetes.node_agent", "--kubernetes", "--node", node, "--kubeconfig", str(cluster.agent_kubeconfig(node)),
          "--namespace", SYSTEM, "--kernel-log", kernel_log, "--socket-dir", str(node_dir / AGENT_DIR.lstrip("/")),
          "--state-dir", str(node_dir / "state")],
         # the memory tier's hostPath (/dev/shm/unbroken), as the pods' mount of it is rewritten

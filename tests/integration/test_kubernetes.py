@@ -45,9 +45,9 @@ from controlplane.unbroken_cluster import (
 from helpers import run_cli
 from processes import stop_process
 from unbroken.plumbing import procs
-from unbroken.backends.kubernetes import names
-from unbroken.backends.kubernetes.client import api_client
-from unbroken.backends.kubernetes.catalog import KubernetesCatalog
+from unbroken.kubernetes.backend import names
+from unbroken.kubernetes.backend.client import api_client
+from unbroken.kubernetes.backend.catalog import KubernetesCatalog
 from unbroken.rank.symptoms import says_peer_lost
 from unbroken.plumbing.waiting import WaitTimeout, wait_until
 
@@ -963,7 +963,7 @@ def test_unusual_workloads_beside_a_healthy_job_never_stop_its_recovery(cluster:
     assert "reconcile pass failed" not in cluster.operator_log()
 
 
-# --- liveness through disruptions (controller/liveness.py, backends/kubernetes/heartbeats.py) ----------------------
+# --- liveness through disruptions (controller/liveness.py, kubernetes/backend/heartbeats.py) ----------------------
 
 
 def hearing_every_node(cluster: Cluster) -> None:

@@ -24,7 +24,7 @@ import torch
 from controlplane.unbroken_cluster import (
     JOBS, LAUNCHER, Cluster, auto_resume, pytorchjob, rank_log, rank_process, submit, unbroken_cluster,
 )
-from unbroken.backends.kubernetes import names
+from unbroken.kubernetes.backend import names
 from unbroken.plumbing.waiting import wait_until
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]

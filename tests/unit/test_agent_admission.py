@@ -22,10 +22,10 @@ import pytest
 
 from controlplane.cluster import ControlPlane
 from controlplane.unbroken_cluster import SYSTEM, install_unbroken, service_account_kubeconfig
-from unbroken.backends.kubernetes import names
-from unbroken.backends.kubernetes.catalog import KubernetesCatalog
-from unbroken.backends.kubernetes.client import api_client
-from unbroken.backends.kubernetes.store import KubernetesStore
+from unbroken.kubernetes.backend import names
+from unbroken.kubernetes.backend.catalog import KubernetesCatalog
+from unbroken.kubernetes.backend.client import api_client
+from unbroken.kubernetes.backend.store import KubernetesStore
 from unbroken.state.phases import NodeState
 from unbroken.state.records import CheckpointStep, CheckpointTier, StepStatus
 from unbroken.state.updates import NodeUpdate

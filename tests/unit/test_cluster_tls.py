@@ -1,4 +1,4 @@
-"""The memory tier's TLS credentials on Kubernetes (agent/cluster_tls.py): one Secret, made by the operator, waited
+"""The memory tier's TLS credentials on Kubernetes (kubernetes/backend/cluster_tls.py): one Secret, made by the operator, waited
 for and read by the agents.
 
 Real: kube-apiserver and etcd (tests/controlplane); real threads race to create the Secret, real certificates
@@ -15,11 +15,11 @@ import kubernetes
 import pytest
 
 from helpers import race
-from unbroken.agent import cluster_tls
+from unbroken.kubernetes.backend import cluster_tls
 from unbroken.checkpoint.node import credentials
 from unbroken.errors import StoreUnavailable
-from unbroken.backends.kubernetes import names
-from unbroken.backends.kubernetes.client import api_client
+from unbroken.kubernetes.backend import names
+from unbroken.kubernetes.backend.client import api_client
 
 pytestmark = pytest.mark.timeout(60)
 

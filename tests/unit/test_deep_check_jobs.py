@@ -16,9 +16,9 @@ from test_deploy_manifests import schema_version
 from unbroken.config.cluster import ClusterConfig, InstanceGroup
 from unbroken.health.pod import VERDICT_MARK, parse_verdict, verdict_record
 from unbroken.health.result import CheckResult, FaultAction, Status, Suite
-from unbroken.backends.kubernetes import names
-from unbroken.backends.kubernetes.client import api_client
-from unbroken.operator.deep_checks import group_of, job_manifest, job_name
+from unbroken.kubernetes.backend import names
+from unbroken.kubernetes.backend.client import api_client
+from unbroken.kubernetes.operator.deep_checks import group_of, job_manifest, job_name
 from unbroken.state.phases import DeepHealthStatus, NodeState
 from unbroken.state.records import Node
 from unbroken.plumbing.waiting import wait_until
@@ -135,9 +135,9 @@ def test_a_peer_the_cross_node_sweep_blames_is_taken_out_and_the_joining_node_pa
     written here as the Job controller and the kubelet would."""
     import kubernetes
 
-    from unbroken.backends.kubernetes.client import api_client
-    from unbroken.backends.kubernetes.store import KubernetesStore
-    from unbroken.operator.deep_checks import DeepCheckJobs
+    from unbroken.kubernetes.backend.client import api_client
+    from unbroken.kubernetes.backend.store import KubernetesStore
+    from unbroken.kubernetes.operator.deep_checks import DeepCheckJobs
 
     api = api_client(kubeconfig)
     core, batch = kubernetes.client.CoreV1Api(api), kubernetes.client.BatchV1Api(api)

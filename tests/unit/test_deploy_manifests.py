@@ -106,7 +106,7 @@ AGENT_CLUSTER_RULES = rules(
 )
 AGENT_NAMESPACE_RULES = rules(
     ("coordination.k8s.io", "leases", "get create update patch"),
-    ("", "configmaps", "get list watch create patch delete"),  # the checkpoint catalog (backends/kubernetes/catalog.py)
+    ("", "configmaps", "get list watch create patch delete"),  # the checkpoint catalog (kubernetes/backend/catalog.py)
     ("", "secrets", "get"),  # the operator's two Secrets, by name; never a write
 )
 

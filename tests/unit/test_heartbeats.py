@@ -1,4 +1,4 @@
-"""Heartbeat datagrams (backends/kubernetes/heartbeats.py) over real UDP sockets on loopback, the signing key in a real
+"""Heartbeat datagrams (kubernetes/backend/heartbeats.py) over real UDP sockets on loopback, the signing key in a real
 Secret on the real API server, and how the Kubernetes store turns datagrams and Leases into a node's heartbeat."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from pathlib import Path
 import kubernetes
 import pytest
 
-from unbroken.backends.kubernetes import heartbeats, names
-from unbroken.backends.kubernetes.client import api_client
-from unbroken.backends.kubernetes.heartbeats import Beat, HeartbeatBoard, HeartbeatSender
-from unbroken.backends.kubernetes.store import KubernetesStore
+from unbroken.kubernetes.backend import heartbeats, names
+from unbroken.kubernetes.backend.client import api_client
+from unbroken.kubernetes.backend.heartbeats import Beat, HeartbeatBoard, HeartbeatSender
+from unbroken.kubernetes.backend.store import KubernetesStore
 from unbroken.state.records import RankInfo, RankTiming, StepTiming, WorkerProgress
 from unbroken.plumbing.waiting import wait_until
 

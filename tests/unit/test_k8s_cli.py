@@ -16,18 +16,18 @@ import kubernetes
 import kubernetes_validate
 import pytest
 
-from unbroken.pod_launcher import arguments
+from unbroken.kubernetes.pod_launcher import arguments
 import yaml
 
 from helpers import run_cli
 from test_deploy_manifests import schema_version
 from unbroken.config.job import JobSpec
 from unbroken.errors import UsageError
-from unbroken.backends.kubernetes import annotations as job_annotations
-from unbroken.backends.kubernetes import names
-from unbroken.backends.kubernetes.client import api_client
-from unbroken.backends.kubernetes.render import CLI_MANAGER, Placement, parse_label_selector, render_pytorchjob, render_trainjob
-from unbroken.backends.kubernetes.workloads import PYTORCHJOB, TRAINJOB
+from unbroken.kubernetes.backend import annotations as job_annotations
+from unbroken.kubernetes.backend import names
+from unbroken.kubernetes.backend.client import api_client
+from unbroken.kubernetes.backend.render import CLI_MANAGER, Placement, parse_label_selector, render_pytorchjob, render_trainjob
+from unbroken.kubernetes.backend.workloads import PYTORCHJOB, TRAINJOB
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "k8s-job.yaml"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from unbroken.controller.job_decisions import is_peer_lost
-from unbroken.backends.kubernetes.backend import _pod_phase, _what_failed
+from unbroken.kubernetes.backend.backend import _pod_phase, _what_failed
 from unbroken.state.phases import WorkerPhase
 from unbroken.state.records import Desired, Worker
 
@@ -70,7 +70,7 @@ def test_what_failed_falls_back_to_the_last_lines() -> None:
 
 
 def test_node_ranks_follow_training_operators_rank() -> None:
-    from unbroken.backends.kubernetes.workloads import PYTORCHJOB
+    from unbroken.kubernetes.backend.workloads import PYTORCHJOB
 
     def pod(kind: str, index: int) -> dict:
         return {"metadata": {"labels": {PYTORCHJOB.replica_type_label: kind, PYTORCHJOB.replica_index_label: str(index)}}}
@@ -86,8 +86,8 @@ def test_node_ranks_follow_training_operators_rank() -> None:
 
 def member(name: str, *, restarts: int = 0, state: dict | None = None, exited: int | None = None, deleting: bool = False,
            restart_policy: str = "OnFailure", phase: str = "Running") -> tuple[Worker, dict]:
-    """A pod of an elastic PyTorchJob and the worker it reads as (backends/kubernetes/backend.py's own reading)."""
-    from unbroken.backends.kubernetes.backend import _pod_phase
+    """A pod of an elastic PyTorchJob and the worker it reads as (kubernetes/backend/backend.py's own reading)."""
+    from unbroken.kubernetes.backend.backend import _pod_phase
 
     container = {"name": "pytorch", "restartCount": restarts, "state": state or {"running": {"startedAt": "2026-11-24T10:00:05Z"}},
                  "lastState": {"terminated": {"exitCode": exited, "finishedAt": "2026-11-24T10:00:04Z"}} if exited else {}}
@@ -103,7 +103,7 @@ def test_an_elastic_members_exit_restarted_in_place_is_left_to_the_rendezvous() 
     """Kubeflow's elastic example: a member killed, its container restarted by the kubelet, the other agents regroup.
     Within minReplicas and maxRestarts that is no failure: the member reads as running again (it once restarted the
     whole job and spent its retry budget)."""
-    from unbroken.backends.kubernetes.backend import absorb_member_exits
+    from unbroken.kubernetes.backend.backend import absorb_member_exits
 
     killed = member("w0", restarts=1, exited=137)
     assert killed[0].phase is WorkerPhase.FAILED, "without the elastic policy it is a failure, as before"
@@ -119,7 +119,7 @@ def test_an_elastic_members_exit_restarted_in_place_is_left_to_the_rendezvous() 
 
 
 def test_an_elastic_job_past_its_restarts_or_below_its_min_is_a_failure_that_says_which() -> None:
-    from unbroken.backends.kubernetes.backend import absorb_member_exits
+    from unbroken.kubernetes.backend.backend import absorb_member_exits
 
     over = absorb_member_exits([member("w0", restarts=3, exited=1), member("w1", restarts=1)], fewest=1, budget=3)
     assert over[0].phase is WorkerPhase.FAILED and "4 member restarts, over elasticPolicy.maxRestarts 3" in (over[0].message or "")
@@ -131,7 +131,7 @@ def test_an_elastic_job_past_its_restarts_or_below_its_min_is_a_failure_that_say
 
 def test_a_member_that_will_not_be_restarted_in_place_is_a_failure() -> None:
     """``restartPolicy: Never``, a Failed pod or one being deleted: nothing brings the member back in place."""
-    from unbroken.backends.kubernetes.backend import absorb_member_exits
+    from unbroken.kubernetes.backend.backend import absorb_member_exits
 
     for gone in (member("w0", restarts=0, exited=1, restart_policy="Never", state={"terminated": {"exitCode": 1}}, phase="Failed"),
                  member("w0", restarts=1, exited=1, deleting=True)):

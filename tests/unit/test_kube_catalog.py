@@ -1,4 +1,4 @@
-"""The checkpoint catalog on Kubernetes (backends/kubernetes/catalog.py): the same contract as the SQLite catalog, on ConfigMaps.
+"""The checkpoint catalog on Kubernetes (kubernetes/backend/catalog.py): the same contract as the SQLite catalog, on ConfigMaps.
 
 Real: kube-apiserver and etcd (tests/controlplane), with their resourceVersion preconditions on patch and
 delete; the catalog talks to it with the real ``kubernetes`` client. Racing writers are real threads with
@@ -15,9 +15,9 @@ import pytest
 
 from controlplane.cluster import ControlPlane
 from helpers import race
-from unbroken.backends.kubernetes import names
-from unbroken.backends.kubernetes.catalog import KubernetesCatalog, configmap_name, copies_configmap_name
-from unbroken.backends.kubernetes.client import api_client
+from unbroken.kubernetes.backend import names
+from unbroken.kubernetes.backend.catalog import KubernetesCatalog, configmap_name, copies_configmap_name
+from unbroken.kubernetes.backend.client import api_client
 from unbroken.state.catalog import CopyKey
 from unbroken.state.records import CheckpointStep, CheckpointTier, ShardCopy, StepStatus
 
@@ -132,7 +132,7 @@ def test_shard_servers_are_node_annotations(catalog: KubernetesCatalog) -> None:
 
 def test_a_pass_reads_one_list_yet_sees_its_own_writes_at_once_and_other_agents_within_the_reuse_window(
         kubeconfig: Path, namespace: str) -> None:
-    from unbroken.backends.kubernetes.catalog import LIST_REUSE_SECONDS
+    from unbroken.kubernetes.backend.catalog import LIST_REUSE_SECONDS
     from unbroken.plumbing.waiting import wait_until
 
     mine = KubernetesCatalog(api_client(kubeconfig), namespace)

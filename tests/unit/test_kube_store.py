@@ -17,12 +17,12 @@ import kubernetes
 import pytest
 
 from unbroken.errors import ConfigError, NotFoundError
-from unbroken.backends.kubernetes import annotations, names
-from unbroken.backends.kubernetes.annotations import AnnotationError
+from unbroken.kubernetes.backend import annotations, names
+from unbroken.kubernetes.backend.annotations import AnnotationError
 from unbroken.config.job import StragglerPolicy
-from unbroken.backends.kubernetes.client import api_client
-from unbroken.backends.kubernetes.leader import LeaderLease
-from unbroken.backends.kubernetes.store import KubernetesStore, condition_reason
+from unbroken.kubernetes.backend.client import api_client
+from unbroken.kubernetes.backend.leader import LeaderLease
+from unbroken.kubernetes.backend.store import KubernetesStore, condition_reason
 from unbroken.state.phases import DeepHealthStatus, IllegalTransition, JobPhase, NodeState
 from unbroken.state.records import EventType, RankInfo, WorkerProgress
 from unbroken.state.store import StaleUpdate

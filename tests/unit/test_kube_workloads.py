@@ -1,4 +1,4 @@
-"""The workload kinds unbroken restarts (backends/kubernetes/workloads.py), and the store over both of them.
+"""The workload kinds unbroken restarts (kubernetes/backend/workloads.py), and the store over both of them.
 
 Patches are checked by reading them back through the Kubeflow SDK's models; the store runs against a real
 kube-apiserver with the Kubeflow CRDs (tests/controlplane), no Kubeflow controller.
@@ -17,9 +17,9 @@ import pytest
 from kubeflow_trainer_api.models import TrainerV1alpha1TrainJob
 
 
-from unbroken.backends.kubernetes import names
-from unbroken.backends.kubernetes.store import KubernetesStore
-from unbroken.backends.kubernetes.workloads import PYTORCHJOB, TRAINJOB, kind_of
+from unbroken.kubernetes.backend import names
+from unbroken.kubernetes.backend.store import KubernetesStore
+from unbroken.kubernetes.backend.workloads import PYTORCHJOB, TRAINJOB, kind_of
 from unbroken.state.phases import JobPhase
 from unbroken.state.records import EventType
 from unbroken.state.updates import JobUpdate
@@ -105,7 +105,7 @@ def test_pods_of_each_kind_give_their_node_rank_and_rendezvous() -> None:
 
 @pytest.fixture
 def api(kubeconfig: Any) -> kubernetes.client.ApiClient:
-    from unbroken.backends.kubernetes.client import api_client
+    from unbroken.kubernetes.backend.client import api_client
     return api_client(kubeconfig)
 
 
@@ -205,7 +205,7 @@ def test_a_job_a_queue_holds_or_another_controller_manages_is_never_started_by_u
     """Kueue creates its jobs suspended and unsuspends them when it admits them; MultiKueue's (``managedBy``) run on
     another cluster. unbroken's reconciler leaves both as they are, Pending with the reason (and a JobHeld Event), and
     starts watching a queued job once the queue has unsuspended it. (unbroken once unsuspended Kueue's jobs itself.)"""
-    from unbroken.backends.kubernetes.backend import ConditionRemediator, KubernetesBackend
+    from unbroken.kubernetes.backend.backend import ConditionRemediator, KubernetesBackend
     from unbroken.controller.job_reconciler import JobReconciler
 
     store = KubernetesStore(api, NAMESPACE, job_namespace=namespace)
@@ -251,7 +251,7 @@ def test_a_launch_whose_pods_never_come_is_said_and_sent_once_more_and_an_unsche
     """No training-operator runs here, so a launched PyTorchJob's pods never appear: 20 s after the launch unbroken
     says so in an AttemptWaiting Event and launches it once more (suspend, unsuspend), once. A pod of the attempt
     that the real kube-scheduler cannot place is then named with the scheduler's own message."""
-    from unbroken.backends.kubernetes.backend import ConditionRemediator, KubernetesBackend
+    from unbroken.kubernetes.backend.backend import ConditionRemediator, KubernetesBackend
     from unbroken.controller.job_reconciler import LAUNCH_FOLLOW_SECONDS, JobReconciler
 
     core = kubernetes.client.CoreV1Api(api)

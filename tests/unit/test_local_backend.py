@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from unbroken.plumbing import procs
-from unbroken.backends.local import LocalBackend
+from unbroken.backends.local.backend import LocalBackend
 from unbroken.config.cluster import ClusterConfig
 from unbroken.errors import BackendError
 from unbroken.plumbing.layout import ClusterLayout

@@ -1,4 +1,4 @@
-"""How a Node's boot and unbroken's reboot marks are read (backends/kubernetes/node_repair.py), on Node JSON as the API serves it."""
+"""How a Node's boot and unbroken's reboot marks are read (kubernetes/backend/node_repair.py), on Node JSON as the API serves it."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 from unbroken.config.cluster import ClusterConfig
-from unbroken.backends.kubernetes import names
-from unbroken.backends.kubernetes.node_repair import boot_of
+from unbroken.kubernetes.backend import names
+from unbroken.kubernetes.backend.node_repair import boot_of
 
 
 def node(boot: str | None, *, mark: str | None = None, ready: str = "True", cordoned: bool = False) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""``unbroken run``'s arguments and its round coordinator (pod_launcher/), the coordinator over real TCP sockets.
+"""``unbroken run``'s arguments and its round coordinator (kubernetes/pod_launcher/), the coordinator over real TCP sockets.
 
 The launcher end to end (two launchers, a killed rank, the same final model) is in
 tests/integration/test_unbroken_run.py; on the real control plane in test_kubernetes_launcher.py.
@@ -19,10 +19,10 @@ from helpers import run_cli
 from unbroken.rank.channel import AgentReceiver, MessageKind, RankMessage, RankSender
 from unbroken.errors import ConfigError
 from unbroken.rank.env import AGENT_SOCKET, ENDPOINT_FILE, LaunchEnv
-from unbroken.pod_launcher import arguments
-from unbroken.pod_launcher.coordinator import Coordinator, Phase
-from unbroken.pod_launcher.protocol import Kind, Message
-from unbroken.pod_launcher.relay import ProgressRelay, relay_path
+from unbroken.kubernetes.pod_launcher import arguments
+from unbroken.kubernetes.pod_launcher.coordinator import Coordinator, Phase
+from unbroken.kubernetes.pod_launcher.protocol import Kind, Message
+from unbroken.kubernetes.pod_launcher.relay import ProgressRelay, relay_path
 from unbroken.plumbing.ports import free_port
 from unbroken.plumbing.waiting import wait_until
 
@@ -396,7 +396,7 @@ def test_node_rank_0_whose_coordinator_port_is_taken_exits_2_naming_the_port() -
 
 
 def test_the_hang_watch_times_a_hang_at_half_the_operators_timeout_and_a_leave_in_a_few_steps() -> None:
-    from unbroken.pod_launcher.hang import HangWatch
+    from unbroken.kubernetes.pod_launcher.hang import HangWatch
 
     clock = HangWatch()
     clock.new_round(1000.0)

@@ -1,4 +1,4 @@
-"""The pod template lines that connect a training pod's ranks to their node's agent (backends/kubernetes/rank_env.py)."""
+"""The pod template lines that connect a training pod's ranks to their node's agent (kubernetes/backend/rank_env.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import kubernetes_validate
 
 from test_deploy_manifests import schema_version
 from unbroken.rank import env as launch_env
-from unbroken.backends.kubernetes.rank_env import AGENT_DIR, VOLUME, with_rank_env
+from unbroken.kubernetes.backend.rank_env import AGENT_DIR, VOLUME, with_rank_env
 
 LABEL = "training.kubeflow.org/job-name"
 

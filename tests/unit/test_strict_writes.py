@@ -1,4 +1,4 @@
-"""Every create and patch unbroken sends to the API server asks for strict field validation (backends/kubernetes/api.py
+"""Every create and patch unbroken sends to the API server asks for strict field validation (kubernetes/backend/api.py
 ``STRICT``), and the real API server then refuses a misspelt field instead of dropping it."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 import kubernetes
 import pytest
 
-from unbroken.backends.kubernetes.api import STRICT
-from unbroken.backends.kubernetes.client import api_client
+from unbroken.kubernetes.backend.api import STRICT
+from unbroken.kubernetes.backend.client import api_client
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "unbroken"
 WRITES = ("create_", "patch_", "replace_")

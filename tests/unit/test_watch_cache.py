@@ -11,10 +11,10 @@ import kubernetes
 import pytest
 
 from controlplane.cluster import ControlPlane
-from unbroken.backends.kubernetes.client import api_client
-from unbroken.backends.kubernetes.store import KubernetesStore
-from unbroken.backends.kubernetes.watch_cache import WatchCache
-from unbroken.backends.kubernetes.workloads import PYTORCHJOB
+from unbroken.kubernetes.backend.client import api_client
+from unbroken.kubernetes.backend.store import KubernetesStore
+from unbroken.kubernetes.backend.watch_cache import WatchCache
+from unbroken.kubernetes.backend.workloads import PYTORCHJOB
 from unbroken.state.phases import NodeState
 from unbroken.state.updates import NodeUpdate
 from unbroken.plumbing.waiting import wait_until

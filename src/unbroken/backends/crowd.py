@@ -1,5 +1,5 @@
 """When silence is a crowd's: the rule the disruption guard (controller/liveness.py) and the Kubernetes
-store's reading of the heartbeat datagrams (backends/kubernetes/store.py) share."""
+store's reading of the heartbeat datagrams (kubernetes/backend/store.py) share."""
 
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ def _peer_credentials(runtime: Runtime) -> Iterator[Credentials]:
     if not on_kubernetes():
         yield credentials.load(runtime.layout.root)
         return
-    from unbroken.agent import cluster_tls  # here: local commands need not import the kubernetes client
+    from unbroken.kubernetes.backend import cluster_tls  # here: local commands need not import the kubernetes client
 
     with tempfile.TemporaryDirectory(prefix="unbroken-verify-") as scratch:
         yield cluster_tls.fetch(kube_api(), kubernetes_target().namespace, Path(scratch))

@@ -77,7 +77,7 @@ def kubernetes_target() -> KubernetesTarget:
 
 
 def kube_api() -> "kubernetes.client.ApiClient":
-    from unbroken.backends.kubernetes.client import api_client
+    from unbroken.kubernetes.backend.client import api_client
 
     target = kubernetes_target()
     return api_client(target.kubeconfig, target.context)

@@ -209,7 +209,7 @@ def logs(
 
 
 def _pod_logs(runtime: Runtime, job: Job, *, node: str | None, rank: int | None, attempt: int | None, follow: bool) -> None:
-    from unbroken.backends.kubernetes import pod_logs  # here: local commands need not import the kubernetes client
+    from unbroken.kubernetes.backend import pod_logs  # here: local commands need not import the kubernetes client
 
     store = runtime.on_kubernetes("a pod's logs").cluster
     namespace, _, short = job.name.partition("/")

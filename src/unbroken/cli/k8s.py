@@ -1,4 +1,4 @@
-"""``unbroken k8s render|start``: a job file as an annotated Kubeflow PyTorchJob or TrainJob (``backends/kubernetes/render.py``).
+"""``unbroken k8s render|start``: a job file as an annotated Kubeflow PyTorchJob or TrainJob (``kubernetes/backend/render.py``).
 
 ``unbroken --kubeconfig ... job start`` takes the same flags and does what ``k8s start`` does, so a
 job moves from a laptop to a cluster by adding ``--kubeconfig`` and ``--image``. The flags follow
@@ -18,7 +18,7 @@ import yaml
 from unbroken.cli.common import Output, OutputOption, console, kube_api, print_json
 from unbroken.config.job import JobSpec, load_job
 from unbroken.errors import ConflictError, UsageError
-from unbroken.backends.kubernetes import names
+from unbroken.kubernetes.backend import names
 
 app = typer.Typer(help="Run jobs on a Kubernetes cluster as Kubeflow PyTorchJobs or TrainJobs that unbroken keeps alive.",
                   no_args_is_help=True)
@@ -90,7 +90,7 @@ class Submission:
         return load_job(self.file, overrides=overrides, entry_script=self.entry_script, in_image=True)
 
     def render(self) -> dict[str, Any]:
-        from unbroken.backends.kubernetes.render import KINDS, Placement, parse_label_selector, render
+        from unbroken.kubernetes.backend.render import KINDS, Placement, parse_label_selector, render
 
         kind = next((k for name, k in KINDS.items() if name.lower() == self.kind.lower()), None)
         if kind is None:
@@ -105,8 +105,8 @@ class Submission:
         its name there (``<namespace>/<name>``)."""
         import kubernetes
 
-        from unbroken.backends.kubernetes.api import STRICT, ApiConflict, call
-        from unbroken.backends.kubernetes.workloads import kind_of
+        from unbroken.kubernetes.backend.api import STRICT, ApiConflict, call
+        from unbroken.kubernetes.backend.workloads import kind_of
 
         body = self.render()
         kind = kind_of(body)

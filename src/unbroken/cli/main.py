@@ -104,7 +104,7 @@ def dashboard_command(
 def operator_command(ctx: typer.Context) -> None:
     """The Kubernetes operator (runs in the unbroken-operator Deployment): watches Nodes and annotated PyTorchJobs,
     labels and taints nodes, restarts jobs. `unbroken operator --help` lists its options."""
-    from unbroken.operator.main import main as operator_main
+    from unbroken.kubernetes.operator.main import main as operator_main
 
     raise typer.Exit(operator_main(list(ctx.args)))
 
@@ -113,7 +113,7 @@ def operator_command(ctx: typer.Context) -> None:
 def run_command(ctx: typer.Context) -> None:
     """In a Kubernetes pod, instead of torchrun (same arguments, same PET_* environment): restarts failed ranks in
     place, with warm spares, without recreating pods. `unbroken run --help` lists its options."""
-    from unbroken.pod_launcher.main import main as run_main
+    from unbroken.kubernetes.pod_launcher.main import main as run_main
 
     raise typer.Exit(run_main(list(ctx.args)))
 
@@ -122,7 +122,7 @@ def run_command(ctx: typer.Context) -> None:
 def agent_command(ctx: typer.Context) -> None:
     """The node agent on Kubernetes (runs in the unbroken-agent DaemonSet): heartbeats, kernel-log faults on its Node.
     `unbroken agent --kubernetes --help` lists its options."""
-    from unbroken.agent.kubernetes import main as agent_main
+    from unbroken.kubernetes.node_agent import main as agent_main
 
     raise typer.Exit(agent_main(list(ctx.args)))
 

@@ -124,7 +124,7 @@ class KubernetesSettings(_Strict):
     LeaseRenewSeconds: float = Field(default=10.0, ge=1.0, le=60)
     """How often each agent writes its Lease ``unbroken-node-<node>`` (duration: four times this).
     The node's heartbeat is a UDP datagram to the operator every ``Local.HeartbeatIntervalSeconds``
-    (backends/kubernetes/heartbeats.py); the Lease is the backstop a new leader reads first, at the kubelet's own
+    (kubernetes/backend/heartbeats.py); the Lease is the backstop a new leader reads first, at the kubelet's own
     rhythm (0.1 writes per node per second at the default)."""
     HeartbeatPort: int = Field(default=9403, ge=1, le=65535)
     """The UDP port the leading operator hears the agents' heartbeats on (its Pod IP)."""

@@ -1,6 +1,6 @@
 """The numbers of the step-time hang policy, in one low place: the controller's hang timeout
 (``controller/hang_timeout.py``, which explains them) and ``unbroken run``'s in-pod hang watch
-(``pod_launcher/hang.py``, which acts at a share of it) both read them, and neither imports the other."""
+(``kubernetes/pod_launcher/hang.py``, which acts at a share of it) both read them, and neither imports the other."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """One deep-check suite inside a Kubernetes Job's pod: ``python -m unbroken.health.pod``.
 
 The operator runs each ``OnStartDeepHealthChecks`` suite of a joining node as a
-batch/v1 Job pinned to it (``unbroken.operator.deep_checks``). The pod needs no API
+batch/v1 Job pinned to it (``unbroken.kubernetes.operator.deep_checks``). The pod needs no API
 access: the operator hands it everything in the environment, and reads the
 verdict back from the pod's termination message:
 

@@ -14,7 +14,7 @@ given to the ranks in ``UNBROKEN_REJOIN_DIR``):
 
 A *round* is one process group of the job. Under the local agent every round is
 an attempt of the controller's (the round is the attempt). Under ``unbroken run``
-in a Kubernetes pod (pod_launcher/), the pods restart in place without the
+in a Kubernetes pod (kubernetes/pod_launcher/), the pods restart in place without the
 operator, so the rounds count within one attempt of the operator's, and the ranks
 keep reporting that attempt (its checkpoints, its progress).
 

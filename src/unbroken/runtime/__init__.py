@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from unbroken.backends.base import Backend
-from unbroken.backends.local import LocalBackend
+from unbroken.backends.local.backend import LocalBackend
 from unbroken.checkpoint.node import credentials
 from unbroken.config.cluster import ClusterConfig
 from unbroken.errors import ConfigError, UsageError
@@ -37,9 +37,9 @@ from unbroken.state.worker_table import WorkerTable
 if TYPE_CHECKING:
     import kubernetes
 
-    from unbroken.backends.kubernetes.backend import KubernetesBackend
-    from unbroken.backends.kubernetes.catalog import KubernetesCatalog
-    from unbroken.backends.kubernetes.store import KubernetesStore
+    from unbroken.kubernetes.backend.backend import KubernetesBackend
+    from unbroken.kubernetes.backend.catalog import KubernetesCatalog
+    from unbroken.kubernetes.backend.store import KubernetesStore
 
 Clock = Callable[[], float]
 
@@ -112,10 +112,10 @@ def open_kubernetes(api: "kubernetes.client.ApiClient", namespace: str, *, job_n
     """The runtime of the cluster behind ``api``: unbroken installed in ``namespace`` (its
     ConfigMap ``unbroken-cluster`` holds the cluster file); jobs in ``job_namespace`` or all."""
     from unbroken.config.cluster import Remediator
-    from unbroken.backends.kubernetes.backend import CommandRemediator, ConditionRemediator, KubernetesBackend, SelfRebootRemediator
-    from unbroken.backends.kubernetes.backend import Remediator as NodeRemediator
-    from unbroken.backends.kubernetes.catalog import KubernetesCatalog
-    from unbroken.backends.kubernetes.store import KubernetesStore
+    from unbroken.kubernetes.backend.backend import CommandRemediator, ConditionRemediator, KubernetesBackend, SelfRebootRemediator
+    from unbroken.kubernetes.backend.backend import Remediator as NodeRemediator
+    from unbroken.kubernetes.backend.catalog import KubernetesCatalog
+    from unbroken.kubernetes.backend.store import KubernetesStore
 
     store = KubernetesStore(api, namespace, job_namespace=job_namespace)
     config = store.cluster().config()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Callable
 
-from unbroken.backends import netns_launch
+from unbroken.backends.local import netns_launch
 from unbroken.checkpoint.node import credentials, shm
 from unbroken.config.cluster import ClusterConfig
 from unbroken.errors import BackendError, ConflictError, StoreError

@@ -3,7 +3,7 @@
 Separate from the :class:`~unbroken.state.store.ClusterStore` because of its
 churn: the node agents record copies, commits, replicas and drains several times
 a second while a job checkpoints. Locally it is the same SQLite file; on
-Kubernetes, ConfigMaps written about twice per node per save (backends/kubernetes/catalog.py),
+Kubernetes, ConfigMaps written about twice per node per save (kubernetes/backend/catalog.py),
 which holds to a few hundred nodes; past that the design wants it served off the API server.
 
 Agents on different nodes race for the same rows (two of them see a step due

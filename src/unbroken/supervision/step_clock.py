@@ -1,6 +1,6 @@
 """The one step clock: the times between a rank's steps (``StepIntervals``), and what the node agent
 builds on it for its reports (``RankClock``, ``worker_timing``); ``unbroken run``'s hang watch
-(``pod_launcher/hang.py``) keeps a ``StepIntervals`` of its pod's ranks.
+(``kubernetes/pod_launcher/hang.py``) keeps a ``StepIntervals`` of its pod's ranks.
 
 Step times of one worker's ranks, from the progress datagrams they already send.
 

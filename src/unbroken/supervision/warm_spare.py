@@ -47,7 +47,7 @@ READY_MARK = "warm spare ready"
 """Printed (to the spare's log) once torch is imported everywhere. The agent hands out a spare ready
 or not (a half-warm one is still ahead of a cold start); tests and benchmarks wait for the mark."""
 READY_FILE = "UNBROKEN_SPARE_READY_FILE"
-"""Where a spare also says it is ready, if set: a file created empty (a launcher that must know, pod_launcher/member.py,
+"""Where a spare also says it is ready, if set: a file created empty (a launcher that must know, kubernetes/pod_launcher/member.py,
 looks for it; its output goes to the pod's log, which the launcher does not read)."""
 
 

@@ -1,0 +1,5 @@
+import sys
+
+from unbroken.kubernetes.operator.main import main
+
+sys.exit(main())

@@ -1,5 +1,0 @@
-import sys
-
-from unbroken.operator.main import main
-
-sys.exit(main())
