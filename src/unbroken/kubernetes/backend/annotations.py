@@ -14,6 +14,11 @@ A job without ``enable-job-auto-resume: "true"`` is not unbroken's: it is never
 read further, never patched, never restarted. A bad value is an
 :class:`AnnotationError` naming the annotation, the value and what is valid;
 the operator turns it into a Warning Event and leaves the job alone.
+
+Both directions live here, side by side: ``write`` (a JobSpec as annotations, what ``unbroken k8s
+render`` and ``job start`` put on a workload), ``parse`` (annotations as ``AutoResume``) and
+``job_spec`` (``AutoResume`` and the workload's size as the JobSpec the reconcilers read); a
+round-trip test holds them together (tests/unit/test_job_annotations.py).
 """
 
 from __future__ import annotations
@@ -24,10 +29,12 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from unbroken.config.checkpoint import TierPolicy
-from unbroken.config.job import STRAGGLER_RESTART_COST_S, StragglerPolicy
+from unbroken.config.job import STARTUP_TIMEOUT_FALLBACK_S, STRAGGLER_RESTART_COST_S, JobSpec, ResilienceSpec, RestartPolicy, StragglerPolicy
 from unbroken.errors import ConfigError
 from unbroken.kubernetes.backend import names
 
+NO_STARTUP_TIMEOUT = 10.0 ** 9
+"""A job without ``startup-timeout-seconds`` is never timed out before its first step (its ranks may not report progress)."""
 _TRUE = {"true", "True", "TRUE", "1", "yes"}
 _FALSE = {"false", "False", "FALSE", "0", "no"}
 MAX_RETRY_LIMIT = 1000
@@ -57,6 +64,58 @@ class AutoResume:
     keep the memory tier's replicas and drains by it. None: the job checkpoints to files only."""
     spare_pods: int = 0
     """Of the job's pods, how many stand by under ``unbroken run --spare-pods`` to take a lost pod's place."""
+
+
+def write(spec: JobSpec, *, deep_health: bool, spare_pods: int) -> dict[str, str]:
+    """``spec``'s resilience as annotations (the inverse of ``parse``). ``spare_pods``: pods past the job's size
+    standing by under ``unbroken run``; an elastic job's come from its elasticPolicy instead (pass 0)."""
+    resilience = spec.resilience
+    annotations = {
+        names.AUTO_RESUME: "true" if resilience.auto_resume else "false",
+        names.MAX_RETRY: str(resilience.max_retry),
+        names.STARTUP_TIMEOUT: f"{resilience.startup_timeout or STARTUP_TIMEOUT_FALLBACK_S:g}",
+        names.REQUIRE_DEEP_HEALTH: "true" if deep_health else "false",
+    }
+    if "straggler_policy" in resilience.model_fields_set:
+        annotations[names.STRAGGLER_POLICY] = resilience.straggler_policy.value
+    if "straggler_restart_cost" in resilience.model_fields_set:
+        annotations[names.STRAGGLER_RESTART_COST] = f"{resilience.straggler_restart_cost:g}"
+    if resilience.hang_timeout is not None:  # unset: the operator sets it from the job's step times
+        annotations[names.HANG_TIMEOUT] = f"{resilience.hang_timeout:g}"
+    if (tiers := tiers_json(spec)) is not None:
+        annotations[names.CHECKPOINT_TIERS] = tiers
+    if spare_pods:
+        annotations[names.SPARE_PODS] = str(spare_pods)
+    return annotations
+
+
+def tiers_json(spec: JobSpec) -> str | None:
+    """The job's tier policy as the annotation and the ranks' env carry it; None without tiers."""
+    tiers = spec.checkpoint.tiers
+    return None if tiers is None else tiers.model_dump_json(exclude_none=True)
+
+
+def job_spec(settings: AutoResume, *, name: str, command: str, pods: int, procs_per_node: int,
+             fewest_pods: int | None) -> JobSpec:
+    """The JobSpec the reconcilers read for a workload that opted in with ``settings``, of ``pods`` pods
+    (``fewest_pods``: an elastic job's minimum; pods above it, or else the spare pods, may be lost in place)."""
+    losable = pods - fewest_pods if fewest_pods is not None else settings.spare_pods
+    return JobSpec.model_validate({
+        "name": name,
+        "nodes": pods,
+        "procs_per_node": procs_per_node,
+        "command": [command],
+        "resilience": ResilienceSpec(
+            auto_resume=True, max_retry=settings.max_retry, restart_policy=RestartPolicy.ON_FAILURE,
+            hang_timeout=settings.hang_timeout,
+            startup_timeout=settings.startup_timeout or NO_STARTUP_TIMEOUT,
+            require_deep_health_passed=settings.require_deep_health_passed, straggler_policy=settings.straggler_policy,
+            straggler_restart_cost=settings.straggler_restart_cost,
+            node_losses_in_place=min(max(0, losable), pods - 1),
+        ).model_dump(),
+        "checkpoint": ({} if settings.checkpoint_tiers is None else
+                       settings.checkpoint_tiers.model_dump(exclude_none=True)),
+    }, context={"trusted": True})
 
 
 def managed(annotations: Mapping[str, str] | None) -> bool:

@@ -62,7 +62,8 @@ from kubeflow.training.models import (
 from kubeflow_trainer_api import models as trainer
 
 from unbroken.rank import env as launch_env
-from unbroken.config.job import HANG_TIMEOUT_FALLBACK_S, STARTUP_TIMEOUT_FALLBACK_S, JobSpec
+from unbroken.config.job import HANG_TIMEOUT_FALLBACK_S, JobSpec
+from unbroken.kubernetes.backend import annotations as job_annotations_module
 from unbroken.errors import UsageError
 from unbroken.kubernetes.backend import names
 from unbroken.kubernetes.backend import rank_env
@@ -123,34 +124,12 @@ def torchrun_command(spec: JobSpec, spare_pods: int = 0) -> list[str]:
 
 
 def job_annotations(spec: JobSpec, placement: Placement) -> dict[str, str]:
-    resilience = spec.resilience
+    """The job's ``unbroken.dev/*`` annotations (``annotations.write``), with what the placement adds."""
     if placement.deep_health_only is not None:
         deep = placement.deep_health_only
     else:
-        deep = "require_deep_health_passed" in resilience.model_fields_set and resilience.require_deep_health_passed
-    annotations = {
-        names.AUTO_RESUME: "true" if resilience.auto_resume else "false",
-        names.MAX_RETRY: str(resilience.max_retry),
-        names.STARTUP_TIMEOUT: f"{resilience.startup_timeout or STARTUP_TIMEOUT_FALLBACK_S:g}",
-        names.REQUIRE_DEEP_HEALTH: "true" if deep else "false",
-    }
-    if "straggler_policy" in resilience.model_fields_set:
-        annotations[names.STRAGGLER_POLICY] = resilience.straggler_policy.value
-    if "straggler_restart_cost" in resilience.model_fields_set:
-        annotations[names.STRAGGLER_RESTART_COST] = f"{resilience.straggler_restart_cost:g}"
-    if resilience.hang_timeout is not None:  # unset: the operator sets it from the job's step times
-        annotations[names.HANG_TIMEOUT] = f"{resilience.hang_timeout:g}"
-    if (tiers := tiers_json(spec)) is not None:
-        annotations[names.CHECKPOINT_TIERS] = tiers
-    if placement.spare_pods and not spec.elastic:  # an elastic job's are read from its elasticPolicy
-        annotations[names.SPARE_PODS] = str(placement.spare_pods)
-    return annotations
-
-
-def tiers_json(spec: JobSpec) -> str | None:
-    """The job's tier policy as the annotation and the ranks' env carry it; None without tiers."""
-    tiers = spec.checkpoint.tiers
-    return None if tiers is None else tiers.model_dump_json(exclude_none=True)
+        deep = "require_deep_health_passed" in spec.resilience.model_fields_set and spec.resilience.require_deep_health_passed
+    return job_annotations_module.write(spec, deep_health=deep, spare_pods=0 if spec.elastic else placement.spare_pods)
 
 
 def render(spec: JobSpec, placement: Placement, kind: WorkloadKind = PYTORCHJOB) -> dict[str, Any]:
@@ -198,7 +177,7 @@ def render_pytorchjob(spec: JobSpec, placement: Placement) -> dict[str, Any]:
                  "env": _job_env(spec, checkpoint_dir), "volumeMounts": mounts or None, "resources": _gpu_limits(placement)}
     pod = {"containers": [container], "volumes": claim or None, "nodeSelector": placement.node_selector or None,
            "terminationGracePeriodSeconds": placement.termination_grace_seconds}
-    template = rank_env.with_rank_env(_plain({"spec": pod}), PYTORCHJOB.pod_label, tiers_json=tiers_json(spec))
+    template = rank_env.with_rank_env(_plain({"spec": pod}), PYTORCHJOB.pod_label, tiers_json=job_annotations_module.tiers_json(spec))
     replicas = {"Master": KubeflowOrgV1ReplicaSpec(replicas=1, restart_policy="OnFailure", template=template)}
     workers = spec.nodes - 1 + placement.spare_pods
     if workers or spec.elastic:  # training-operator refuses an elasticPolicy without Workers
@@ -220,7 +199,7 @@ def render_trainjob(spec: JobSpec, placement: Placement) -> dict[str, Any]:
                          f"policy yet (kubeflow/trainer#2903) and a TrainJob's pods all train; or give a fixed size "
                          f"(nodes: {spec.nodes})")
     checkpoint_dir = _checkpoint_dir(spec)
-    tiers = tiers_json(spec)
+    tiers = job_annotations_module.tiers_json(spec)
     env = [*_job_env(spec, checkpoint_dir), *rank_env.all_env(TRAINJOB.pod_label, tiers_json=tiers)]
     paths = rank_env.host_paths(memory_tier=tiers is not None)
     mounts, claim = _claim(placement, checkpoint_dir)

@@ -10,7 +10,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 
-from unbroken.config.job import JobSpec, ResilienceSpec, RestartPolicy
 from unbroken.errors import NotFoundError, UsageError
 from unbroken.kubernetes.backend import annotations as job_annotations
 from unbroken.kubernetes.backend import names
@@ -25,8 +24,6 @@ log = logging.getLogger(__name__)
 
 from unbroken.kubernetes.backend.store.core import StoreCore, job_name_of, opted_in, retry_conflicts, updated_record
 
-NO_HANG_TIMEOUT = 10.0 ** 9
-"""A job without ``hang-timeout-seconds`` has no hang detection (its ranks may not report progress)."""
 KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 """On the Kueue Workload of a job: the job's uid."""
 
@@ -237,25 +234,9 @@ class JobStore(StoreCore):
         kind = kind_of(obj)
         if problems := kind.problems(obj):
             raise AnnotationError(problems)  # left alone like a bad annotation; invalid_jobs() reports it
-        pods = max(1, kind.node_count(obj))
-        fewest = kind.fewest_pods(obj)
-        losable = pods - fewest if fewest is not None else settings.spare_pods
-        spec = JobSpec.model_validate({
-            "name": meta["name"],
-            "nodes": pods,
-            "procs_per_node": kind.procs_per_node(obj),
-            "command": [f"{kind.kind} {meta['namespace']}/{meta['name']}"],
-            "resilience": ResilienceSpec(
-                auto_resume=True, max_retry=settings.max_retry, restart_policy=RestartPolicy.ON_FAILURE,
-                hang_timeout=settings.hang_timeout,
-                startup_timeout=settings.startup_timeout or NO_HANG_TIMEOUT,
-                require_deep_health_passed=settings.require_deep_health_passed, straggler_policy=settings.straggler_policy,
-                straggler_restart_cost=settings.straggler_restart_cost,
-                node_losses_in_place=min(max(0, losable), pods - 1),
-            ).model_dump(),
-            "checkpoint": ({} if settings.checkpoint_tiers is None else
-                           settings.checkpoint_tiers.model_dump(exclude_none=True)),
-        }, context={"trusted": True})
+        spec = job_annotations.job_spec(settings, name=meta["name"], command=f"{kind.kind} {meta['namespace']}/{meta['name']}",
+                                         pods=max(1, kind.node_count(obj)), procs_per_node=kind.procs_per_node(obj),
+                                         fewest_pods=kind.fewest_pods(obj))
         saved = json.loads((meta.get("annotations") or {}).get(names.JOB_STATE, "{}") or "{}")
         created = parse_time(meta.get("creationTimestamp")) or 0.0
         return Job(
