@@ -61,20 +61,17 @@ import json
 import os
 import random
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # --backend kubernetes: tests/controlplane
 
-from recovery import _free_port, _rank_pid, quantiles  # noqa: E402
+from harness import FAULT_KINDS, Fault, Outcome, analyse, free_port, rank_pid, read_timeline, run_faults  # noqa: E402
 
 from unbroken.controller import report  # noqa: E402
 from unbroken.controller import jobs
@@ -85,7 +82,7 @@ from unbroken.config.job import JobSpec  # noqa: E402
 from unbroken.plumbing.layout import ClusterLayout  # noqa: E402
 from unbroken.runtime import local_cluster  # noqa: E402
 
-FAULTS = ("kill-worker", "hang-worker", "kill-node", "xid79")
+FAULTS = FAULT_KINDS
 KUBERNETES_SYSTEMS = ("k8s:training-operator", "k8s:unbroken", "k8s:unbroken+launcher", "k8s:unbroken+spare-pod")
 """``--backend kubernetes`` (goodput_kubernetes.py, which keeps the same tuple)."""
 STEP_TIME = 0.05
@@ -94,13 +91,6 @@ HANG_TIMEOUT = 10.0
 PERSIST_EVERY = 200  # steps: ~10 s of training between copies in the persistent tier
 QUIET_TAIL = 10.0  # no fault in the last seconds: each one gets a chance to recover
 FIRST_STEP_ALLOWANCE = 10.0  # faults count from the first step, which comes ~7 s after launch
-
-
-@dataclass(frozen=True)
-class Fault:
-    at: float
-    """Seconds after the start."""
-    kind: str
 
 
 def schedule(minutes: float, mtbf: float, seed: int) -> list[Fault]:
@@ -117,113 +107,6 @@ def schedule(minutes: float, mtbf: float, seed: int) -> list[Fault]:
 def workload(progress_log: Path) -> list[str]:
     return ["-m", "unbroken.workloads.mlp", "--steps", "10000000", "--checkpoint-every", str(CHECKPOINT_EVERY),
             "--step-time", str(STEP_TIME), "--progress-log", str(progress_log)]
-
-
-# -- reading a step timeline -----------------------------------------------------------
-
-
-@dataclass
-class Outcome:
-    system: str
-    goodput: float
-    badput: dict[str, float]
-    faults: list[dict[str, Any]] = field(default_factory=list)
-
-    def recovery_quantiles(self) -> tuple[float | None, float | None]:
-        return quantiles([f["recover_s"] for f in self.faults])
-
-    def to_dict(self) -> dict[str, Any]:
-        p50, p95 = self.recovery_quantiles()
-        per_kind = {kind: [f["recover_s"] for f in self.faults if f["kind"] == kind] for kind in FAULTS}
-        return {"system": self.system, "goodput": round(self.goodput, 4), "badput": {k: round(v, 1) for k, v in self.badput.items()},
-                "faults": len(self.faults), "recover_p50_s": p50, "recover_p95_s": p95, "fault_log": self.faults,
-                "recover_by_kind": {k: [None if v is None else round(v, 2) for v in vs] for k, vs in per_kind.items() if vs}}
-
-
-Step = tuple[int, float, int, int]
-"""A line of rank 0's timeline: step, unix time, pid, attempt (0 where the launcher has no attempts)."""
-
-
-def analyse(system: str, timeline: list[Step], started: float, ended: float,
-            injected: list[tuple[float, str, str | None]]) -> Outcome:
-    """Goodput, badput and per-fault recovery from rank 0's (step, time, pid) lines."""
-    wall = ended - started
-    intervals = [b[1] - a[1] for a, b in zip(timeline, timeline[1:], strict=False) if b[2] == a[2] and b[0] == a[0] + 1]
-    step_s = statistics.median(intervals) if intervals else STEP_TIME
-    final_step = timeline[-1][0] if timeline else 0
-    badput = {"startup": (timeline[0][1] - started) if timeline else wall, "recovery": 0.0, "lost_steps": 0.0,
-              "hang_wait": 0.0, "down": 0.0}
-    faults = []
-    for index, (at, kind, error) in enumerate(injected):
-        if error is not None:  # nothing to hit (the job was down already): no recovery to measure
-            faults.append({"kind": kind, "at_s": round(at - started, 1), "recover_s": None, "lost_steps": None, "note": error})
-            continue
-        before = [t for t in timeline if t[1] <= at]
-        until = next((later for later, _, failed in injected[index + 1 :] if failed is None), ended)
-        pid = before[-1][2] if before else None
-        after = _first_resumed_step(timeline, at, step_s)
-        if after is not None and after[1] <= until:
-            lost = max(0, (before[-1][0] if before else 0) - (after[0] - 1))
-            badput["recovery"] += after[1] - at
-            badput["lost_steps"] += lost * step_s
-            faults.append({"kind": kind, "at_s": round(at - started, 1), "recover_s": round(after[1] - at, 2), "lost_steps": lost})
-            continue
-        # not recovered before the next fault (or the end): stuck if a hang, else not running
-        progressed = [t for t in timeline if at < t[1] <= until and t[2] == pid]
-        stuck_from = progressed[-1][1] if progressed else at
-        badput["hang_wait" if kind == "hang-worker" else "down"] += until - stuck_from
-        faults.append({"kind": kind, "at_s": round(at - started, 1), "recover_s": None, "lost_steps": None})
-    return Outcome(system, min(1.0, final_step * step_s / wall), badput, faults)
-
-
-def _first_resumed_step(timeline: list[Step], at: float, step_s: float) -> Step | None:
-    """The first step after ``at`` that does not continue the one before it: a new rank-0 process, a new
-    attempt (an in-process restart keeps rank 0's process, and may resume at the very next step), a step
-    that is not the next one, or one after a pause no step takes (10 step times)."""
-    for previous, current in zip(timeline, timeline[1:], strict=False):
-        if current[1] <= at:
-            continue
-        if current[2] != previous[2] or current[3] != previous[3] or current[0] != previous[0] + 1 \
-                or current[1] - previous[1] > 10 * step_s:
-            return current
-    return None
-
-
-def read_timeline(path: Path) -> list[Step]:
-    lines = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        parts = line.split()
-        if len(parts) == 4:
-            lines.append((int(parts[0]), float(parts[1]), int(parts[2]), int(parts[3])))
-    return lines
-
-
-def run_faults(faults: list[Fault], started: float, minutes: float, inject: Callable[[Fault], None], timeline: Path,
-               between: Callable[[], None] = lambda: None) -> list[tuple[float, str, str | None]]:
-    """Inject each fault at its time after the job's first step, calling ``between`` every 0.2 s (a
-    supervisor's pass) until ``minutes`` after ``started``; returns (time, kind, why it could not be injected or None)."""
-
-    def first_step() -> float | None:
-        lines = read_timeline(timeline)
-        return lines[0][1] if lines else None
-
-    injected = []
-    pending = list(faults)
-    end = started + minutes * 60
-    clock: float | None = None  # the fault clock starts at the job's first step: every system is hit at the same point
-    while time.time() < end:
-        if clock is None and first_step() is not None:
-            clock = time.time()
-        if pending and clock is not None and time.time() >= clock + pending[0].at:
-            fault = pending.pop(0)
-            try:
-                inject(fault)
-                injected.append((time.time(), fault.kind, None))
-            except Exception as exc:  # noqa: BLE001 - a fault that cannot land (no rank running) is reported, not fatal
-                injected.append((time.time(), fault.kind, f"not injected: {exc}"))
-        between()
-        time.sleep(0.2)  # the benchmark's own clock tick, not a wait for a condition
-    return injected
 
 
 # -- the systems ------------------------------------------------------------------------
@@ -272,7 +155,7 @@ def run_unbroken(faults: list[Fault], minutes: float, root: Path, *, warm: bool 
 
         injected = run_faults(faults, started, minutes, inject, timeline_path)
         ended = time.time()
-        outcome = analyse(system, read_timeline(timeline_path), started, ended, injected)
+        outcome = analyse(system, read_timeline(timeline_path), started, ended, injected, default_step_s=STEP_TIME)
         summary = report.summarize(store.get_job("goodput"), backend.worker_history("goodput"),
                                    store.list_events(object_kind="Job", object_name="goodput"), now=ended)
         for recovery in summary.recoveries:
@@ -296,7 +179,7 @@ class TorchrunPair:
 
     def launch(self) -> None:
         self.launches += 1
-        port = _free_port()
+        port = free_port()
         self.groups = []
         for node_rank in range(2):
             env = {**os.environ, "UNBROKEN_CHECKPOINT_DIR": str(self.work / "ckpt"), "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
@@ -323,7 +206,7 @@ class TorchrunPair:
         if fault.kind == "kill-node":
             procs.kill_now(procs.tree(node.pid))
             return
-        os.kill(_rank_pid(node.pid, local_rank=1), signal.SIGSTOP if fault.kind == "hang-worker" else signal.SIGKILL)
+        os.kill(rank_pid(node.pid, local_rank=1), signal.SIGSTOP if fault.kind == "hang-worker" else signal.SIGKILL)
 
 
 def run_torchrun(system: str, faults: list[Fault], minutes: float, root: Path, *, retry_loop: bool) -> Outcome:
@@ -343,7 +226,7 @@ def run_torchrun(system: str, faults: list[Fault], minutes: float, root: Path, *
         injected = run_faults(faults, started, minutes, pair.inject, timeline, supervise)
     finally:
         pair.stop()
-    outcome = analyse(system, read_timeline(timeline), started, time.time(), injected)
+    outcome = analyse(system, read_timeline(timeline), started, time.time(), injected, default_step_s=STEP_TIME)
     outcome.badput["relaunches"] = float(pair.launches - 1)
     return outcome
 

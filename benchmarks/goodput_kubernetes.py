@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from controlplane.unbroken_cluster import JOBS, Cluster, rank_log, rank_pids, submit, unbroken_cluster
-from goodput import Fault, Outcome, analyse, read_timeline, run_faults
+from harness import Fault, Outcome, analyse, read_timeline, run_faults
 from processes import stop_process
 from recovery_kubernetes import start_system, system_job
 

@@ -42,8 +42,6 @@ import json
 import os
 import re
 import signal
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -51,6 +49,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from harness import RESUMED, free_port, poll, quantiles, rank_pid
 from unbroken.controller import jobs, report
 from unbroken.plumbing import procs
 from unbroken.runtime import fault_injection
@@ -59,7 +58,6 @@ from unbroken.runtime import local_cluster
 from unbroken.config.cluster import ClusterConfig
 from unbroken.config.job import JobSpec
 from unbroken.plumbing.layout import ClusterLayout
-from unbroken.plumbing.waiting import WaitTimeout, wait_until
 
 STEPS = 100_000  # never reached: each scenario ends at the first step after resume
 CHECKPOINT_EVERY = 20
@@ -94,21 +92,10 @@ def workload_args() -> list[str]:
             "--step-time", str(STEP_TIME), "--state-mb", str(STATE_MB)]
 
 
-_RESUMED = re.compile(r"resumed at step \d+ from .* in ([0-9.]+) s")
-
-
 def slowest_restore(log_dirs: list[Path]) -> float | None:
     """The longest ``restore()`` any rank of the resumed attempt reported in its stdout."""
-    times = [float(m.group(1)) for d in log_dirs for f in d.rglob("stdout.log") for m in _RESUMED.finditer(_read(f))]
+    times = [float(m.group(1)) for d in log_dirs for f in d.rglob("stdout.log") for m in RESUMED.finditer(_read(f))]
     return round(max(times), 3) if times else None
-
-
-def poll(predicate, timeout: float, interval: float = 0.05):
-    """The predicate's value once it holds, None if it never did (the row says what happened)."""
-    try:
-        return wait_until(predicate, timeout, "the scenario's next stage", interval=interval)
-    except WaitTimeout:
-        return None
 
 
 # -- unbroken -------------------------------------------------------------------------
@@ -176,7 +163,7 @@ def run_unbroken(fault: str, root: Path, variant: str) -> Result:
 def run_torchrun(fault: str, root: Path) -> Result:
     work = root / f"torchrun-{fault}"
     work.mkdir(parents=True)
-    port = _free_port()
+    port = free_port()
     groups = []
     for node_rank in range(2):
         log = open(work / f"node{node_rank}.log", "wb")
@@ -198,7 +185,7 @@ def run_torchrun(fault: str, root: Path) -> Result:
         if fault == "kill-node":
             procs.kill_now(procs.tree(groups[1].pid))
         else:
-            rank3 = _rank_pid(groups[1].pid, local_rank=1)
+            rank3 = rank_pid(groups[1].pid, local_rank=1)
             os.kill(rank3, signal.SIGKILL if fault == "kill-worker" else signal.SIGSTOP)
         first = poll(lambda: _first_step_after(work, faulted_at), GIVE_UP_AFTER)
         if first is None:
@@ -235,27 +222,6 @@ def _first_step_after(work: Path, since: float):
             if float(match.group(2)) > since:
                 return int(match.group(1)), float(match.group(2))
     return None
-
-
-def _rank_pid(torchrun_pid: int, local_rank: int) -> int:
-    def find():
-        for proc in procs.tree(torchrun_pid)[1:]:
-            try:
-                if proc.environ().get("LOCAL_RANK") == str(local_rank):
-                    return proc.pid
-            except Exception:  # noqa: BLE001 - racing process exits
-                continue
-        return None
-    pid = poll(find, 30)
-    if pid is None:
-        raise RuntimeError("rank process not found")
-    return pid
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def main() -> int:
@@ -339,14 +305,6 @@ def kubernetes_main(args: argparse.Namespace) -> int:
                     results.append(result)
                     print(f"# {result.system:<18} {fault:<12} recover {result.recover_s} s  {result.note}", file=sys.stderr, flush=True)
     return report_results(args, results, {"backend": "kubernetes", "step_time_s": recovery_kubernetes.STEP_TIME})
-
-
-def quantiles(values: list) -> tuple[float | None, float | None]:
-    """p50 (the median) and p95 (nearest rank) of what was measured; None where nothing was."""
-    values = sorted(v for v in values if v is not None)
-    if not values:
-        return None, None
-    return round(statistics.median(values), 2), round(values[min(len(values) - 1, int(0.95 * len(values)))], 2)
 
 
 if __name__ == "__main__":

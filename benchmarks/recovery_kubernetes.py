@@ -61,9 +61,8 @@ from controlplane.unbroken_cluster import (  # noqa: E402 - tests/controlplane, 
     JOBS, LAUNCHER, TORCHRUN, Cluster, auto_resume, one_pod_per_node, pytorchjob, rank_log, rank_process, start_agents, submit,
     unbroken_cluster, without_gpus,
 )
-from goodput import read_timeline  # noqa: E402 - beside this script: rank 0's step timeline, read as goodput.py does
 from processes import stop_process  # noqa: E402
-from recovery import _RESUMED, poll  # noqa: E402
+from harness import RESUMED, poll, read_timeline  # noqa: E402 - beside this script
 from unbroken.kubernetes.backend import names  # noqa: E402
 
 SYSTEMS = ("training-operator", "unbroken", "unbroken+launcher", "unbroken+spare-pod", "unbroken+elastic", "unbroken+bystander")
@@ -201,7 +200,7 @@ def run(system: str, fault: str, workdir: Path) -> dict[str, Any]:
                 result["startup_s"] = round(first_at - running_at, 2)
             if in_place is None:
                 result["note"] = "pods recreated" if managed else "containers restarted by the kubelet"
-            restores = [float(m.group(1)) for m in _RESUMED.finditer(rank_log(cluster, f"{name}-master-0")[log_offset:])]
+            restores = [float(m.group(1)) for m in RESUMED.finditer(rank_log(cluster, f"{name}-master-0")[log_offset:])]
             result["restore_s"] = round(restores[0], 3) if restores else None
             return result
         finally:

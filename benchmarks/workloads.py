@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from corpus import write_kjv  # noqa: E402
-from recovery import _free_port  # noqa: E402
+from harness import free_port  # noqa: E402
 from imagenet_fixture import make_imagenet_val  # noqa: E402
 
 from unbroken.controller import jobs  # noqa: E402
@@ -88,7 +88,7 @@ def steady_rate(lines: list[str], field: str) -> float | None:
 
 def run_torchrun(name: str, args: list[str], field: str, work: Path) -> Throughput:
     work.mkdir(parents=True)
-    port = _free_port()
+    port = free_port()
     started = time.monotonic()
     groups = []
     for node_rank in range(2):
