@@ -11,16 +11,14 @@ Connections are per thread, so one ``SqliteStore`` serves every thread of a proc
 from __future__ import annotations
 
 import dataclasses
-import json
 import sqlite3
 import threading
 import time
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from enum import StrEnum
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar, get_type_hints
+from typing import Any, ParamSpec, TypeVar
 
 from unbroken.state.catalog import CopyKey
 from unbroken.errors import ConflictError, NotFoundError, StoreError, StoreUnavailable
@@ -40,101 +38,16 @@ from unbroken.state.records import (
     EventType,
     Job,
     Node,
-    RankInfo,
     ShardCopy,
-    StepTiming,
     Worker,
     WorkerProgress,
 )
+from unbroken.state import sqlite_rows as sql
+from unbroken.state.sqlite_schema import SCHEMA_VERSION, upgrade
 from unbroken.state.store import StaleUpdate, check_version
 from unbroken.state.updates import JobUpdate, NodeUpdate, WorkerUpdate
 
 __all__ = ["SCHEMA_VERSION", "SqliteStore", "StaleUpdate"]
-
-SCHEMA_VERSION = 5
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS cluster (
-    id INTEGER PRIMARY KEY CHECK (id = 1), name TEXT NOT NULL, config_json TEXT NOT NULL,
-    status TEXT NOT NULL, created_at REAL NOT NULL, controller_metrics TEXT
-);
-CREATE TABLE IF NOT EXISTS nodes (
-    name TEXT PRIMARY KEY, "group" TEXT NOT NULL, instance_type TEXT NOT NULL,
-    state TEXT NOT NULL, deep_health TEXT NOT NULL, address TEXT NOT NULL,
-    fault_type TEXT, fault_reason TEXT, agent_pid INTEGER,
-    registered_at REAL, state_changed_at REAL NOT NULL, reboots INTEGER NOT NULL,
-    replaced_by TEXT, recovery_requested INTEGER NOT NULL, metrics_address TEXT, version INTEGER NOT NULL DEFAULT 0
-);
-CREATE TABLE IF NOT EXISTS leases (node TEXT PRIMARY KEY, renewed_at REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS jobs (
-    name TEXT PRIMARY KEY, spec_json TEXT NOT NULL, phase TEXT NOT NULL,
-    attempt INTEGER NOT NULL, reason TEXT, created_at REAL NOT NULL,
-    started_at REAL, ended_at REAL, phase_changed_at REAL NOT NULL,
-    cancel_requested INTEGER NOT NULL, nodes TEXT NOT NULL DEFAULT '[]', resizes INTEGER NOT NULL DEFAULT 0,
-    version INTEGER NOT NULL DEFAULT 0
-);
-CREATE TABLE IF NOT EXISTS workers (
-    id INTEGER PRIMARY KEY AUTOINCREMENT, job TEXT NOT NULL REFERENCES jobs(name),
-    attempt INTEGER NOT NULL, node TEXT NOT NULL, node_rank INTEGER NOT NULL,
-    desired TEXT NOT NULL, phase TEXT NOT NULL, rdzv_endpoint TEXT NOT NULL,
-    pid INTEGER, created_at REAL NOT NULL, started_at REAL, ended_at REAL,
-    exit_code INTEGER, message TEXT, log_dir TEXT,
-    first_step INTEGER, first_progress_at REAL, last_step INTEGER, last_progress_at REAL,
-    restored_step INTEGER, ranks TEXT NOT NULL, checkpoint_stall_s REAL, saved_step INTEGER, step_timing TEXT,
-    UNIQUE (job, attempt, node)
-);
-CREATE INDEX IF NOT EXISTS workers_by_node ON workers(node, phase);
-CREATE TABLE IF NOT EXISTS events (
-    id INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL NOT NULL, object_kind TEXT NOT NULL,
-    object_name TEXT NOT NULL, type TEXT NOT NULL, reason TEXT NOT NULL, message TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS events_by_object ON events(object_kind, object_name, id);
-CREATE TABLE IF NOT EXISTS shard_copies (
-    job TEXT NOT NULL, step INTEGER NOT NULL, rank INTEGER NOT NULL, tier TEXT NOT NULL,
-    node TEXT NOT NULL, attempt INTEGER NOT NULL, world_size INTEGER NOT NULL,
-    size INTEGER NOT NULL, checksum TEXT NOT NULL, info_json TEXT NOT NULL, created_at REAL NOT NULL,
-    PRIMARY KEY (job, step, rank, tier, node)
-);
-CREATE TABLE IF NOT EXISTS checkpoint_steps (
-    job TEXT NOT NULL, step INTEGER NOT NULL, tier TEXT NOT NULL, attempt INTEGER NOT NULL,
-    world_size INTEGER NOT NULL, status TEXT NOT NULL, size INTEGER NOT NULL,
-    updated_at REAL NOT NULL, committed_at REAL, message TEXT,
-    PRIMARY KEY (job, step, tier)
-);
-CREATE TABLE IF NOT EXISTS shard_servers (node TEXT PRIMARY KEY, address TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS progress_samples (
-    job TEXT NOT NULL, attempt INTEGER NOT NULL, second INTEGER NOT NULL, ts REAL NOT NULL, step INTEGER NOT NULL,
-    PRIMARY KEY (job, attempt, second)
-);
-"""
-
-# v2 kept the cluster, its status and the shard servers in a key-value table, heartbeats on
-# the node rows, and no versions. Moving a v2 file forward keeps every row.
-_FROM_V2 = """
-INSERT OR IGNORE INTO cluster (id, name, config_json, status, created_at)
-    SELECT 1, json_extract(c.value, '$.ClusterName'), c.value,
-           CASE (SELECT value FROM meta WHERE key = 'status') WHEN 'up' THEN 'Up' ELSE 'Down' END, 0
-    FROM meta c WHERE c.key = 'cluster';
-INSERT OR IGNORE INTO shard_servers (node, address)
-    SELECT substr(key, length('ckpt-endpoint/') + 1), value FROM meta WHERE key LIKE 'ckpt-endpoint/%';
-INSERT OR IGNORE INTO leases (node, renewed_at) SELECT name, heartbeat_at FROM nodes WHERE heartbeat_at IS NOT NULL;
-ALTER TABLE nodes DROP COLUMN heartbeat_at;
-DROP TABLE meta;
-"""
-_NEW_IN_V3 = (
-    ("nodes", "version", "INTEGER NOT NULL DEFAULT 0"),
-    ("jobs", "nodes", "TEXT NOT NULL DEFAULT '[]'"),
-    ("jobs", "version", "INTEGER NOT NULL DEFAULT 0"),
-    ("workers", "checkpoint_stall_s", "REAL"),
-    ("nodes", "metrics_address", "TEXT"),
-)
-_NEW_IN_V4 = (
-    ("jobs", "resizes", "INTEGER NOT NULL DEFAULT 0"),
-    ("workers", "saved_step", "INTEGER"),
-)
-_NEW_IN_V5 = (
-    ("workers", "step_timing", "TEXT"),
-)
 
 _NODES = "SELECT nodes.*, leases.renewed_at AS heartbeat_at FROM nodes LEFT JOIN leases ON leases.node = nodes.name"
 
@@ -175,16 +88,7 @@ class SqliteStore:
             raise StoreError(f"{path}: schema version {version} is newer than this unbroken ({SCHEMA_VERSION}); upgrade unbroken")
         if version < SCHEMA_VERSION:
             with self._transaction():
-                for statement in _statements(_SCHEMA):
-                    conn.execute(statement)
-                if version == 2:
-                    for statement in _statements(_FROM_V2):
-                        conn.execute(statement)
-                if version in (2, 3, 4):  # a column the file already has is skipped
-                    for table, column, declaration in (*_NEW_IN_V3, *_NEW_IN_V4, *_NEW_IN_V5):
-                        if column not in {row["name"] for row in conn.execute(f"PRAGMA table_info({table})")}:
-                            conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
-                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+                upgrade(conn, version)
 
     # -- connection and transactions -------------------------------------------------
 
@@ -235,7 +139,7 @@ class SqliteStore:
         row = self._conn().execute("SELECT name, config_json, status, created_at, controller_metrics FROM cluster WHERE id = 1").fetchone()
         if row is None:
             raise StoreError(f"{self.path}: holds no cluster configuration")
-        return _decode(ClusterRecord, row)
+        return sql.decode(ClusterRecord, row)
 
     @_store_call
     def set_cluster_status(self, status: ClusterStatus) -> None:
@@ -251,7 +155,7 @@ class SqliteStore:
 
     @_store_call
     def add_node(self, node: Node) -> None:
-        row = _encode(node)
+        row = sql.encode(node)
         row.pop("heartbeat_at")
         self._insert("nodes", row, conflict=f"node {node.name} already exists")
 
@@ -260,12 +164,12 @@ class SqliteStore:
         row = self._conn().execute(f"{_NODES} WHERE nodes.name = ?", (name,)).fetchone()
         if row is None:
             raise NotFoundError(f"node {name} not found")
-        return _decode(Node, row)
+        return sql.decode(Node, row)
 
     @_store_call
     def list_nodes(self) -> list[Node]:
         rows = self._conn().execute(f"{_NODES} ORDER BY length(nodes.name), nodes.name").fetchall()
-        return [_decode(Node, r) for r in rows]
+        return [sql.decode(Node, r) for r in rows]
 
     @_store_call
     def update_node(self, name: str, update: NodeUpdate, *, expect_version: int | None = None) -> Node:
@@ -277,7 +181,7 @@ class SqliteStore:
                 check_transition(f"node {name}", NODE_TRANSITIONS, current.state, changes["state"])
                 if changes["state"] != current.state:
                     changes["state_changed_at"] = time.time()
-            _update(conn, "nodes", "name", name, {**changes, "version": current.version + 1})
+            sql.update(conn, "nodes", "name", name, {**changes, "version": current.version + 1})
         return self.get_node(name)
 
     @_store_call
@@ -286,10 +190,10 @@ class SqliteStore:
         with self._transaction() as conn:
             conn.execute("INSERT OR REPLACE INTO leases VALUES (?, ?)", (node, at))
             for report in progress:
-                values = {k: v for k, v in _encode(report).items() if k not in ("job", "attempt") and v is not None}
+                values = {k: v for k, v in sql.encode(report).items() if k not in ("job", "attempt") and v is not None}
                 if not values:
                     continue
-                assignments = ", ".join(f"{_quote(c)} = ?" for c in values)
+                assignments = ", ".join(f"{sql.quote(c)} = ?" for c in values)
                 updated = conn.execute(
                     f"UPDATE workers SET {assignments} WHERE job = ? AND attempt = ? AND node = ? "
                     f"AND phase IN ({', '.join('?' for _ in live)})",
@@ -320,7 +224,7 @@ class SqliteStore:
 
     @_store_call
     def add_job(self, job: Job) -> None:
-        self._insert("jobs", _encode(job), conflict=f"job {job.name} already exists")
+        self._insert("jobs", sql.encode(job), conflict=f"job {job.name} already exists")
 
     @_store_call
     def get_job(self, name: str) -> Job:
@@ -329,7 +233,7 @@ class SqliteStore:
     @_store_call
     def list_jobs(self) -> list[Job]:
         rows = self._conn().execute("SELECT * FROM jobs ORDER BY created_at").fetchall()
-        return [_decode(Job, r) for r in rows]
+        return [sql.decode(Job, r) for r in rows]
 
     @_store_call
     def update_job(self, name: str, update: JobUpdate, *, expect_version: int | None = None) -> Job:
@@ -341,7 +245,7 @@ class SqliteStore:
                 check_transition(f"job {name}", JOB_TRANSITIONS, current.phase, changes["phase"])
                 if changes["phase"] != current.phase:
                     changes["phase_changed_at"] = time.time()
-            _update(conn, "jobs", "name", name, {**changes, "version": current.version + 1})
+            sql.update(conn, "jobs", "name", name, {**changes, "version": current.version + 1})
         return self.get_job(name)
 
     # -- workers (the local backend's) ----------------------------------------------
@@ -351,7 +255,7 @@ class SqliteStore:
         ids = []
         with self._transaction() as conn:
             for worker in workers:
-                row = _encode(dataclasses.replace(worker, created_at=worker.created_at or time.time()))
+                row = sql.encode(dataclasses.replace(worker, created_at=worker.created_at or time.time()))
                 row.pop("id")
                 cur = conn.execute(f"INSERT INTO workers ({', '.join(row)}) VALUES ({', '.join('?' for _ in row)})",
                                    tuple(row.values()))
@@ -361,13 +265,13 @@ class SqliteStore:
     def list_workers(
         self, *, job: str | None = None, node: str | None = None, attempt: int | None = None, active: bool = False
     ) -> list[Worker]:
-        where, params = _where(job=job, node=node, attempt=attempt)
+        where, params = sql.where(job=job, node=node, attempt=attempt)
         if active:
             live = [p.value for p in WorkerPhase if not p.is_terminal]
             where = " AND ".join(filter(None, [where, f"phase IN ({', '.join('?' for _ in live)})"]))
             params.extend(live)
         rows = self._conn().execute(f"SELECT * FROM workers {'WHERE ' + where if where else ''} ORDER BY id", params).fetchall()
-        return [_decode(Worker, r) for r in rows]
+        return [sql.decode(Worker, r) for r in rows]
 
     @_store_call
     def update_worker(self, worker_id: int, update: WorkerUpdate) -> Worker:
@@ -376,7 +280,7 @@ class SqliteStore:
             current = self._get_worker(worker_id)
             if "phase" in changes:
                 check_transition(f"worker {worker_id}", WORKER_TRANSITIONS, current.phase, changes["phase"])
-            _update(conn, "workers", "id", worker_id, changes)
+            sql.update(conn, "workers", "id", worker_id, changes)
         return self._get_worker(worker_id)
 
     def _get_worker(self, worker_id: int) -> Worker:
@@ -388,7 +292,7 @@ class SqliteStore:
         self, object_kind: str, object_name: str, reason: str, message: str, *, type: EventType = EventType.NORMAL
     ) -> Event:
         event = Event(ts=time.time(), object_kind=object_kind, object_name=object_name, type=type, reason=reason, message=message)
-        row = _encode(event)
+        row = sql.encode(event)
         row.pop("id")
         with self._transaction() as conn:
             cur = conn.execute(f"INSERT INTO events ({', '.join(row)}) VALUES ({', '.join('?' for _ in row)})", tuple(row.values()))
@@ -397,18 +301,18 @@ class SqliteStore:
     def list_events(
         self, *, object_kind: str | None = None, object_name: str | None = None, reason: str | None = None
     ) -> list[Event]:
-        where, params = _where(object_kind=object_kind, object_name=object_name, reason=reason)
+        where, params = sql.where(object_kind=object_kind, object_name=object_name, reason=reason)
         rows = self._conn().execute(f"SELECT * FROM events {'WHERE ' + where if where else ''} ORDER BY id", params).fetchall()
-        return [_decode(Event, r) for r in rows]
+        return [sql.decode(Event, r) for r in rows]
 
     # -- the checkpoint catalog -----------------------------------------------------
 
     @_store_call
     def put_shard_copy(self, copy: ShardCopy) -> None:
-        row = _encode(copy)
+        row = sql.encode(copy)
         with self._transaction() as conn:
             conn.execute(
-                f'INSERT OR REPLACE INTO shard_copies ({", ".join(_quote(c) for c in row)}) VALUES ({", ".join("?" for _ in row)})',
+                f'INSERT OR REPLACE INTO shard_copies ({", ".join(sql.quote(c) for c in row)}) VALUES ({", ".join("?" for _ in row)})',
                 tuple(row.values()),
             )
 
@@ -419,32 +323,32 @@ class SqliteStore:
                 conn.execute("DELETE FROM shard_copies WHERE job = ? AND step = ? AND tier = ? AND node = ? AND rank = ?",
                              (job, key.step, key.tier.value, key.node, key.rank))
             for copy in put:
-                row = _encode(copy)
+                row = sql.encode(copy)
                 conn.execute(
-                    f'INSERT OR REPLACE INTO shard_copies ({", ".join(_quote(c) for c in row)}) VALUES ({", ".join("?" for _ in row)})',
+                    f'INSERT OR REPLACE INTO shard_copies ({", ".join(sql.quote(c) for c in row)}) VALUES ({", ".join("?" for _ in row)})',
                     tuple(row.values()),
                 )
 
     @_store_call
     def list_shard_copies(self, job: str, *, step: int | None = None, tier: CheckpointTier | None = None) -> list[ShardCopy]:
-        where, params = _where(job=job, step=step, tier=tier)
+        where, params = sql.where(job=job, step=step, tier=tier)
         rows = self._conn().execute(f"SELECT * FROM shard_copies WHERE {where} ORDER BY step DESC, rank, tier, node", params).fetchall()
-        return [_decode(ShardCopy, r) for r in rows]
+        return [sql.decode(ShardCopy, r) for r in rows]
 
     @_store_call
     def delete_shard_copies(self, job: str, step: int, *, tier: CheckpointTier | None = None, node: str | None = None,
                             rank: int | None = None) -> None:
-        where, params = _where(job=job, step=step, tier=tier, node=node, rank=rank)
+        where, params = sql.where(job=job, step=step, tier=tier, node=node, rank=rank)
         with self._transaction() as conn:
             conn.execute(f"DELETE FROM shard_copies WHERE {where}", params)
 
     @_store_call
     def put_checkpoint_step(self, record: CheckpointStep, *, only_if_absent: bool = False) -> bool:
-        row = _encode(record)
+        row = sql.encode(record)
         verb = "INSERT OR IGNORE" if only_if_absent else "INSERT OR REPLACE"
         with self._transaction() as conn:
             cursor = conn.execute(
-                f'{verb} INTO checkpoint_steps ({", ".join(_quote(c) for c in row)}) VALUES ({", ".join("?" for _ in row)})',
+                f'{verb} INTO checkpoint_steps ({", ".join(sql.quote(c) for c in row)}) VALUES ({", ".join("?" for _ in row)})',
                 tuple(row.values()),
             )
         return cursor.rowcount > 0
@@ -454,21 +358,21 @@ class SqliteStore:
         with self._transaction() as conn:
             stored = conn.execute("SELECT * FROM checkpoint_steps WHERE job = ? AND step = ? AND tier = ?",
                                   (current.job, current.step, current.tier.value)).fetchone()
-            if stored is None or _decode(CheckpointStep, stored) != current:
+            if stored is None or sql.decode(CheckpointStep, stored) != current:
                 return False
             conn.execute("DELETE FROM checkpoint_steps WHERE job = ? AND step = ? AND tier = ?",
                          (current.job, current.step, current.tier.value))
             if new is not None:
-                row = _encode(new)
-                conn.execute(f'INSERT INTO checkpoint_steps ({", ".join(_quote(c) for c in row)}) VALUES ({", ".join("?" for _ in row)})',
+                row = sql.encode(new)
+                conn.execute(f'INSERT INTO checkpoint_steps ({", ".join(sql.quote(c) for c in row)}) VALUES ({", ".join("?" for _ in row)})',
                              tuple(row.values()))
         return True
 
     @_store_call
     def list_checkpoint_steps(self, job: str, *, tier: CheckpointTier | None = None) -> list[CheckpointStep]:
-        where, params = _where(job=job, tier=tier)
+        where, params = sql.where(job=job, tier=tier)
         rows = self._conn().execute(f"SELECT * FROM checkpoint_steps WHERE {where} ORDER BY step DESC, tier", params).fetchall()
-        return [_decode(CheckpointStep, r) for r in rows]
+        return [sql.decode(CheckpointStep, r) for r in rows]
 
     @_store_call
     def delete_checkpoint_step(self, job: str, step: int, tier: CheckpointTier) -> None:
@@ -490,7 +394,7 @@ class SqliteStore:
         try:
             with self._transaction() as conn:
                 conn.execute(
-                    f'INSERT INTO {table} ({", ".join(_quote(c) for c in row)}) VALUES ({", ".join("?" for _ in row)})',
+                    f'INSERT INTO {table} ({", ".join(sql.quote(c) for c in row)}) VALUES ({", ".join("?" for _ in row)})',
                     tuple(row.values()),
                 )
         except sqlite3.IntegrityError:
@@ -500,70 +404,6 @@ class SqliteStore:
         row = self._conn().execute(f"SELECT * FROM {table} WHERE {key} = ?", (value,)).fetchone()
         if row is None:
             raise NotFoundError(f"{what} {value} not found")
-        return _decode(cls, row)
+        return sql.decode(cls, row)
 
 
-def _statements(script: str) -> list[str]:
-    return [s for s in (part.strip() for part in script.split(";")) if s]
-
-
-def _update(conn: sqlite3.Connection, table: str, key: str, value: Any, changes: dict[str, Any]) -> None:
-    if not changes:
-        return
-    encoded = {k: _encode_value(v) for k, v in changes.items()}
-    assignments = ", ".join(f"{_quote(c)} = ?" for c in encoded)
-    conn.execute(f"UPDATE {table} SET {assignments} WHERE {key} = ?", (*encoded.values(), value))
-
-
-def _where(**equal: Any) -> tuple[str, list[Any]]:
-    """``col = ?`` for every argument that is not None, ANDed, with its parameters."""
-    given = {k: _encode_value(v) for k, v in equal.items() if v is not None}
-    return " AND ".join(f"{_quote(k)} = ?" for k in given), list(given.values())
-
-
-def _quote(column: str) -> str:
-    return f'"{column}"'
-
-
-def _encode_value(value: Any) -> Any:
-    if isinstance(value, StrEnum):
-        return value.value
-    if isinstance(value, bool):
-        return int(value)
-    if isinstance(value, StepTiming):
-        return json.dumps(value.to_json(), separators=(",", ":"))
-    if isinstance(value, tuple):
-        return json.dumps([dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for v in value])  # type: ignore[arg-type]
-    return value
-
-
-def _encode(record: Any) -> dict[str, Any]:
-    return {f.name: _encode_value(getattr(record, f.name)) for f in dataclasses.fields(record)}
-
-
-_HINTS: dict[type, dict[str, Any]] = {}
-
-
-def _decode(cls: type[R], row: sqlite3.Row) -> R:
-    hints = _HINTS.get(cls)
-    if hints is None:
-        hints = _HINTS[cls] = get_type_hints(cls)
-    values: dict[str, Any] = {}
-    for name in row.keys():
-        raw = row[name]
-        hint = hints[name]
-        if raw is None:
-            values[name] = None
-        elif isinstance(hint, type) and issubclass(hint, StrEnum):
-            values[name] = hint(raw)
-        elif hint is bool:
-            values[name] = bool(raw)
-        elif name == "ranks":
-            values[name] = tuple(RankInfo(**r) for r in json.loads(raw))
-        elif name == "nodes":
-            values[name] = tuple(json.loads(raw))
-        elif name == "step_timing":
-            values[name] = StepTiming.from_json(json.loads(raw))
-        else:
-            values[name] = raw
-    return cls(**values)
