@@ -33,7 +33,7 @@ from s3 import empty_and_delete_bucket
 from cuda_rules import RuleKeepingCuda
 from test_file_checkpoint import Reports, assert_same, sample_state
 
-from unbroken.checkpoint.node import service as service_module
+from unbroken.checkpoint.node import drain as drain_module
 from unbroken.checkpoint.format import shard
 from unbroken.checkpoint.node import shm
 from unbroken.checkpoint.format.manifest import ShardInfo
@@ -639,7 +639,7 @@ def test_half_written_slot_of_a_finished_attempt_is_reclaimed(make_rig) -> None:
 @pytest.fixture
 def fast_retries(monkeypatch: pytest.MonkeyPatch) -> None:
     """Backoff between drain retries in milliseconds instead of seconds: the same path, sooner."""
-    monkeypatch.setattr(service_module, "RETRY_BASE_SECONDS", 0.01)
+    monkeypatch.setattr(drain_module, "RETRY_BASE_SECONDS", 0.01)
 
 
 def assert_tier_failing(rig: Rig, step: int, needle: str) -> None:
