@@ -487,7 +487,7 @@ def section_dcp(run: Run) -> dict[str, Any]:
     import torch.distributed as dist
 
     from unbroken.plumbing.ports import free_port
-    from unbroken.train import default_backend
+    from unbroken.rank.process_group import default_backend
 
     state = make_state(2 * GIB if run.cuda else 16 * MIB, run.device, seed=3)
     out: dict[str, Any] = {"bytes": nbytes_of(state)}
@@ -515,7 +515,7 @@ def section_abort(run: Run) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from unbroken import train
+    from unbroken.rank import process_group
     from unbroken.rank.env import GroupPlacement
     from unbroken.plumbing.ports import free_port
 
@@ -523,7 +523,7 @@ def section_abort(run: Run) -> dict[str, Any]:
         placement = GroupPlacement(group_rank=0, nnodes=1, rendezvous=f"127.0.0.1:{free_port()}", rejoin_dir=run.work / "rejoin",
                                    collective_timeout=30.0)
         os.environ.update(placement.rank_environ(0, 1))
-        return train._init_process_group(None, 0, placement)
+        return process_group.init_process_group(None, 0, placement)
 
     def works() -> bool:
         on_device = torch.ones(4, device=run.device)
@@ -538,7 +538,7 @@ def section_abort(run: Run) -> dict[str, Any]:
     out: dict[str, Any] = {"backend": str(dist.get_backend_config()), "formed_s": round(time.perf_counter() - started, 3),
                            "collectives_ok": works()}
     took: list[float] = []
-    watch = threading.Thread(target=lambda: took.append(_timed(lambda: train._end_group_connections(sockets))), name="leave-watch")
+    watch = threading.Thread(target=lambda: took.append(_timed(lambda: process_group.end_group_connections(sockets))), name="leave-watch")
     watch.start()
     watch.join(60)
     out["abort_s"] = round(took[0], 3) if took else None

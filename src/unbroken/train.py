@@ -27,12 +27,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from unbroken.plumbing import logs
-from unbroken.rank import registry as rank_registry, rejoin, symptoms
+from unbroken.rank import process_group, rejoin
 from unbroken.rank.channel import HOST_PREFIX, SECTION_NAME, SECTION_PREFIX, WAIT_PREFIX, MessageKind, RankMessage, RankSender
 from unbroken.checkpoint.api import Checkpointer, RestoreReport, SaveReport
 from unbroken.rank.gpu_sections import GpuSections
 from unbroken.rank.group_sockets import GroupSockets
-from unbroken.rank.env import GroupPlacement, LaunchEnv
+from unbroken.rank.env import LaunchEnv
 from unbroken.rank.leave_watch import LeaveWatch
 from unbroken.rank.rejoin import RejoinNotice
 
@@ -89,7 +89,7 @@ class Context:
                 result = train(self)
             except Exception as exc:  # noqa: BLE001 - only collective failures are kept; the rest re-raise below
                 self._stop_leave_watch()
-                if self._env.group is None or not (self._leave_asked is not None or _is_collective_failure(exc)):
+                if self._env.group is None or not (self._leave_asked is not None or process_group.is_collective_failure(exc)):
                     raise
                 live, self._live, self._live_state = self._live_state, None, None  # the next entry offers its own
                 notice = self._leave_process_group(exc)
@@ -196,7 +196,7 @@ class Context:
         peer's failure, with the live state of its last ``progress``."""
         self._leave_asked = why
         print(f"unbroken: rank {self.rank} asked to leave its process group ({why})", flush=True)
-        _end_group_connections(self._group_sockets)
+        process_group.end_group_connections(self._group_sockets)
 
     def _send(self, kind: MessageKind, step: int | None, metrics: dict[str, float] | None = None, detail: str = "") -> None:
         self._sender.send(
@@ -216,9 +216,9 @@ class Context:
         assert group is not None
         left = time.monotonic()
         print(f"unbroken: rank {self.rank} leaves attempt {self.attempt}'s process group ({type(cause).__name__}: "
-              f"{_one_line(cause)}); waiting for the next attempt", flush=True)
+              f"{process_group.one_line(cause)}); waiting for the next attempt", flush=True)
         # first: a peer blocked on this rank sees it leave now, not at its collective timeout
-        _end_group_connections(self._group_sockets)
+        process_group.end_group_connections(self._group_sockets)
         self._group_sockets = None
         if dist.is_initialized():
             # Abort, not only destroy, gloo's too: the failed round's objects (DDP in the traceback's frames) can
@@ -235,7 +235,7 @@ class Context:
         self.checkpoint.close()
         round_number = self.attempt if group.round is None else group.round
         rejoin.acknowledge_abort(group.rejoin_dir, self.local_rank, round_number,
-                                 f"rank {self.rank}: {type(cause).__name__}: {_one_line(cause, 160)}")
+                                 f"rank {self.rank}: {type(cause).__name__}: {process_group.one_line(cause, 160)}")
         notice = rejoin.await_notice(group.rejoin_dir, round_number, REJOIN_WAIT_SECONDS)
         if notice is None:
             print(f"unbroken: no next attempt within {REJOIN_WAIT_SECONDS:g} s; exiting for a full restart", flush=True)
@@ -251,107 +251,21 @@ class Context:
                         round=notice.round)
         self._env = replace(self._env, attempt=notice.attempt, group=group)
         os.environ.update(self._env.to_environ())
-        self.rank, self.world_size = _enter_group(group, self.local_rank)
-        _register(group, self.rank, self.local_rank)
+        self.rank, self.world_size = process_group.enter_group(group, self.local_rank)
+        process_group.register(group, self.rank, self.local_rank)
         self.attempt = notice.attempt
         self._leave_asked = None
         if self._structured_logs:
             _setup_logs(self._env, self.rank, self.local_rank)
         self.checkpoint = self._make_checkpointer(self._env, self.rank, self.world_size, live)
         self._send(MessageKind.HELLO, None)
-        self._group_sockets = _init_process_group(self._backend, self.local_rank, group)
+        self._group_sockets = process_group.init_process_group(self._backend, self.local_rank, group)
         self._start_leave_watch()
-
-
-def _end_group_connections(sockets: GroupSockets | None) -> None:
-    """End this rank's side of its process group so that the collective it is in, or its next, fails now; safe from
-    another thread: gloo's connections shut down (``sockets``; twice is harmless), NCCL's communicator aborted (its
-    abort is made for another thread to call). A group of both (``cpu:gloo,cuda:nccl``) gets both."""
-    import torch.distributed as dist
-
-    if sockets is not None:
-        sockets.shut_down()
-    if dist.is_initialized() and (sockets is None or _has_nccl()):
-        try:
-            dist.distributed_c10d._abort_process_group()
-        except Exception:  # noqa: BLE001 - a group broken by a dead peer may fail to tear down; it is left either way
-            pass
-
-
-def _has_nccl() -> bool:
-    import torch.distributed as dist
-
-    try:
-        return "nccl" in str(dist.get_backend_config())
-    except (RuntimeError, ValueError):  # destroyed meanwhile
-        return False
 
 
 REJOIN_WAIT_SECONDS = 300.0
 """How long a rank that left its process group waits for the next attempt. The agent decides sooner:
 it adopts the worker into the next attempt, or stops it (then this wait ends with the process)."""
-
-
-def _is_collective_failure(exc: BaseException) -> bool:
-    """A failure of the process group (a peer died, hung past the timeout, or the group was aborted),
-    not of this rank's own code: only those are worth staying alive for."""
-    import torch.distributed as dist
-
-    if isinstance(exc, dist.DistError):
-        return True
-    # gloo reports a vanished peer as a plain RuntimeError from its transport
-    return isinstance(exc, RuntimeError) and symptoms.from_the_process_group(str(exc))
-
-
-def _one_line(exc: BaseException, limit: int = 200) -> str:
-    text = " ".join(str(exc).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _enter_group(group: GroupPlacement, local_rank: int) -> tuple[int, int]:
-    """Set the torch.distributed variables for the job-wide group (torchrun's are node-local under
-    in-process restarts) and return (rank, world size). Global rank 0 hosts the store."""
-    environ = group.rank_environ(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    os.environ.update(environ)
-    return int(environ["RANK"]), int(environ["WORLD_SIZE"])
-
-
-def _register(group: GroupPlacement, rank: int, local_rank: int) -> None:
-    """Say which global rank this process is now, where the agent, chaos and the CLI look (rank_registry.py)."""
-    identity = rank_registry.RankIdentity(rank, local_rank)
-    rank_registry.register(group.rejoin_dir, os.getpid(), identity)
-    warm = os.environ.get(rank_registry.REGISTRY_DIR)
-    if warm:  # a warm spare's rank registered its node-local RANK there before the script ran
-        rank_registry.register(Path(warm), os.getpid(), identity)
-
-
-def _init_process_group(backend: str | None, local_rank: int, group: GroupPlacement | None) -> GroupSockets | None:
-    """Join the process group; under in-process restarts with gloo, return the connections it opened
-    (the rank shuts them down when it leaves: group_sockets.py says why)."""
-    import datetime
-
-    import torch
-    import torch.distributed as dist
-
-    chosen = backend or default_backend(torch.cuda.is_available())
-    if "nccl" in chosen:
-        torch.cuda.set_device(local_rank)
-    if group is None:
-        dist.init_process_group(backend=chosen)
-        return None
-    # every wait has a timeout: a survivor blocked on a hung peer gives up and can rejoin
-    timeout = datetime.timedelta(seconds=group.collective_timeout)
-    if "gloo" not in chosen:  # NCCL alone: its communicator abort ends its own connections
-        dist.init_process_group(backend=chosen, timeout=timeout)
-        return None
-    return GroupSockets.opened_by(lambda: dist.init_process_group(backend=chosen, timeout=timeout))
-
-
-def default_backend(cuda: bool) -> str:
-    """The process group ``unbroken.init`` makes: with CUDA, NCCL for device tensors *and* gloo for host tensors
-    (``dcp.async_save`` refuses a group without a CPU backend, and small control collectives on host tensors need
-    one); without, gloo."""
-    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
 
 
 def _setup_logs(env: LaunchEnv, rank: int, local_rank: int) -> None:
@@ -394,8 +308,8 @@ def init(
     env = LaunchEnv.from_environ()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if env.group is not None:
-        rank, world_size = _enter_group(env.group, local_rank)
-        _register(env.group, rank, local_rank)
+        rank, world_size = process_group.enter_group(env.group, local_rank)
+        process_group.register(env.group, rank, local_rank)
     else:
         rank = int(os.environ.get("RANK", "0"))
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -441,7 +355,7 @@ def init(
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            ctx._group_sockets = _init_process_group(backend, local_rank, env.group)
+            ctx._group_sockets = process_group.init_process_group(backend, local_rank, env.group)
     ctx._start_leave_watch()
     return ctx
 

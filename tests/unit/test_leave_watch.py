@@ -94,7 +94,7 @@ def test_the_group_unbroken_makes_on_a_gpu_carries_gloo_beside_nccl() -> None:
     """``dcp.async_save`` asserts "A CPU backend must be enabled for async save" in an NCCL-only group, which is what
     every multi-process GPU job under unbroken had (seen on an H100). The default is both; the GPU benchmark
     (benchmarks/gpu.py) runs ``dcp.async_save`` and the leave watch's abort in such a group."""
-    from unbroken.train import default_backend
+    from unbroken.rank.process_group import default_backend
 
     assert default_backend(cuda=True) == "cpu:gloo,cuda:nccl"
     assert default_backend(cuda=False) == "gloo"

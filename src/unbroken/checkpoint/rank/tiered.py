@@ -26,7 +26,6 @@ import logging
 import mmap
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +35,7 @@ import torch
 
 from unbroken.checkpoint.format import shard
 from unbroken.checkpoint.node import cuda_host, shm
-from unbroken.checkpoint.rank import collectives, device_restore, fence, rng, tiers
+from unbroken.checkpoint.rank import beside, collectives, device_restore, fence, rng, tiers
 from unbroken.checkpoint.api import CheckpointObserver, Restored, RestoreReport, SaveReport
 from unbroken.checkpoint.node.credentials import Credentials
 from unbroken.checkpoint.node.cuda_host import PinnedMemory
@@ -263,7 +262,7 @@ class TieredCheckpointer:
             started = time.perf_counter()
             if device is not None and expected is not None:
                 # beside the checksum: both read the slot, both release the GIL
-                mismatch = _beside(lambda: _timed(self.last_save_timing, "verify_s", lambda: device.verify(buffer, layout, expected)))
+                mismatch = beside.beside(lambda: beside.timed(self.last_save_timing, "verify_s", lambda: device.verify(buffer, layout, expected)))
             digest = shard.checksum(buffer, layout.size)
             self.last_save_timing["checksum_s"] = time.perf_counter() - started
             try:
@@ -412,58 +411,17 @@ class TieredCheckpointer:
                 key=lambda s: s.info.step, reverse=True,
             )[: self.PREFETCH_STEPS]
             for stored in mine:
-                self._prefetched[(stored.path, stored.info.checksum)] = _map_private(stored.path, stored.info.size)
+                self._prefetched[(stored.path, stored.info.checksum)] = beside.map_private(stored.path, stored.info.size)
         except (OSError, ValueError):
             pass  # only a head start: restore maps what it needs itself
 
     def _mapping(self, stored: shm.StoredShard) -> mmap.mmap:
         if self._prefetch is not None:
             self._prefetch.join()
-        return self._prefetched.pop((stored.path, stored.info.checksum), None) or _map_private(stored.path, stored.info.size)
+        return self._prefetched.pop((stored.path, stored.info.checksum), None) or beside.map_private(stored.path, stored.info.size)
 
 SAY_MAPPING_BYTES = 64 << 20
 """A save that must map its slot first says so from this size on, where the stall starts to show."""
-
-
-def _timed(into: dict[str, float], key: str, work: Callable[[], T]) -> T:
-    started = time.perf_counter()
-    try:
-        return work()
-    finally:
-        into[key] = time.perf_counter() - started
-
-
-def _beside(work: Callable[[], T]) -> Future[T]:
-    """Run ``work`` in a thread of its own; its result (or exception) comes through the future."""
-    future: Future[T] = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(work())
-        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
-            future.set_exception(exc)
-
-    threading.Thread(target=run, name="ckpt-verify", daemon=True).start()
-    return future
-
-
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14; the constant is missing from older Pythons
-
-
-def _map_private(path: Path, size: int) -> mmap.mmap:
-    """A copy-on-write mapping of a shard file with its page tables filled for reading.
-
-    Not ``MAP_POPULATE``: on a writable private mapping it faults every page for
-    writing, i.e. copies the whole shard. ``MADV_POPULATE_READ`` maps the page-cache
-    pages themselves (~0.1 s per GiB here); a later write copies just that page.
-    """
-    with open(path, "rb") as f:
-        view = mmap.mmap(f.fileno(), max(size, 1), flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    try:
-        view.madvise(_MADV_POPULATE_READ)
-    except OSError:
-        pass  # older kernel: pages are mapped on first touch instead
-    return view
 
 
 def from_environment(env: Any, rank: int, world_size: int, policy: TierPolicy, observer: CheckpointObserver | None) -> TieredCheckpointer:
