@@ -66,7 +66,7 @@ class Context:
     _leave_asked: str | None = field(repr=False, default=None)
     """Why the launcher asked this rank to leave the current round (``_break_group``); None: not asked."""
     _leave_watch: LeaveWatch | None = field(repr=False, default=None)
-    """Under ``unbroken run``: the current round's watch for a request to leave it (leave_watch.py)."""
+    """Under ``unbroken run``: the current round's watch for a request to leave it (rank/leave_watch.py)."""
     _sections: dict[str, float] = field(repr=False, default_factory=dict)
     """Seconds in each ``section`` since the last ``progress``, keyed as the agent reads them (host time; on a GPU
     under ``host:<name>``, the scored time being the GPU's)."""

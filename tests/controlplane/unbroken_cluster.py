@@ -279,7 +279,7 @@ _RUN_DIR = re.compile(r'"run_dir": "([^"]+)"')
 
 def rank_pids(cluster: Cluster, pod: str) -> list[int]:
     """The pod's live rank processes, under torchrun (LOCAL_RANK in their environment) or ``unbroken run``, whose
-    ranks may be forks of a warm spare and say who they are in the launcher's rejoin folders (rank_registry.py)."""
+    ranks may be forks of a warm spare and say who they are in the launcher's rejoin folders (rank/registry.py)."""
     pid = cluster.kubelet.pid_of(JOBS, pod)
     if pid is None:
         return []

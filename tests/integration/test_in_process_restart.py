@@ -111,7 +111,7 @@ def test_a_survivor_leaves_the_broken_group_and_rejoins_the_next_attempt_in_the_
     assert result["restored"] == [7, "own memory"] and result["w"] == 7.0
     log = (tmp_path / "survivor.log").read_text()
     assert "leaves attempt 0's process group" in log and "rejoins as attempt 1" in log, log[-3000:]
-    # the agent, chaos and the CLI know the process by its new rank (rank_registry.py)
+    # the agent, chaos and the CLI know the process by its new rank (rank/registry.py)
     registered = json.loads((rejoin_dir / f"{survivor.pid}.json").read_text())
     assert registered == {"rank": 1, "local_rank": 0}
 

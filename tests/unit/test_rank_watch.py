@@ -1,5 +1,5 @@
 """The agent's own watch on its ranks (supervision/rank_watch.py), what the agent makes of the deaths it sees
-(agent/workers.py), and the controller's doorbell (doorbell.py).
+(agent/workers.py), and the controller's doorbell (plumbing/doorbell.py).
 
 Real processes throughout: a stand-in for torchrun that starts two "ranks" (children with LOCAL_RANK in
 their environment) and, like torchrun between two monitor passes, does not reap them at once.

@@ -9,7 +9,7 @@ workers (``Desired.HOLD``) instead of stopping them. On each node:
                                +--abort_timeout--> stopped    +--HOLD_SECONDS or job over--> killed
 
 *Leaving*: the ranks leave the broken process group (their collective failed when
-the peer died) and say so (rejoin.py). *Held*: the row of the old attempt is
+the peer died) and say so (rank/rejoin.py). *Held*: the row of the old attempt is
 closed as Stopped and the processes wait. *Adopted*: the agent writes the next
 attempt's notice and the worker becomes that attempt's worker on this node, with
 the same torchrun and ranks. Every way out of the happy path ends in a full stop,

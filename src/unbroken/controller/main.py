@@ -29,7 +29,7 @@ log = logging.getLogger("unbroken.controller")
 
 LOOP_SECONDS = 0.2
 """Reaction time to any change nobody rang the doorbell for; a pass over a small cluster costs ~1 ms
-of SQLite reads. An agent that saw a rank die rings (doorbell.py): the next pass starts at once."""
+of SQLite reads. An agent that saw a rank die rings (plumbing/doorbell.py): the next pass starts at once."""
 
 SILENT_AFTER_HEARTBEATS = 1.5
 """A lease half an interval overdue makes a node a suspect, well before it is declared lost:

@@ -11,7 +11,7 @@ or the exit code as well as torchrun will.
 Ranks are the direct children of a worker's torchrun that carry ``LOCAL_RANK``
 in their environment (their own children, a data loader's workers, are not
 ranks). A warm spare's ranks are children of its forkserver, one level down,
-and name themselves in the worker's rank registry (rank_registry.py). One thread finds new ranks and waits on all pidfds, waking at least
+and name themselves in the worker's rank registry (rank/registry.py). One thread finds new ranks and waits on all pidfds, waking at least
 every ``SCAN_SECONDS`` to look for the ranks of workers not all found yet.
 """
 

@@ -106,9 +106,9 @@ class RunningWorker:
     teardown): its exit reads torchrun's root cause (symptoms.says_exit_unread)."""
     warm: bool = False
     """A warm spare became this torchrun: its ranks are forks of the spare's forkserver, and say who they are
-    in ``log_dir/ranks`` (rank_registry.py), not in their environment."""
+    in ``log_dir/ranks`` (rank/registry.py), not in their environment."""
     rejoin_dir: Path | None = None
-    """Its ranks' handshake folder for in-process restarts (rejoin.py); None for a job without them."""
+    """Its ranks' handshake folder for in-process restarts (rank/rejoin.py); None for a job without them."""
     ranks: int = 1
     abort_timeout: float = 0.0
     """In-process restarts: how long its ranks have to leave their process group once asked to hold."""

@@ -178,7 +178,7 @@ class LocalBackend:
     def rank_processes(self, worker: Worker) -> list[RankProcess]:
         """The worker's rank processes, from its process tree: whatever the script does,
         torchrun gives each rank ``RANK`` and ``LOCAL_RANK``, or, for a warm spare's forked
-        ranks, they register in the worker's log folder (rank_registry.py). Processes a rank
+        ranks, they register in the worker's log folder (rank/registry.py). Processes a rank
         starts (data loader workers) may inherit them; only the topmost one per rank counts."""
         registry = Path(worker.log_dir) / "ranks" if worker.log_dir else None
 

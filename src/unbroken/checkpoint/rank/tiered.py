@@ -84,7 +84,7 @@ class TieredCheckpointer:
     observer: CheckpointObserver | None = None
     save_wait_seconds: float = 30.0
     pinning: PinnedMemory | None = None
-    """The process's record of pinned memory over its CUDA runtime (cuda_host.py); None: the real
+    """The process's record of pinned memory over its CUDA runtime (node/cuda_host.py); None: the real
     one, taken when the first device tensor is saved. Tests pass one over a stand-in."""
     _pool: shm.SlotPool = field(init=False)
     _pending: threading.Thread | None = field(default=None, init=False)

@@ -12,7 +12,7 @@ included: the pods act first and in place, and the operator, which sees the same
 silence later (through the agents' reports), recreates the pods only when they
 could not. Acting at the operator's own floor raced it (both at about 3 s), and a
 lost race costs a full restart. A false alarm is cheap instead: every rank leaves
-when asked (leave_watch.py), the same ranks form the next round from their live
+when asked (rank/leave_watch.py), the same ranks form the next round from their live
 state, no step is lost, and each hang a launcher declares doubles its next timeout
 (a busy machine, a spare importing torch beside the ranks, stalled a healthy job
 1.5 s here). No hang is declared before the round's ranks took ``MIN_STEPS``

@@ -5,7 +5,7 @@
     Running(N) --a rank here died, left the group, or "hold" came (its ranks are asked to leave)--> Leaving(N)
     Leaving(N) --every rank here left round N: held--> Ready(N)
     Leaving(N) --a rank here died, or abort_timeout: the torchrun killed--> Ready(N) (replaced at the join)
-    Ready(N) --"join" N+1--> Running(N+1): held ranks get the notice (rejoin.py), maybe with a new group rank and
+    Ready(N) --"join" N+1--> Running(N+1): held ranks get the notice (rank/rejoin.py), maybe with a new group rank and
                             size; a replaced torchrun starts again (from the warm spare when there is one)
     Running --every rank exited 0--> done (exit 0)
     any --"give_up", the coordinator lost when it is needed, a torchrun that fails alone--> failed (exit 1)
