@@ -6,7 +6,7 @@ open (whatever still refers to the group, such as the failed attempt's DDP, keep
 local peer blocked in a receive from this rank waits out its whole collective timeout. Measured on
 this machine, 4 gloo ranks under DDP, two killed: a survivor left only at the 5 s timeout in 3
 runs of 8 with ``abort`` (also in 2 of 8 after dropping every reference to DDP and the group), and
-within 0.02 s in 14 of 14 once the leaving rank shut its connections down (docs/benchmarks.md).
+within 0.02 s in 14 of 14 once the leaving rank shut its connections down (docs/benchmarks-history.md).
 
 ``shutdown(SHUT_RDWR)`` on a duplicate of each connection's descriptor sends the peer its end of
 stream now, whoever still holds the socket. Listening sockets are left alone: gloo's listener

@@ -32,7 +32,7 @@ the catalog's ConfigMaps, and the Nodes' shard-server annotations, in watch cach
 once, as a watch event. Without (the CLI) a read lists the job's ConfigMaps (a label selector),
 one list serving the reads of ``LIST_REUSE_SECONDS``. Compare-and-swap always reads the
 ConfigMap itself. Every agent receiving every node's write is what limits this catalog past a
-few hundred nodes (docs/benchmarks.md, "checkpoint catalog"), and why the design wants the
+few hundred nodes (docs/benchmarks-history.md, "checkpoint catalog"), and why the design wants the
 catalog off the API server at that scale.
 """
 
