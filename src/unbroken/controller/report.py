@@ -1,6 +1,6 @@
 """Derived job figures: steps lost, recovery times, goodput. Pure functions of store rows.
 
-Definitions (also in the README):
+Definitions (also in docs/concepts.md, "What a failure costs"):
 
 * **steps lost** at a restart: the last step the failed attempt reported minus the
   step the next attempt resumed from.
