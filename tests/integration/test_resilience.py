@@ -80,12 +80,14 @@ def test_killed_agent_node_is_replaced_and_job_resumes(cluster3, tmp_path):
 
 
 def test_sigstopped_worker_is_detected_as_hang_and_job_restarts(cluster3, tmp_path):
-    cluster3.submit(tmp_path, "hang", steps=STEPS, step_time=0.05, hang_timeout=4)
+    # 10 s, not 4: on a loaded machine (the suite's, or CI's) a healthy rank of the restarted attempt was
+    # once silent for 4 s and the job restarted three times; the hang itself is caught either way
+    cluster3.submit(tmp_path, "hang", steps=STEPS, step_time=0.05, hang_timeout=10)
     cluster3.wait_step("hang", 15, 120)
     cluster3.cli("chaos", "hang-worker", "hang", "--rank", "1")
     job = cluster3.wait_job_phase("hang", {"Restarting", "Succeeded", "Failed"}, 60)
     assert job.phase.value == "Restarting", job.reason
-    assert "hang" in job.reason and "hang_timeout 4" in job.reason
+    assert "hang" in job.reason and "hang_timeout 10" in job.reason
     job = cluster3.wait_job_phase("hang", {"Succeeded", "Failed"}, 180)
     assert job.phase.value == "Succeeded", job.reason
     assert job.attempt == 1
