@@ -51,3 +51,8 @@ class BackendError(UnbrokenError):
 
 class CheckpointError(UnbrokenError):
     """A checkpoint could not be written or read."""
+
+
+class ReplicasDiverged(UnbrokenError):
+    """Data-parallel replicas no longer hold the same state (``ctx.watch_replicas``): silent data corruption on some
+    rank. Raised on every rank of the group at once; the job restarts from the last step they agreed on."""

@@ -37,7 +37,9 @@ from unbroken.rank.leave_watch import LeaveWatch
 from unbroken.rank.rejoin import RejoinNotice
 
 if TYPE_CHECKING:
+    from unbroken.checkpoint.rank.agreement import ReplicaWatch, Verdict
     from unbroken.checkpoint.rank.live import LiveState
+    from unbroken.rank.bit_flip import BitFlipper
 
 T = TypeVar("T")
 
@@ -72,6 +74,12 @@ class Context:
     under ``host:<name>``, the scored time being the GPU's)."""
     _gpu: GpuSections | None = field(repr=False, default=None)
     """The sections' CUDA-event times (gpu_sections.py), once this rank's CUDA is in use."""
+    _replicas: ReplicaWatch | None = field(repr=False, default=None)
+    """``watch_replicas``: the replicated state compared across replicas every few steps (checkpoint/rank/agreement.py)."""
+    _flipper: BitFlipper | None = field(repr=False, default=None)
+    """``unbroken chaos corrupt``'s watch on this rank (rank/bit_flip.py), with ``watch_replicas``."""
+    _restored_step: int | None = field(repr=False, default=None)
+    """The step this attempt restored (told by the checkpointer): the replicas' first agreed step."""
 
     def run(self, train: Callable[[Context], T]) -> T:
         """Train with in-process restarts: ``return ctx.run(train)``, where ``train(ctx)`` builds the model
@@ -112,6 +120,59 @@ class Context:
         cheap and must not copy (a ``state_dict()`` holds references, which stay that step's until the
         next optimizer step, itself followed by the next ``progress``)."""
         self._live = state
+
+    def watch_replicas(self, state: Callable[[], dict[str, Any]], *, every_steps: int = 50, group: Any = None) -> None:
+        """Compare this rank's *replicated* state with its replicas' every ``every_steps`` steps, at ``progress``, to
+        catch silent data corruption: a GPU or its memory that computes a wrong number without an error.
+
+        ``state()`` returns what every replica holds bit for bit after an optimizer step (DDP: the model's and the
+        optimizer's ``state_dict()``; never per-rank parts such as RNG state or a sampler's position). ``group``: the
+        replicas' process group (default: every rank; HSDP/FSDP2 with a 2-D mesh: ``mesh["replicate"].get_group()``).
+        Each check reads the declared bytes once and all-gathers 24 bytes per rank. When they differ, the rank(s) the
+        majority outvotes (with two replicas: both) are named to the agent, what was saved after the last agreed
+        step is never restored, and every rank raises ``ReplicasDiverged``: the job restarts from that step, and its
+        controller takes the suspect's node out. ``every_steps``: a multiple of your save interval keeps every
+        agreed step a saved one (a restart then loses nothing it need not)."""
+        from unbroken.checkpoint.rank.agreement import ReplicaWatch
+        from unbroken.rank.bit_flip import REQUEST_ENV, REQUEST_FILE, BitFlipper
+
+        if every_steps < 1:
+            raise ValueError(f"ctx.watch_replicas(every_steps={every_steps}): a check every 1 or more steps")
+        start = self._restored_step if self._restored_step is not None else -1
+        self._replicas = ReplicaWatch(state, every_steps, group, agreed_step=start)
+        request = os.environ.get(REQUEST_ENV)
+        path = Path(request) if request else (self._env.cluster_dir / "nodes" / self.node / REQUEST_FILE
+                                               if self._env.cluster_dir is not None else None)
+        self._flipper = BitFlipper(path, job=self.job, rank=self.rank, attempt=self.attempt)
+
+    @property
+    def agreed_step(self) -> int | None:
+        """The last step this rank's replicas agreed on (``watch_replicas``), or None when nothing is watched."""
+        return self._replicas.agreed_step if self._replicas is not None else None
+
+    def _check_replicas(self, step: int) -> None:
+        watch = self._replicas
+        assert watch is not None
+        if watch.due(step) and self.world_size > 1:
+            agreed_before = watch.agreed_step
+            verdict = watch.check(step)
+            if not verdict.agreed:
+                self._diverged(verdict, agreed_before)
+        if self._flipper is not None:
+            self._flipper.after_progress(step)
+
+    def _diverged(self, verdict: Verdict, agreed_step: int) -> None:
+        """Tell the agent, keep what was saved since the last agreed step from any restore, and stop this attempt."""
+        from unbroken.errors import ReplicasDiverged
+        from unbroken.rank.channel import SUSPECT_PREFIX
+
+        why = f"{verdict.describe()}; last agreed step {agreed_step}"
+        self.checkpoint.distrust_after(agreed_step, why)
+        metrics = {"agreed_step": float(agreed_step), "majority": 1.0 if verdict.majority else 0.0,
+                   **{f"{SUSPECT_PREFIX}{r}": 1.0 for r in verdict.suspects}}
+        self._send(MessageKind.DIVERGED, verdict.step, metrics, (verdict.tensor or "")[:200])
+        print(f"unbroken: rank {self.rank}: silent data corruption: {why}", flush=True)
+        raise ReplicasDiverged(why)
 
     @contextmanager
     def section(self, name: str, *, waits_on_peers: bool = False) -> Iterator[None]:
@@ -159,6 +220,8 @@ class Context:
         ``resilience.hang_timeout`` seconds means the job is hung. With ``keep_live``, it also takes the
         live state of this step (references) and the RNG state (a few KB) for the ranks that restore it.
         """
+        if self._replicas is not None:
+            self._check_replicas(step)
         if self._live is not None:
             from unbroken.checkpoint.rank import rng
             from unbroken.checkpoint.rank.live import LiveState
@@ -204,7 +267,7 @@ class Context:
                 kind=kind, job=self.job, attempt=self.attempt, rank=self.rank, local_rank=self.local_rank,
                 pid=os.getpid(), ts=time.time(), step=step, metrics=metrics or {}, detail=detail,
             ),
-            must_arrive=kind is MessageKind.HELLO or kind is MessageKind.RESTORED,
+            must_arrive=kind in (MessageKind.HELLO, MessageKind.RESTORED, MessageKind.DIVERGED),
         )
 
 
@@ -255,6 +318,7 @@ class Context:
         process_group.register(group, self.rank, self.local_rank)
         self.attempt = notice.attempt
         self._leave_asked = None
+        self._replicas = self._flipper = self._restored_step = None  # train(ctx) watches its new objects again
         if self._structured_logs:
             _setup_logs(self._env, self.rank, self.local_rank)
         self.checkpoint = self._make_checkpointer(self._env, self.rank, self.world_size, live)
@@ -286,6 +350,9 @@ class _AgentObserver:
 
     def restored(self, report: RestoreReport) -> None:
         if self.ctx is not None:
+            self.ctx._restored_step = report.step
+            if self.ctx._replicas is not None:
+                self.ctx._replicas.agreed_step = report.step
             self.ctx._send(MessageKind.RESTORED, report.step, {"seconds": report.seconds}, report.source)
 
 

@@ -61,6 +61,11 @@ class Checkpointer(Protocol):
     def prepare(self, state: dict[str, Any]) -> None:
         """Get ready to save ``state`` (its size known, buffers allocated) so the first save costs what the others do."""
 
+    def distrust_after(self, step: int, why: str) -> None:
+        """The replicas stopped agreeing after ``step`` (silent data corruption): what this rank saved after it must
+        never be restored. The file checkpointer quarantines those folders itself; the tiered one leaves it to the
+        controller, which marks the steps in the catalog (the rows are shared by every node)."""
+
     def close(self) -> None:
         """Finish the save in flight and let go of what the checkpointer holds (an in-process
         restart makes a new one for the next attempt)."""

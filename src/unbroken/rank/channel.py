@@ -32,6 +32,8 @@ RETRY_SECONDS = 1.0
 
 SECTION_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 """What ``ctx.section`` accepts as a name: a short word, safe as a metric label and an Event's text."""
+SUSPECT_PREFIX = "suspect:"
+"""A diverged message's metric ``suspect:<rank>``: that global rank's state differs from its replicas'."""
 SECTION_PREFIX = "section:"
 """A progress metric ``section:<name>``: seconds this rank spent in that section since its last progress."""
 WAIT_PREFIX = "wait:"
@@ -50,6 +52,10 @@ class MessageKind(StrEnum):
     """The rank resumed from a checkpoint of this step (``detail``: from where; ``metrics["seconds"]``)."""
     SAVED = "saved"
     """The rank saved this step (``detail``: the tier; ``metrics``: ``stall_seconds``, ``bytes``)."""
+    DIVERGED = "diverged"
+    """The replicas' fingerprints differ at ``step`` (``ctx.watch_replicas``): ``metrics`` holds ``agreed_step`` (the
+    last step they agreed on, -1 for none), ``majority`` (1: a strict majority agreed) and a ``suspect:<rank>`` key per
+    suspect rank; ``detail`` the first differing tensor's path (or empty)."""
     FINISHED = "finished"
     """``ctx.run``'s training returned: the rank is on its way out, and its silence from now on is no hang
     (``unbroken run``'s launcher reads it; an exit can take seconds: the output, a last save, torch's teardown)."""

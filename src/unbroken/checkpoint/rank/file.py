@@ -36,6 +36,15 @@ def step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:09d}"
 
 
+def quarantine_dir(root: Path, step: int) -> Path:
+    """Where a distrusted step's folder goes: out of ``step-*``'s pattern, a free name (a step can be distrusted twice)."""
+    base = root / f"untrusted-step-{step:09d}"
+    target, n = base, 1
+    while target.exists():
+        target, n = base.with_name(f"{base.name}.{n}"), n + 1
+    return target
+
+
 def rank_file(root: Path, step: int, rank: int) -> Path:
     return step_dir(root, step) / f"rank-{rank:05d}.pt"
 
@@ -80,6 +89,27 @@ class FileCheckpointer:
 
     def fence(self) -> None:
         """Nothing to wait for: ``save`` returns with the state on disk."""
+
+    def distrust_after(self, step: int, why: str) -> None:
+        """Quarantine the step folders after ``step``: each is renamed ``untrusted-step-…`` with the reason beside
+        its files, so no restore (and no retention) sees it, and whoever looks into the folder sees why.
+        Every rank tries (the folder may be shared or per node); a rename another rank made first is no error."""
+        if not self.directory.is_dir():
+            return
+        for entry in sorted(self.directory.iterdir()):
+            match = _STEP_DIR.match(entry.name)
+            if not match or int(match.group(1)) <= step:
+                continue
+            target = quarantine_dir(self.directory, int(match.group(1)))
+            try:
+                entry.rename(target)
+            except OSError:
+                continue  # renamed by a peer meanwhile, or a name taken: the folder is out of the restore's sight or will be
+            try:
+                (target / "UNTRUSTED").write_text(why + "\n")
+            except OSError:
+                pass  # the name says it already
+            print(f"unbroken: {entry.name} quarantined as {target.name}: {why}", flush=True)
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         if step < 0:

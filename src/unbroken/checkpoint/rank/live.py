@@ -63,6 +63,9 @@ class LiveFirst:
     def close(self) -> None:
         self.inner.close()
 
+    def distrust_after(self, step: int, why: str) -> None:
+        self.inner.distrust_after(step, why)
+
     def restore(self, device: Any = None) -> Restored | None:
         """A live peer's state where one holds a newer step than the checkpoints (as it is: the peers' state is on
         their devices already), else the inner checkpointer's, on ``device``."""

@@ -300,6 +300,11 @@ class TieredCheckpointer:
         except (OSError, CheckpointError) as exc:
             _say(f"memory tier: could not allocate slots ahead of time ({exc}); saves will allocate them")
 
+    def distrust_after(self, step: int, why: str) -> None:
+        """Nothing here: the steps committed after ``step`` are rows in the catalog every node shares, and the
+        controller marks them ``Untrusted`` when it restarts the job (a rank cannot speak for the other nodes')."""
+        _say(f"steps after {step} are not to be restored: {why}")
+
     def close(self) -> None:
         self.wait()
         fence.forget(self)
