@@ -16,9 +16,9 @@ import threading
 from dataclasses import dataclass, field
 
 from unbroken.supervision.step_clock import RankClock, worker_timing
-from unbroken.rank.channel import MessageKind, RankMessage
+from unbroken.rank.channel import SUSPECT_PREFIX, MessageKind, RankMessage
 from unbroken.plumbing.metrics import AgentMetrics
-from unbroken.state.records import RankInfo, WorkerProgress
+from unbroken.state.records import Divergence, RankInfo, WorkerProgress
 
 
 _TIERS = frozenset({"memory", "file"})
@@ -45,6 +45,8 @@ class _Progress:
     first_step: int | None = None
     first_progress_at: float | None = None
     restored_step: int | None = None
+    divergence: Divergence | None = None
+    """The first divergence a rank of the worker reported (every rank of a group reports the same verdict)."""
     dirty: bool = False
 
     def apply(self, msg: RankMessage) -> None:
@@ -65,6 +67,8 @@ class _Progress:
             rank.saved = msg.step
         elif msg.kind is MessageKind.FINISHED:
             rank.finished_at = msg.ts
+        elif msg.kind is MessageKind.DIVERGED and msg.step is not None and self.divergence is None:
+            self.divergence = _divergence(msg)
         self.dirty = True
 
     def report(self, job: str, attempt: int) -> WorkerProgress:
@@ -81,7 +85,16 @@ class _Progress:
             checkpoint_stall_s=max((r.stalled for r in self.ranks.values()), default=0.0) or None,
             saved_step=_oldest([r.saved for r in self.ranks.values()]),
             step_timing=worker_timing({k: r.clock for k, r in self.ranks.items()}),
+            divergence=self.divergence,
         )
+
+
+def _divergence(msg: RankMessage) -> Divergence:
+    assert msg.step is not None
+    suspects = sorted(int(key.removeprefix(SUSPECT_PREFIX)) for key in msg.metrics
+                      if key.startswith(SUSPECT_PREFIX) and key.removeprefix(SUSPECT_PREFIX).isdigit())
+    return Divergence(step=msg.step, agreed_step=int(msg.metrics.get("agreed_step", -1)), suspects=tuple(suspects),
+                      majority=bool(msg.metrics.get("majority", 0.0)), tensor=msg.detail or None)
 
 
 def _oldest(saved: list[int | None]) -> int | None:

@@ -1,4 +1,4 @@
-"""``unbroken chaos kill-worker|hang-worker|kill-node|kill-controller|xid|slow-link|slow-node``."""
+"""``unbroken chaos kill-worker|hang-worker|kill-node|kill-controller|xid|slow-link|slow-node|corrupt``."""
 
 from __future__ import annotations
 
@@ -7,10 +7,12 @@ from typing import Annotated
 
 import typer
 
+from unbroken.rank.bit_flip import FlipTarget
 from unbroken.runtime import fault_injection
 from unbroken.cli.common import DirOption, console, open_runtime
 
-app = typer.Typer(help="Inject real faults: signals to real processes, kernel-log lines, slow links, slow nodes.", no_args_is_help=True)
+app = typer.Typer(help="Inject real faults: signals to real processes, kernel-log lines, slow links, slow nodes, flipped bits.",
+                  no_args_is_help=True)
 
 JobArg = Annotated[str, typer.Argument(help="Job name")]
 NodeOpt = Annotated[str | None, typer.Option("--node", help="Pick a rank on this node")]
@@ -84,3 +86,31 @@ def slow_node(node: Annotated[str, typer.Argument(help="Node name")],
         return
     pid = fault_injection.slow_node(runtime, node, factor, period=period)
     console.print(f"node {node}: slowed x{factor:g} (slower pid {pid}); 'unbroken chaos slow-node {node} --clear' ends it")
+
+
+@app.command("corrupt")
+def corrupt(job: JobArg, directory: DirOption = None, node: NodeOpt = None, rank: RankOpt = None,
+            step: Annotated[int, typer.Option("--step", help="Flip in the optimizer step after the rank reports this step "
+                                              "(default: its next one)")] = 0,
+            target: Annotated[FlipTarget, typer.Option("--target", help="What to flip: a parameter, its optimizer state, "
+                                                       "or its gradient (after the all-reduce)")] = FlipTarget.PARAMS,
+            transient: Annotated[bool, typer.Option("--transient", help="Only this one bit: the node's known-answer check "
+                                                    "still passes (default: its devices compute wrong from now on)")] = False,
+            wait: Annotated[float, typer.Option("--wait", help="Seconds to wait for the rank to flip it")] = 60.0) -> None:
+    """Silent data corruption: flip one bit of one rank's training state, through the rank (its script must call
+    ctx.watch_replicas), and unless --transient make its node's devices compute wrong (the known-answer check fails).
+    The replicas should disagree at their next check: job describe shows SilentDataCorruption, the job resumes from
+    the last agreed step, and the node is replaced. 'chaos corrupt-clear NODE' makes a node compute right again."""
+    runtime = open_runtime(directory)
+    chosen = fault_injection.pick_rank(runtime, job, node=node, rank=rank)
+    flipped = fault_injection.corrupt(runtime, chosen, step=step, what=target, lasting=not transient, wait_seconds=wait)
+    console.print(f"job {job} rank {flipped.rank} on {chosen.node}: flipped bit {flipped.bit} of byte {flipped.byte} of "
+                  f"{flipped.tensor} after step {flipped.step}" + ("" if transient else f"; {chosen.node} computes wrong from now on"),
+                  highlight=False)
+
+
+@app.command("corrupt-clear")
+def corrupt_clear(node: Annotated[str, typer.Argument(help="Node name")], directory: DirOption = None) -> None:
+    """Make a node's devices compute right again (its known-answer check passes)."""
+    cleared = fault_injection.clear_corrupt(open_runtime(directory), node)
+    console.print(f"node {node}: " + ("computes right again" if cleared else "was not made to compute wrong"))

@@ -28,6 +28,8 @@ class FaultKind(StrEnum):
     """A node stopped renewing its lease (power, network, agent)."""
     STRAGGLER = "straggler"
     """A node was taken out for running persistently slower than its peers (``straggler_policy: replace``)."""
+    SILENT_DATA_CORRUPTION = "silent_data_corruption"
+    """The job's replicas stopped agreeing (``ctx.watch_replicas``): a rank computed wrong numbers without an error."""
     NODE_FAULT = "node_fault"
     """A node was taken out by a health fault (Xid, failed check) or by an operator."""
     LAUNCH_FAILED = "launch_failed"
@@ -36,6 +38,7 @@ class FaultKind(StrEnum):
 
 
 _PATTERNS: tuple[tuple[FaultKind, re.Pattern[str]], ...] = (
+    (FaultKind.SILENT_DATA_CORRUPTION, re.compile(r"^silent data corruption: ")),
     (FaultKind.STARTUP_TIMEOUT, re.compile(r"^hang: no rank on \S+ reported progress within startup_timeout")),
     (FaultKind.HANG, re.compile(r"^hang: ")),
     (FaultKind.LAUNCH_FAILED, re.compile(r"cannot start torchrun")),

@@ -12,7 +12,7 @@ from enum import StrEnum
 
 from unbroken.rank import symptoms
 from unbroken.config.job import JobSpec, RestartPolicy
-from unbroken.controller import hang_timeout
+from unbroken.controller import divergence, hang_timeout
 from unbroken.controller.hang_timeout import HangTimeout
 from unbroken.state.phases import DeepHealthStatus, JobPhase, NodeState, WorkerPhase
 from unbroken.state.records import Desired, Job, Node, Worker
@@ -46,6 +46,8 @@ class Decision:
 class Failure:
     reason: str
     retryable: bool
+    corrupt: bool = False
+    """The replicas diverged: no rank stays for an in-process restart (every one exits, and none's state is trusted)."""
 
 
 def decide(
@@ -86,7 +88,7 @@ def decide(
         failure = _with_suspects(now, failure, workers, nodes, silent_after)
         if can_restart(job, spec, failure):
             reason = f"{failure.reason}; restart {restarts_used(job) + 1} of {spec.resilience.max_retry}"
-            hold = holdable(now, spec, workers, nodes, silent_after, hang)
+            hold = () if failure.corrupt else holdable(now, spec, workers, nodes, silent_after, hang)
             if hold:
                 reason += f"; in-process: the ranks on {', '.join(hold)} stay"
             return Decision(Action.RESTART, reason, hold=hold)
@@ -212,7 +214,11 @@ def restart_cause(failed_attempt: list[Worker], restart_reason: str) -> Worker |
 def detect_failure(now: float, spec: JobSpec, workers: list[Worker], nodes: dict[str, Node],
                    hang: HangTimeout | None = None, startup: HangTimeout | None = None) -> Failure | None:
     """First reason this attempt cannot finish, in order: worker exit (the root cause among
-    several), ranks that left their process group (in-process restarts), lost node, hang."""
+    several), ranks that left their process group (in-process restarts), lost node, hang. A divergence of the
+    replicas goes before all of them: the ranks exit because of it."""
+    diverged = divergence.find(workers)
+    if diverged is not None:  # first: the ranks exit on it, and their exit is its symptom
+        return Failure(divergence.reason(diverged), True, corrupt=True)
     failed = sorted((w for w in workers if w.phase is WorkerPhase.FAILED), key=_root_cause_first)
     if failed:
         w = failed[0]
@@ -273,7 +279,7 @@ def _with_suspects(now: float, failure: Failure, workers: list[Worker], nodes: d
                 suspects.append(f"{w.node} silent for {silent:.1f} s")
     if not suspects:
         return failure
-    return Failure(f"{failure.reason} (suspect: {', '.join(suspects)})", failure.retryable)
+    return Failure(f"{failure.reason} (suspect: {', '.join(suspects)})", failure.retryable, failure.corrupt)
 
 
 def _names(text: str, node: str) -> bool:

@@ -13,7 +13,10 @@ import logging
 
 from unbroken.backends.base import Backend
 from unbroken.config.job import JobSpec, StragglerPolicy
-from unbroken.controller import hang_timeout, job_decisions, stragglers
+from unbroken.controller import divergence, hang_timeout, job_decisions, stragglers
+from unbroken.health import faults
+from unbroken.health.result import FaultAction
+from unbroken.state.catalog import CheckpointCatalog
 from unbroken.controller.job_decisions import Action, Decision
 from unbroken.errors import StoreUnavailable, UnbrokenError
 from unbroken.state.phases import JobPhase, NodeState, WorkerPhase
@@ -35,9 +38,11 @@ _STOPPED = {Action.RESTART: (JobPhase.RESTARTING, "JobRestarting"), Action.FAIL:
 
 
 class JobReconciler:
-    def __init__(self, store: ClusterStore, backend: Backend, *, silent_after: float) -> None:
+    def __init__(self, store: ClusterStore, backend: Backend, *, silent_after: float, catalog: CheckpointCatalog | None = None) -> None:
         self.store = store
         self.backend = backend
+        self.catalog = catalog
+        """Where a divergence's untrusted checkpoint steps are marked (None: a test's reconciler without checkpoints)."""
         self.silent_after = silent_after
         self._warned: dict[str, str] = {}
         """job -> the last reconcile failure warned about in an Event (memory only: a new controller warns once again)."""
@@ -139,8 +144,52 @@ class JobReconciler:
             self._startups.pop(job.name, None)
             self._launch_waits = {key: why for key, why in self._launch_waits.items() if key[0] != job.name}
             self._nudged = {key for key in self._nudged if key[0] != job.name}
+        if decision.action in (Action.RESTART, Action.FAIL) or job.phase is JobPhase.RESTARTING:
+            self._answer_divergence(job, workers, nodes, first=job.phase is JobPhase.RUNNING)
         self._apply(now, job, decision, nodes)
         return decision
+
+    def _answer_divergence(self, job: Job, workers: list[Worker], nodes: dict[str, Node], *, first: bool) -> None:
+        """The attempt's replicas diverged: mark its checkpoints after the agreed step untrusted (on every pass until
+        the next attempt is placed: a commit may race the first mark), and on the first pass take the suspects out."""
+        found = divergence.find(workers)
+        if found is None:
+            return
+        why = divergence.reason(found)
+        marked = divergence.distrust(self.catalog, job.name, found.divergence, job.attempt, why) if self.catalog is not None else []
+        if not first:
+            if marked:
+                self.store.add_event("Job", job.name, "CheckpointsUntrusted", f"steps {_steps(marked)} marked untrusted (committed "
+                                     "after the first mark)", type=EventType.WARNING)
+            return
+        outcome = [self._take_out(name, found, why) for name in found.suspect_nodes]
+        untrusted = f"checkpoint steps {_steps(marked)} marked untrusted" if marked else "no checkpoint after it to untrust"
+        self.store.add_event("Job", job.name, faults.SILENT_DATA_CORRUPTION,
+                             f"{why}; {untrusted}; " + ("; ".join(o for o in outcome if o) or "no suspect node to take out"),
+                             type=EventType.WARNING)
+
+    def _take_out(self, name: str, found: divergence.Found, why: str) -> str:
+        """Outvoted: replace the node now. No majority: cordon it for its agent's known-answer check."""
+        for _ in range(3):
+            node = self.store.get_node(name)
+            if found.divergence.majority:
+                decided = faults.decide(node, FaultAction.REPLACE, why, faults.SILENT_DATA_CORRUPTION)
+                update, said = (NodeUpdate(state=decided.target, fault_type=decided.fault_type, fault_reason=why[:200]),
+                                f"node {name} taken out ({faults.SILENT_DATA_CORRUPTION})") if decided.target else (None, "")
+            elif node.state is NodeState.SCHEDULABLE:
+                update = NodeUpdate(state=NodeState.UNSCHEDULABLE, fault_type=faults.SDC_SUSPECT, fault_reason=why[:200])
+                said = f"node {name} cordoned until its known-answer check"
+            else:
+                update, said = None, ""
+            if update is None:
+                return f"node {name} already {node.state.value}"
+            try:
+                self.store.update_node(name, update, expect_version=node.version)
+            except StaleUpdate:
+                continue
+            self.store.add_event("Node", name, update.fault_type or faults.SILENT_DATA_CORRUPTION, why, type=EventType.WARNING)
+            return said
+        return f"node {name} kept changing; not taken out"
 
     def _watch_stragglers(self, now: float, job: Job, spec: JobSpec, workers: list[Worker], nodes: dict[str, Node],
                           free: list[str]) -> bool:
@@ -331,3 +380,7 @@ class JobReconciler:
         origin = f"step {restored}" if restored is not None else "scratch (no checkpoint)"
         lost = (reached or 0) - (restored or 0) if reached is not None else 0
         self.store.add_event("Job", job.name, "JobResumed", f"attempt {job.attempt} resumed from {origin}; {lost} steps lost")
+
+
+def _steps(steps: list[int]) -> str:
+    return ", ".join(str(s) for s in steps)

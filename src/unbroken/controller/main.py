@@ -54,7 +54,7 @@ def serve_metrics(runtime: Runtime) -> metrics.Endpoint | None:
 def run(runtime: Runtime, stopping: threading.Event) -> None:
     cluster = runtime.config
     nodes = NodeReconciler(runtime.cluster, runtime.backend, cluster)
-    jobs = JobReconciler(runtime.cluster, runtime.backend,
+    jobs = JobReconciler(runtime.cluster, runtime.backend, catalog=runtime.catalog,
                          silent_after=SILENT_AFTER_HEARTBEATS * cluster.Local.HeartbeatIntervalSeconds)
     log.info("controller started", extra={"cluster": cluster.ClusterName})
     endpoint = serve_metrics(runtime)

@@ -36,6 +36,9 @@ CATALOGUE: tuple[CheckSpec, ...] = (
               "dense matmul throughput (GPU: bf16 TFLOP/s, CPU: fp32 GFLOP/s) vs the profile's floor"),
     CheckSpec("stress.membw", frozenset({_STRESS}), 120.0, "unbroken.health.checks.stress:membw",
               "memory copy bandwidth (GPU: HBM, CPU: DRAM) in GB/s vs the profile's floor"),
+    CheckSpec("stress.known_answer", frozenset({_STRESS}), 120.0, "unbroken.health.checks.known_answer:known_answer",
+              "exact integer matmuls (float32; bf16 inputs with float32 accumulation) on every device vs the exact answer "
+              "computed in int64: a device that computes wrong numbers without an error (silent data corruption)"),
     CheckSpec("storage.checkpoint", frozenset({_STRESS, _CONT}), 60.0, "unbroken.health.checks.storage:checkpoint",
               "the checkpoint filesystem: write, fsync, read back, free space floor, write throughput"),
     CheckSpec("network.rdma", frozenset({_CONNECT, _CONT}), 30.0, "unbroken.health.checks.network:rdma",

@@ -58,12 +58,12 @@ JobsOn = Callable[[str], Iterable[str]]
 
 
 def apply_fault(store: ClusterStore, jobs_on: JobsOn, node_name: str, action: FaultAction, reason: str, *,
-                source: str) -> faults.NodeFault:
+                source: str, fault_type: str | None = None) -> faults.NodeFault:
     """Move ``node_name`` out of service as ``action`` asks (through the node state machine),
     and tell the jobs running on it. Returns what was decided."""
     for _ in range(3):
         node = store.get_node(node_name)
-        decision = faults.decide(node, action, reason)
+        decision = faults.decide(node, action, reason, fault_type)
         if decision.target is not None:
             try:
                 store.update_node(node_name, NodeUpdate(state=decision.target, fault_type=decision.fault_type,

@@ -18,6 +18,11 @@ from unbroken.state.records import Node
 
 REBOOT_REQUIRED = "RebootRequired"
 FAULTY_INSTANCE = "FaultyInstance"
+SILENT_DATA_CORRUPTION = "SilentDataCorruption"
+"""A replacement's fault type when the node computed wrong numbers without an error (known-answer check, replica vote)."""
+SDC_SUSPECT = "SilentDataCorruptionSuspect"
+"""The fault type of a node cordoned by the controller until its known-answer check says whether it computes right:
+one of two replicas that disagreed, with no majority to say which (the node's agent runs the check)."""
 
 _ADVICE = {
     FaultAction.REPLACE: f"{FAULTY_INSTANCE} detected. Replace the instance.",
@@ -41,7 +46,8 @@ def advice(action: FaultAction) -> str:
     return _ADVICE.get(action, "")
 
 
-def decide(node: Node, action: FaultAction, reason: str) -> NodeFault:
+def decide(node: Node, action: FaultAction, reason: str, fault_type: str | None = None) -> NodeFault:
+    """``fault_type``: a replacement's more precise name than FaultyInstance (SilentDataCorruption)."""
     if action is FaultAction.REBOOT and node.reboots >= 1:
         action = FaultAction.REPLACE
         reason = f"{reason} (again after {node.reboots} reboot{'s' if node.reboots > 1 else ''}: replacing)"
@@ -51,4 +57,4 @@ def decide(node: Node, action: FaultAction, reason: str) -> NodeFault:
         if node.state is NodeState.PENDING_REBOOT:
             return NodeFault(action, None, None, reason)  # already waiting for exactly that
         return NodeFault(action, NodeState.PENDING_REBOOT, REBOOT_REQUIRED, reason)
-    return NodeFault(action, NodeState.PENDING_REPLACEMENT, FAULTY_INSTANCE, reason)
+    return NodeFault(action, NodeState.PENDING_REPLACEMENT, fault_type or FAULTY_INSTANCE, reason)

@@ -81,4 +81,6 @@ def judge(node: str, results: list[CheckResult]) -> Verdict:
         return Verdict(True, f"{len(results)} checks passed")
     action = worst([r.action for r in mine])
     reason = "; ".join(f"{r.check}: {r.message}" for r in mine)
+    if any(r.reason == faults.SILENT_DATA_CORRUPTION for r in mine):
+        return Verdict(False, reason, faults.SILENT_DATA_CORRUPTION)  # replaced, and named for what it does wrong
     return Verdict(False, reason, faults.REBOOT_REQUIRED if action is FaultAction.REBOOT else faults.FAULTY_INSTANCE)

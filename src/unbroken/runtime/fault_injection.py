@@ -20,13 +20,15 @@ from pathlib import Path
 
 from unbroken.plumbing import procs
 from unbroken.errors import UsageError
+from unbroken.health.checks.known_answer import FAULT_FILE as SDC_FAULT_FILE
 from unbroken.health.xid_lines import xid_line
+from unbroken.rank.bit_flip import REQUEST_FILE, FlipRequest, FlipTarget, Flipped, read_done
 from unbroken.rank.env import CLUSTER_DIR
 from unbroken.plumbing.netns import NodeNet, clear, limit, namespace_exists
 from unbroken.plumbing.layout import ClusterLayout
 from unbroken.runtime import Runtime, open_local
 from unbroken.state.records import EventType
-from unbroken.plumbing.waiting import wait_until
+from unbroken.plumbing.waiting import WaitTimeout, wait_until
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,40 @@ def slow_link(runtime: Runtime, node: str, rate: str | None) -> str:
     runtime.cluster.add_event("Node", node, "ChaosSlowLink", f"tc tbf rate {rate} on {net.host_veth} and in {net.namespace}",
                               type=EventType.WARNING)
     return f"node {node}: link limited to {rate} (tc tbf, both directions) at {time.strftime('%H:%M:%S')}"
+
+
+def corrupt(runtime: Runtime, target: Target, *, step: int, what: FlipTarget, lasting: bool, wait_seconds: float) -> Flipped:
+    """Flip one bit of ``target``'s ``what`` in the first optimizer step after it reports ``step`` (rank/bit_flip.py);
+    with ``lasting``, the node's devices also compute wrong from now on (its known-answer check fails), as a faulty GPU
+    would. Returns what the rank flipped, once it has; a rank that does not watch its replicas never acts."""
+    job = runtime.cluster.get_job(target.job)
+    node_dir = runtime.layout.node_dir(target.node)
+    request = node_dir / REQUEST_FILE
+    FlipRequest(job=target.job, rank=target.rank, step=step, target=what, attempt=job.attempt).write(request)
+    if lasting:
+        (node_dir / SDC_FAULT_FILE).touch()
+    detail = (f"one bit of rank {target.rank}'s {what.value} after step {step}"
+              + (f"; node {target.node}'s devices compute wrong from now on" if lasting else ""))
+    runtime.cluster.add_event("Job", target.job, "ChaosCorrupt", detail, type=EventType.WARNING)
+    if lasting:
+        runtime.cluster.add_event("Node", target.node, "ChaosCorrupt", "its devices compute wrong numbers (known-answer check fails)",
+                                  type=EventType.WARNING)
+    try:
+        return wait_until(lambda: read_done(request), wait_seconds, f"rank {target.rank} of {target.job} to flip the bit")
+    except WaitTimeout:
+        raise UsageError(f"rank {target.rank} of job {target.job} did not flip the bit within {wait_seconds:g} s: a rank acts "
+                         f"on it only if its script calls ctx.watch_replicas, once it reports step {step}") from None
+
+
+def clear_corrupt(runtime: Runtime, node: str) -> bool:
+    """The node's devices compute right again (its known-answer check passes). False if they were not made wrong."""
+    runtime.cluster.get_node(node)
+    fault = runtime.layout.node_dir(node) / SDC_FAULT_FILE
+    if not fault.exists():
+        return False
+    fault.unlink()
+    runtime.cluster.add_event("Node", node, "ChaosCorruptCleared", "its devices compute right again")
+    return True
 
 
 SLOW_PERIOD_S = 0.05

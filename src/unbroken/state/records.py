@@ -144,6 +144,34 @@ class StepTiming:
             return None
 
 
+@dataclass(frozen=True)
+class Divergence:
+    """A worker's ranks found their replicas' state differing (``ctx.watch_replicas``): silent data corruption."""
+
+    step: int
+    """The step the fingerprints differed at."""
+    agreed_step: int
+    """The last step they agreed on (-1: none this attempt): what was saved after it is not to be restored."""
+    suspects: tuple[int, ...]
+    """Global ranks outvoted by the majority; with no strict majority, every rank of the replica group."""
+    majority: bool
+    tensor: str | None = None
+    """The first tensor that differed, as the script's state names it."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "agreed_step": self.agreed_step, "suspects": list(self.suspects), "majority": self.majority,
+                "tensor": self.tensor}
+
+    @classmethod
+    def from_json(cls, raw: Any) -> Divergence | None:
+        """The divergence in ``raw``, or None if it is not one (an older or foreign writer)."""
+        try:
+            return cls(step=int(raw["step"]), agreed_step=int(raw["agreed_step"]), suspects=tuple(int(r) for r in raw["suspects"]),
+                       majority=bool(raw["majority"]), tensor=None if raw.get("tensor") is None else str(raw["tensor"]))
+        except (AttributeError, KeyError, TypeError, ValueError):
+            return None
+
+
 def _seconds(raw: Any) -> dict[str, float]:
     return {str(k): float(v) for k, v in (raw or {}).items()}
 
@@ -204,6 +232,8 @@ class Worker:
     """The newest step every rank of the worker has saved (an elastic job grows after one)."""
     step_timing: StepTiming | None = None
     """Its ranks' recent step and section times: hang timeouts and straggler scores read them."""
+    divergence: Divergence | None = None
+    """Its ranks' replicas stopped agreeing (silent data corruption): the controller restarts from the agreed step."""
 
 
 @dataclass(frozen=True)
@@ -225,6 +255,7 @@ class WorkerProgress:
     saved_step: int | None = None
     """The newest step every rank of the worker has saved (an elastic job grows after one)."""
     step_timing: StepTiming | None = None
+    divergence: Divergence | None = None
 
 
 @dataclass(frozen=True)
@@ -254,6 +285,10 @@ class StepStatus(StrEnum):
     """Every rank's shard and the manifest are there and the commit marker was written last."""
     FAILED = "Failed"
     """Copying into the tier failed; ``message`` says why. Training went on."""
+    UNTRUSTED = "Untrusted"
+    """Saved after the last step the job's replicas agreed on (silent data corruption): never restored; ``message``
+    says why. Kept for whoever investigates until a later attempt saves the same step again (its rows replace these)
+    or the job's checkpoints go; retention counts only committed steps."""
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import sqlite3
 from enum import StrEnum
 from typing import Any, TypeVar, get_type_hints
 
-from unbroken.state.records import RankInfo, StepTiming
+from unbroken.state.records import Divergence, RankInfo, StepTiming
 
 R = TypeVar("R")
 
@@ -37,7 +37,7 @@ def encode_value(value: Any) -> Any:
         return value.value
     if isinstance(value, bool):
         return int(value)
-    if isinstance(value, StepTiming):
+    if isinstance(value, (StepTiming, Divergence)):
         return json.dumps(value.to_json(), separators=(",", ":"))
     if isinstance(value, tuple):
         return json.dumps([dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for v in value])  # type: ignore[arg-type]
@@ -71,6 +71,8 @@ def decode(cls: type[R], row: sqlite3.Row) -> R:
             values[name] = tuple(json.loads(raw))
         elif name == "step_timing":
             values[name] = StepTiming.from_json(json.loads(raw))
+        elif name == "divergence":
+            values[name] = Divergence.from_json(json.loads(raw))
         else:
             values[name] = raw
     return cls(**values)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sqlite3
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS cluster (
@@ -35,7 +35,7 @@ CREATE TABLE IF NOT EXISTS workers (
     pid INTEGER, created_at REAL NOT NULL, started_at REAL, ended_at REAL,
     exit_code INTEGER, message TEXT, log_dir TEXT,
     first_step INTEGER, first_progress_at REAL, last_step INTEGER, last_progress_at REAL,
-    restored_step INTEGER, ranks TEXT NOT NULL, checkpoint_stall_s REAL, saved_step INTEGER, step_timing TEXT,
+    restored_step INTEGER, ranks TEXT NOT NULL, checkpoint_stall_s REAL, saved_step INTEGER, step_timing TEXT, divergence TEXT,
     UNIQUE (job, attempt, node)
 );
 CREATE INDEX IF NOT EXISTS workers_by_node ON workers(node, phase);
@@ -90,6 +90,9 @@ NEW_IN_V4 = (
 NEW_IN_V5 = (
     ("workers", "step_timing", "TEXT"),
 )
+NEW_IN_V6 = (
+    ("workers", "divergence", "TEXT"),
+)
 
 
 def upgrade(conn: sqlite3.Connection, version: int) -> None:
@@ -99,8 +102,8 @@ def upgrade(conn: sqlite3.Connection, version: int) -> None:
     if version == 2:
         for statement in statements(FROM_V2):
             conn.execute(statement)
-    if version in (2, 3, 4):  # a column the file already has is skipped
-        for table, column, declaration in (*NEW_IN_V3, *NEW_IN_V4, *NEW_IN_V5):
+    if version in (2, 3, 4, 5):  # a column the file already has is skipped
+        for table, column, declaration in (*NEW_IN_V3, *NEW_IN_V4, *NEW_IN_V5, *NEW_IN_V6):
             if column not in {row["name"] for row in conn.execute(f"PRAGMA table_info({table})")}:
                 conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
     conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")

@@ -13,7 +13,7 @@ from enum import Enum
 from typing import Any
 
 from unbroken.state.phases import DeepHealthStatus, JobPhase, NodeState, WorkerPhase
-from unbroken.state.records import Desired, RankInfo
+from unbroken.state.records import Desired, Divergence, RankInfo
 
 
 class _Unset(Enum):
@@ -81,3 +81,4 @@ class WorkerUpdate(_Update):
     restored_step: int | None | _Unset = UNSET
     checkpoint_stall_s: float | None | _Unset = UNSET
     saved_step: int | None | _Unset = UNSET
+    divergence: Divergence | None | _Unset = UNSET

@@ -44,10 +44,14 @@ class RestoreCatalog(_Wire):
     """Steps committed in the persistent tier, newest first."""
     endpoints: dict[str, str] = Field(default_factory=dict)
     """Each node's shard server, ``host:port``."""
+    untrusted: tuple[int, ...] = ()
+    """Persistent-tier steps the catalog marks Untrusted (saved after the replicas last agreed): the tier still holds
+    them committed; they are never restored. (A memory step marked so is simply not in ``memory``; a later attempt's
+    save of the same step number is, and is trusted.)"""
 
     def memory_step(self, step: int) -> CatalogStep | None:
         return next((s for s in self.memory if s.step == step), None)
 
     def candidates(self) -> list[int]:
         """Every step some tier has committed, newest first."""
-        return sorted({s.step for s in self.memory} | set(self.persistent), reverse=True)
+        return sorted({s.step for s in self.memory} | (set(self.persistent) - set(self.untrusted)), reverse=True)

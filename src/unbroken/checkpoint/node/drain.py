@@ -183,10 +183,15 @@ class PersistentDrain:
             self._fail_drain(job, row, f"writing the manifest: {type(exc).__name__}: {exc}")
             return
         now = time.time()
-        self.catalog.put_checkpoint_step(CheckpointStep(
-            job=job, step=row.step, tier=PERSISTENT, attempt=row.attempt, world_size=row.world_size,
-            status=StepStatus.COMMITTED, size=manifest.size, updated_at=now, committed_at=now,
-        ))
+        claimed = self._draining(job, row)
+        committed = CheckpointStep(job=job, step=row.step, tier=PERSISTENT, attempt=row.attempt, world_size=row.world_size,
+                                   status=StepStatus.COMMITTED, size=manifest.size, updated_at=now, committed_at=now)
+        # From the row this drain claimed, not over whatever is there: a step the controller marked Untrusted
+        # meanwhile (silent data corruption) stays so, although its manifest is written.
+        if claimed is None or not self.catalog.replace_checkpoint_step(claimed, committed):
+            log.warning("step %d: its row changed while its manifest was written (marked untrusted?); not committed",
+                        row.step, extra={"node": self.node, "job": job})
+            return
         log.info("step %d committed in %s", row.step, policy.persistent.uri, extra={"node": self.node, "job": job, "bytes": manifest.size})
         self._durable("persistent", min(s.saved_at for s in manifest.shards))
         for old in plan.persistent_excess(self.catalog.list_checkpoint_steps(job, tier=PERSISTENT), policy.persistent.keep):

@@ -269,8 +269,13 @@ def _record(view: JobView, here: NodeView, steps: list[CheckpointStep], copies: 
             s.tier is MEMORY and s.status is StepStatus.COMMITTED and (s.step, s.attempt) == (info.step, info.attempt) for s in steps
         ):
             continue  # fenced: a late shard of a failed attempt
-        for row in [r for r in steps if r.step == info.step and r.attempt < info.attempt]:
-            actions.append(DeleteStep(row.step, row.tier))  # re-saved by a newer attempt: the old timeline goes
+        # Re-saved by a newer attempt: the old timeline's rows go, except a persistent one marked Untrusted: the tier
+        # still holds that step's files, committed, and the mark is what keeps a restore from them (until a later
+        # attempt's drain of the same step replaces them, which the mark's row keeps from opening: that step
+        # number stays out of the persistent tier, the next one goes in).
+        for row in [r for r in steps if r.step == info.step and r.attempt < info.attempt
+                    and not (r.tier is PERSISTENT and r.status is StepStatus.UNTRUSTED)]:
+            actions.append(DeleteStep(row.step, row.tier))
             steps.remove(row)
         older = [c for c in copies if c.step == info.step and c.attempt < info.attempt]
         actions += [ForgetCopies(c.step, c.tier, c.node, c.rank) for c in older]
@@ -289,6 +294,7 @@ def _record(view: JobView, here: NodeView, steps: list[CheckpointStep], copies: 
 def _commit_memory(view: JobView, here: NodeView, steps: list[CheckpointStep], copies: list[ShardCopy],
                    actions: list[Action]) -> None:
     have = {s.step for s in steps if s.tier is MEMORY}
+    newer_kept = {s.step for s in steps if s.tier is MEMORY and s.status is StepStatus.COMMITTED}
     groups: dict[tuple[int, int, int], dict[int, ShardCopy]] = {}
     for copy in copies:
         if copy.tier is MEMORY:
@@ -297,7 +303,7 @@ def _commit_memory(view: JobView, here: NodeView, steps: list[CheckpointStep], c
     for (step, attempt, world_size), ranks in sorted(groups.items(), reverse=True):
         if step in have or len(ranks) != world_size:
             continue
-        if sum(other > step for other in have) >= keep:
+        if sum(other > step for other in newer_kept) >= keep:
             # Retention already let this step go (its files linger until the ranks reuse their
             # slots): committing it again would only have the next pass retire it again.
             continue

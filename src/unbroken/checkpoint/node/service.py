@@ -31,7 +31,7 @@ from unbroken.config.checkpoint import TierPolicy
 from unbroken.plumbing.metrics import AgentMetrics
 from unbroken.state.catalog import CheckpointCatalog, CopyKey
 from unbroken.state.phases import NodeState
-from unbroken.state.records import CheckpointTier, Job, ShardCopy
+from unbroken.state.records import CheckpointTier, Job, ShardCopy, StepStatus
 from unbroken.state.store import ClusterStore
 
 log = logging.getLogger("unbroken.checkpoint")
@@ -363,7 +363,9 @@ class CheckpointService(PersistentDrain):
 
     def restore_catalog(self, job: str) -> RestoreCatalog:
         """Steps committed in memory and where every copy of their shards is (the rank adds the persistent tier)."""
-        steps = plan.committed_steps(self.catalog.list_checkpoint_steps(job, tier=CheckpointTier.MEMORY), CheckpointTier.MEMORY)
+        rows = self.catalog.list_checkpoint_steps(job)
+        steps = plan.committed_steps(rows, CheckpointTier.MEMORY)
+        untrusted = tuple(sorted({r.step for r in rows if r.tier is PERSISTENT and r.status is StepStatus.UNTRUSTED}, reverse=True))
         copies = [c for c in self.catalog.list_shard_copies(job) if c.tier is not PERSISTENT]
         servers = self.catalog.shard_servers()
         entries = []
@@ -375,4 +377,5 @@ class CheckpointService(PersistentDrain):
             entries.append(CatalogStep(step=row.step, attempt=row.attempt, world_size=row.world_size,
                                        copies={r: tuple(v) for r, v in by_rank.items()}))
         nodes = {c.node for c in copies}
-        return RestoreCatalog(job=job, memory=tuple(entries), endpoints={n: a for n, a in servers.items() if n in nodes})
+        return RestoreCatalog(job=job, memory=tuple(entries), endpoints={n: a for n, a in servers.items() if n in nodes},
+                              untrusted=untrusted)

@@ -356,7 +356,8 @@ class TieredCheckpointer:
         if self.policy.persistent is not None:
             try:
                 persistent = PersistentStore(self.policy.persistent.uri).committed_steps(self.job)
-                catalog = catalog.model_copy(update={"persistent": tuple(persistent)})
+                # committed in the tier but marked Untrusted in the catalog (silent data corruption): never a candidate
+                catalog = catalog.model_copy(update={"persistent": tuple(s for s in persistent if s not in catalog.untrusted)})
             except Exception as exc:  # noqa: BLE001 - an unreachable tier is a fallback lost, not a crash
                 _say(f"persistent tier {self.policy.persistent.uri} unavailable for restore: {exc}")
         return catalog

@@ -44,7 +44,7 @@ from typing import Any
 import kubernetes
 
 from unbroken.kubernetes.backend import names, shared_secret
-from unbroken.state.records import RankInfo, StepTiming, WorkerProgress
+from unbroken.state.records import Divergence, RankInfo, StepTiming, WorkerProgress
 
 log = logging.getLogger("unbroken.kubernetes.backend.heartbeats")
 
@@ -121,16 +121,20 @@ def decode(key: bytes, datagram: bytes) -> Beat | None:
 
 def progress_to_json(progress: WorkerProgress) -> dict[str, Any]:
     """A worker's report as the beat and the Lease annotation carry it (no empty fields: a datagram is 8 KB)."""
-    entry = {k: v for k, v in asdict(progress).items() if v is not None and k != "step_timing"}
+    entry = {k: v for k, v in asdict(progress).items() if v is not None and k not in ("step_timing", "divergence")}
     if progress.step_timing is not None:
         entry["step_timing"] = progress.step_timing.to_json()
+    if progress.divergence is not None:
+        entry["divergence"] = progress.divergence.to_json()
     return entry
 
 
 def progress_from_json(entry: dict[str, Any]) -> WorkerProgress:
     ranks = tuple(RankInfo(**rank) for rank in entry.pop("ranks", None) or ())
     timing = StepTiming.from_json(entry.pop("step_timing", None))
-    return WorkerProgress(ranks=ranks, step_timing=timing, **entry)
+    raw_divergence = entry.pop("divergence", None)
+    divergence = Divergence.from_json(raw_divergence) if raw_divergence is not None else None
+    return WorkerProgress(ranks=ranks, step_timing=timing, divergence=divergence, **entry)
 
 
 def parse_address(text: str) -> tuple[str, int] | None:

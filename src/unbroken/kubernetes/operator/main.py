@@ -64,7 +64,7 @@ class Operator:
         self.wake = threading.Event()
         self.stopping = threading.Event()
         self.nodes = NodeReconciler(runtime.cluster, runtime.backend, runtime.config)
-        self.jobs = JobReconciler(runtime.cluster, runtime.backend, silent_after=SILENT_AFTER_SECONDS)
+        self.jobs = JobReconciler(runtime.cluster, runtime.backend, silent_after=SILENT_AFTER_SECONDS, catalog=runtime.catalog)
         self.secrets_made = False
 
     @property

@@ -1,0 +1,53 @@
+"""The known-answer check on demand, for a node the controller suspects of silent data corruption.
+
+When two replicas disagree there is no majority to say which one computed
+wrong, so the controller cordons both nodes (``Unschedulable``, fault type
+``SilentDataCorruptionSuspect``) and their agents run the known-answer check
+(health/checks/known_answer.py) at once: a node that gets a wrong answer is
+``UnschedulablePendingReplacement`` with fault type ``SilentDataCorruption``;
+one that gets the exact answer is ``Schedulable`` again. A check that cannot
+finish (timeout, crash) counts as a wrong answer: a node that cannot show it
+computes right does not get the job back.
+"""
+
+from __future__ import annotations
+
+from unbroken.config.cluster import ClusterConfig
+from unbroken.health import catalogue, events, faults, runner, targets
+from unbroken.health.result import CheckResult, FaultAction, Suite
+from unbroken.plumbing.layout import ClusterLayout
+from unbroken.state.phases import NodeState
+from unbroken.state.records import EventType, Node
+from unbroken.state.store import ClusterStore, StaleUpdate
+from unbroken.state.updates import NodeUpdate
+
+CHECK = "stress.known_answer"
+
+
+def is_suspect(node: Node) -> bool:
+    return node.state is NodeState.UNSCHEDULABLE and node.fault_type == faults.SDC_SUSPECT
+
+
+def check(store: ClusterStore, jobs_on: events.JobsOn, layout: ClusterLayout, cluster: ClusterConfig, name: str) -> CheckResult:
+    """Run the known-answer check on suspect node ``name`` and move it out or back in."""
+    node = store.get_node(name)
+    result = runner.run_check(catalogue.get(CHECK, cluster.Health), targets.context(layout, cluster, node), Suite.INSTANCE_STRESS)
+    events.record(store, result)
+    if result.failed:
+        events.apply_fault(store, jobs_on, name, FaultAction.REPLACE, f"{result.check}: {result.message}", source=result.check,
+                           fault_type=faults.SILENT_DATA_CORRUPTION)
+        return result
+    for _ in range(3):
+        node = store.get_node(name)
+        if not is_suspect(node):
+            break  # an operator or the controller moved it meanwhile: theirs is the newer word
+        try:
+            store.update_node(name, NodeUpdate(state=NodeState.SCHEDULABLE, fault_type=None, fault_reason=None),
+                              expect_version=node.version)
+        except StaleUpdate:
+            continue
+        store.add_event("Node", name, "SilentDataCorruptionCleared",
+                        f"{result.check} passed ({result.message}): the node computes right and takes work again",
+                        type=EventType.NORMAL)
+        break
+    return result
