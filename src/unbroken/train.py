@@ -153,7 +153,7 @@ class Context:
     def _check_replicas(self, step: int) -> None:
         watch = self._replicas
         assert watch is not None
-        if watch.due(step) and self.world_size > 1:
+        if watch.due(step) and self.world_size > 1 and _group_is_up():
             agreed_before = watch.agreed_step
             verdict = watch.check(step)
             if not verdict.agreed:
@@ -325,6 +325,13 @@ class Context:
         self._send(MessageKind.HELLO, None)
         self._group_sockets = process_group.init_process_group(self._backend, self.local_rank, group)
         self._start_leave_watch()
+
+
+def _group_is_up() -> bool:
+    """The process group exists (a script's last ``progress`` may come after it destroyed it)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 REJOIN_WAIT_SECONDS = 300.0

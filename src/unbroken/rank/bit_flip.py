@@ -46,7 +46,8 @@ class FlipTarget(StrEnum):
 
 @dataclass(frozen=True)
 class FlipRequest:
-    job: str
+    job: str | None
+    """The job whose rank acts on it (None: any: a benchmark's plain torchrun, whose run id is random)."""
     rank: int
     step: int
     """The flip lands in the first optimizer step after the rank reported this step."""
@@ -65,7 +66,7 @@ class FlipRequest:
     def read(cls, path: Path) -> FlipRequest | None:
         try:
             raw = json.loads(path.read_text())
-            return cls(job=str(raw["job"]), rank=int(raw["rank"]), step=int(raw["step"]), target=FlipTarget(raw["target"]),
+            return cls(job=None if raw.get("job") is None else str(raw["job"]), rank=int(raw["rank"]), step=int(raw["step"]), target=FlipTarget(raw["target"]),
                        attempt=None if raw.get("attempt") is None else int(raw["attempt"]))
         except (OSError, ValueError, KeyError, TypeError):
             return None
@@ -124,7 +125,7 @@ class BitFlipper:
             return None
         self._seen = mtime
         request = FlipRequest.read(self.path)
-        if request is None or request.job != self.job or request.rank != self.rank or done_path(self.path).exists():
+        if request is None or (request.job is not None and request.job != self.job) or request.rank != self.rank or done_path(self.path).exists():
             return None
         if request.attempt is not None and request.attempt != self.attempt:
             return None

@@ -100,6 +100,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--crash-at-step", type=int, default=None,
                         help="fault injection: --crash-rank exits with code 3 when it reaches this step")
     parser.add_argument("--crash-rank", type=int, default=0)
+    parser.add_argument("--watch-replicas", type=int, default=0, metavar="N",
+                        help="compare the replicas' model and optimizer every N steps (ctx.watch_replicas; 0: never)")
     parser.add_argument("--state-mb", type=float, default=0.0,
                         help="extra MB of per-rank state in every checkpoint, standing in for a bigger model "
                              "(benchmarks use it to make save and restore cost visible)")
@@ -143,6 +145,8 @@ def train(ctx: unbroken.Context, args: argparse.Namespace) -> int:
     # DDP keeps these the same on every rank: a rank replacing a failed peer in an in-process
     # restart can take them from a survivor's memory (the ballast is per rank: not offered)
     ctx.keep_live(lambda: {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "sampler": sampler.state_dict()})
+    if args.watch_replicas:
+        ctx.watch_replicas(lambda: {"model": model.state_dict(), "optimizer": optimizer.state_dict()}, every_steps=args.watch_replicas)
     step = 0
     restore_started = time.monotonic()
     restored = ctx.checkpoint.restore()

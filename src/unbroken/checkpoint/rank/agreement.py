@@ -161,13 +161,16 @@ class ReplicaWatch:
     """The last step the replicas agreed on (-1: none yet this attempt; a restored step counts as agreed,
     the start of training too: DDP broadcasts rank 0's parameters)."""
     checks: int = 0
+    last_checked: int | None = None
 
     def due(self, step: int) -> bool:
-        return step % self.every_steps == 0
+        """Every ``every_steps``-th step, once (a script may report the last step twice: in its loop and on its way out)."""
+        return step % self.every_steps == 0 and step != self.last_checked
 
     def check(self, step: int) -> Verdict:
         verdict = compare(step, self.state(), self.group)
         self.checks += 1
+        self.last_checked = step
         if verdict.agreed:
             self.agreed_step = step
         return verdict
