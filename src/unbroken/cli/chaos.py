@@ -96,6 +96,8 @@ def corrupt(job: JobArg, directory: DirOption = None, node: NodeOpt = None, rank
                                                        "or its gradient (after the all-reduce)")] = FlipTarget.PARAMS,
             transient: Annotated[bool, typer.Option("--transient", help="Only this one bit: the node's known-answer check "
                                                     "still passes (default: its devices compute wrong from now on)")] = False,
+            bit: Annotated[int | None, typer.Option("--bit", help="Which bit of the element's word, 0 = lowest (default: 3 of a "
+                                                    "parameter or optimizer state, 22 of a gradient)")] = None,
             wait: Annotated[float, typer.Option("--wait", help="Seconds to wait for the rank to flip it")] = 60.0) -> None:
     """Silent data corruption: flip one bit of one rank's training state, through the rank (its script must call
     ctx.watch_replicas), and unless --transient make its node's devices compute wrong (the known-answer check fails).
@@ -103,7 +105,7 @@ def corrupt(job: JobArg, directory: DirOption = None, node: NodeOpt = None, rank
     the last agreed step, and the node is replaced. 'chaos corrupt-clear NODE' makes a node compute right again."""
     runtime = open_runtime(directory)
     chosen = fault_injection.pick_rank(runtime, job, node=node, rank=rank)
-    flipped = fault_injection.corrupt(runtime, chosen, step=step, what=target, lasting=not transient, wait_seconds=wait)
+    flipped = fault_injection.corrupt(runtime, chosen, step=step, what=target, lasting=not transient, wait_seconds=wait, bit=bit)
     console.print(f"job {job} rank {flipped.rank} on {chosen.node}: flipped bit {flipped.bit} of byte {flipped.byte} of "
                   f"{flipped.tensor} after step {flipped.step}" + ("" if transient else f"; {chosen.node} computes wrong from now on"),
                   highlight=False)

@@ -14,9 +14,13 @@ next optimizer step:
 - ``gradients``: that parameter's gradient, right before the step uses it
   (after DDP's all-reduce: the replicas' gradients were equal until then).
 
-The parameter is the first of the optimizer's first parameter group; the bit
-is a low mantissa bit of an element in the middle of it (``BYTE_BIT``): a
-change of about one part in a million, which no loss curve shows. The rank
+The parameter is the first of the optimizer's first parameter group; the
+element is the one in the middle of the tensor; the bit is counted in the
+element's little-endian word (0: the lowest). By default a parameter or an
+optimizer state gets bit 3 (float32: a change of about one part in a
+million, which no loss curve shows) and a gradient bit 22 (float32: the
+mantissa's top bit, up to half the value): a gradient's low bit is mostly
+rounded away by the update it feeds, which is then no corruption at all. The rank
 writes what it did beside the request (``<request>.done``), which the command
 waits for; a request is done once, whatever restarts follow.
 """
@@ -33,9 +37,8 @@ from typing import Any
 REQUEST_ENV = "UNBROKEN_CHAOS_CORRUPT"
 """A request file's path, for ranks outside an agent (benchmarks, tests); under an agent the node's own file."""
 REQUEST_FILE = "chaos-corrupt.json"
-BYTE_BIT = 3
-"""The bit flipped within its byte. The byte is the lowest of a 4-byte word (little-endian): for a float32, bit 3
-of the mantissa, a relative change of ~2**-20."""
+DEFAULT_BIT = {"params": 3, "optimizer": 3, "gradients": 22}
+"""The bit of the element's word flipped unless the request names one (see the module's docstring)."""
 
 
 class FlipTarget(StrEnum):
@@ -54,6 +57,12 @@ class FlipRequest:
     target: FlipTarget
     attempt: int | None = None
     """Only ranks of this attempt act on it (None: any); a restarted rank never flips again."""
+    bit: int | None = None
+    """The bit of the element's little-endian word (None: ``DEFAULT_BIT`` for the target)."""
+
+    @property
+    def word_bit(self) -> int:
+        return self.bit if self.bit is not None else DEFAULT_BIT[self.target.value]
 
     def write(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -67,7 +76,8 @@ class FlipRequest:
         try:
             raw = json.loads(path.read_text())
             return cls(job=None if raw.get("job") is None else str(raw["job"]), rank=int(raw["rank"]), step=int(raw["step"]), target=FlipTarget(raw["target"]),
-                       attempt=None if raw.get("attempt") is None else int(raw["attempt"]))
+                       attempt=None if raw.get("attempt") is None else int(raw["attempt"]),
+                       bit=None if raw.get("bit") is None else int(raw["bit"]))
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -166,17 +176,16 @@ class BitFlipper:
             hook.remove()
         self._hooks.clear()
         flat = tensor.detach().view(-1)
-        element = flat.numel() // 2
-        byte = element * flat.element_size()
-        with torch.no_grad():
-            as_bytes = flat.view(torch.uint8)
-            as_bytes[byte] ^= 1 << BYTE_BIT
         request, self._armed = self._armed, None
         self._pending = None
+        word_bit = min(request.word_bit, flat.element_size() * 8 - 1)
+        byte = flat.numel() // 2 * flat.element_size() + word_bit // 8
+        with torch.no_grad():
+            flat.view(torch.uint8)[byte] ^= 1 << (word_bit % 8)
         done = Flipped(job=self.job, rank=self.rank, attempt=self.attempt, step=self._last_step if self._last_step is not None else -1,
-                       target=request.target.value, tensor=what, byte=byte, bit=BYTE_BIT, pid=os.getpid())
+                       target=request.target.value, tensor=what, byte=byte, bit=word_bit % 8, pid=os.getpid())
         done_path(self.path).write_text(json.dumps(asdict(done)))
-        print(f"unbroken: chaos corrupt: flipped bit {BYTE_BIT} of byte {byte} of {what} on rank {self.rank} "
+        print(f"unbroken: chaos corrupt: flipped bit {done.bit} of byte {byte} of {what} on rank {self.rank} "
               f"after step {done.step}", flush=True)
 
 

@@ -134,14 +134,17 @@ def slow_link(runtime: Runtime, node: str, rate: str | None) -> str:
     return f"node {node}: link limited to {rate} (tc tbf, both directions) at {time.strftime('%H:%M:%S')}"
 
 
-def corrupt(runtime: Runtime, target: Target, *, step: int, what: FlipTarget, lasting: bool, wait_seconds: float) -> Flipped:
+def corrupt(runtime: Runtime, target: Target, *, step: int, what: FlipTarget, lasting: bool, wait_seconds: float,
+            bit: int | None = None) -> Flipped:
     """Flip one bit of ``target``'s ``what`` in the first optimizer step after it reports ``step`` (rank/bit_flip.py);
     with ``lasting``, the node's devices also compute wrong from now on (its known-answer check fails), as a faulty GPU
     would. Returns what the rank flipped, once it has; a rank that does not watch its replicas never acts."""
     job = runtime.cluster.get_job(target.job)
     node_dir = runtime.layout.node_dir(target.node)
     request = node_dir / REQUEST_FILE
-    FlipRequest(job=target.job, rank=target.rank, step=step, target=what, attempt=job.attempt).write(request)
+    if bit is not None and not 0 <= bit < 64:
+        raise UsageError(f"--bit {bit} is out of range: a bit of the element's word, 0 (lowest) to 63")
+    FlipRequest(job=target.job, rank=target.rank, step=step, target=what, attempt=job.attempt, bit=bit).write(request)
     if lasting:
         (node_dir / SDC_FAULT_FILE).touch()
     detail = (f"one bit of rank {target.rank}'s {what.value} after step {step}"
