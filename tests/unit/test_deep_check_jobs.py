@@ -59,7 +59,8 @@ def test_the_job_is_pinned_tolerant_single_shot_and_valid_for_kubernetes() -> No
     spec = body["spec"]
     assert spec["backoffLimit"] == 0
     # the suite's check timeouts (devices 2 x 30, stress 2 x 120, storage 60) + the start allowance
-    assert spec["activeDeadlineSeconds"] == 360 + int(CLUSTER.Kubernetes.DeepCheckStartSeconds)
+    # the stress suite's timeouts: devices 30 + 30, matmul, membw and the known answer 120 each, storage 60
+    assert spec["activeDeadlineSeconds"] == 480 + int(CLUSTER.Kubernetes.DeepCheckStartSeconds)
     pod = spec["template"]["spec"]
     assert pod["tolerations"] == [{"key": names.TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}]
     terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]

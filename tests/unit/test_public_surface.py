@@ -17,6 +17,8 @@ CLI = {
     "agent": [],
     "operator": [],
     "run": [],
+    "chaos corrupt": ["--bit", "--dir", "--node", "--rank", "--step", "--target", "--transient", "--wait", "JOB"],
+    "chaos corrupt-clear": ["--dir", "NODE"],
     "chaos hang-worker": ["--dir", "--node", "--rank", "JOB"],
     "chaos kill-controller": ["--dir"],
     "chaos kill-node": ["--dir", "NODE"],
@@ -90,7 +92,7 @@ def test_the_context_a_training_script_gets():
     fields = {f.name for f in dataclasses.fields(unbroken.Context) if not f.name.startswith("_")}
     assert fields == {"rank", "world_size", "local_rank", "job", "node", "attempt", "checkpoint"}
     methods = {name for name, _ in inspect.getmembers(unbroken.Context) if not name.startswith("_")}
-    assert methods == {"progress", "is_main", "run", "keep_live", "section", "finished"}
+    assert methods == {"progress", "is_main", "run", "keep_live", "section", "finished", "watch_replicas", "agreed_step"}
     assert list(inspect.signature(unbroken.init).parameters) == ["checkpoint_dir", "backend", "init_process_group", "structured_logs"]
 
 
