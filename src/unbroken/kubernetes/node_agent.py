@@ -50,6 +50,7 @@ from unbroken.config.health import KernelLogSource
 from unbroken.errors import NotFoundError, StoreUnavailable, UnbrokenError
 from unbroken.health.kernel_log.sources import LineSource, open_source
 from unbroken.health.monitor import HealthMonitor
+from unbroken.health import suspect
 from unbroken.kubernetes.backend import heartbeats, names, node_repair, rank_env
 from unbroken.rank.env import ENDPOINT_FILE
 from unbroken.kubernetes.backend.client import api_client
@@ -91,6 +92,8 @@ class KubernetesAgent:
         self.stopping = threading.Event()
         self.rebooted_from: set[str] = set()
         """Boots this agent ran the SelfReboot command on (once each)."""
+        self._suspect_check: threading.Thread | None = None
+        """The known-answer check running because the operator suspects this node (health/suspect.py)."""
         self.sender: heartbeats.HeartbeatSender | None = None
         """The heartbeat datagrams' sender, once the operator's key is read."""
         self.checkpoints: CheckpointService | None = None
@@ -133,6 +136,7 @@ class KubernetesAgent:
                             self.sender.address = self._leader_address()
                         if self_reboot:
                             self._reboot_if_asked()
+                        self._check_if_suspect()
                     except StoreUnavailable:
                         log.exception("lease renewal failed; retrying", extra={"node": self.node})
         finally:
@@ -220,6 +224,21 @@ class KubernetesAgent:
             self.store.add_event("Node", self.node, "SelfRebootFailed", f"{shlex.join(command)}: {failure}; the node stays "
                                  "Rebooting until RebootTimeoutSeconds, then it is replaced", type=EventType.WARNING)
             log.error("self reboot failed: %s", failure, extra={"node": self.node})
+
+    def _check_if_suspect(self) -> None:
+        """The operator cordoned this node as a suspect of silent data corruption: run the known-answer check here
+        (health/suspect.py), once per suspicion, beside the loop. Read at each renewal: a suspect waits at most one."""
+        if (self._suspect_check is not None and self._suspect_check.is_alive()) or not suspect.is_suspect(self.store.get_node(self.node)):
+            return
+
+        def run() -> None:
+            try:
+                suspect.check(self.store, self._jobs_on, self.runtime.layout, self.runtime.config, self.node)
+            except StoreUnavailable:
+                log.exception("suspect check could not record its result; the next renewal runs it again", extra={"node": self.node})
+
+        self._suspect_check = threading.Thread(target=run, name="suspect-check", daemon=True)
+        self._suspect_check.start()
 
     def _jobs_on(self, node: str) -> list[str]:
         """Jobs with pods on this node (named in fault Events)."""
