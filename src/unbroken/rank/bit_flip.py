@@ -175,6 +175,8 @@ class BitFlipper:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        if hasattr(tensor, "to_local"):
+            tensor = tensor.to_local()  # a DTensor (FSDP2): this rank's shard; a view of the whole would be a collective
         flat = tensor.detach().view(-1)
         request, self._armed = self._armed, None
         self._pending = None
