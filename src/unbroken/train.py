@@ -77,7 +77,7 @@ class Context:
     _replicas: ReplicaWatch | None = field(repr=False, default=None)
     """``watch_replicas``: the replicated state compared across replicas every few steps (checkpoint/rank/agreement.py)."""
     _flipper: BitFlipper | None = field(repr=False, default=None)
-    """``unbroken chaos corrupt``'s watch on this rank (rank/bit_flip.py), with ``watch_replicas``."""
+    """``unbroken chaos corrupt``'s watch on this rank (rank/bit_flip.py)."""
     _restored_step: int | None = field(repr=False, default=None)
     """The step this attempt restored (told by the checkpointer): the replicas' first agreed step."""
 
@@ -128,22 +128,17 @@ class Context:
         ``state()`` returns what every replica holds bit for bit after an optimizer step (DDP: the model's and the
         optimizer's ``state_dict()``; never per-rank parts such as RNG state or a sampler's position). ``group``: the
         replicas' process group (default: every rank; HSDP/FSDP2 with a 2-D mesh: ``mesh["replicate"].get_group()``).
-        Each check reads the declared bytes once and all-gathers 24 bytes per rank. When they differ, the rank(s) the
-        majority outvotes (with two replicas: both) are named to the agent, what was saved after the last agreed
-        step is never restored, and every rank raises ``ReplicasDiverged``: the job restarts from that step, and its
+        Each check reads the declared bytes once and all-reduces 64 bytes, whatever the group's size. When they
+        differ, the rank(s) the majority outvotes (with two replicas: both) are named to the agent, what was saved
+        after the last agreed step is never restored, and every rank raises ``ReplicasDiverged``: the job restarts from that step, and its
         controller takes the suspect's node out. ``every_steps``: a multiple of your save interval keeps every
         agreed step a saved one (a restart then loses nothing it need not)."""
         from unbroken.checkpoint.rank.agreement import ReplicaWatch
-        from unbroken.rank.bit_flip import REQUEST_ENV, REQUEST_FILE, BitFlipper
 
         if every_steps < 1:
             raise ValueError(f"ctx.watch_replicas(every_steps={every_steps}): a check every 1 or more steps")
         start = self._restored_step if self._restored_step is not None else -1
         self._replicas = ReplicaWatch(state, every_steps, group, agreed_step=start)
-        request = os.environ.get(REQUEST_ENV)
-        path = Path(request) if request else (self._env.cluster_dir / "nodes" / self.node / REQUEST_FILE
-                                               if self._env.cluster_dir is not None else None)
-        self._flipper = BitFlipper(path, job=self.job, rank=self.rank, attempt=self.attempt)
 
     @property
     def agreed_step(self) -> int | None:
@@ -158,8 +153,17 @@ class Context:
             verdict = watch.check(step)
             if not verdict.agreed:
                 self._diverged(verdict, agreed_before)
-        if self._flipper is not None:
-            self._flipper.after_progress(step)
+
+    def _watch_for_flips(self) -> None:
+        """``unbroken chaos corrupt``'s request for this rank, if one can be made: under an agent the node's file, else
+        ``$UNBROKEN_CHAOS_CORRUPT``. Every rank that reports progress has it (one ``stat`` per step), so a job that
+        does not watch its replicas can be corrupted too: what it looks like without ``watch_replicas``."""
+        from unbroken.rank.bit_flip import REQUEST_ENV, REQUEST_FILE, BitFlipper
+
+        request = os.environ.get(REQUEST_ENV)
+        path = Path(request) if request else (self._env.cluster_dir / "nodes" / self.node / REQUEST_FILE
+                                               if self._env.cluster_dir is not None else None)
+        self._flipper = BitFlipper(path, job=self.job, rank=self.rank, attempt=self.attempt) if path is not None else None
 
     def _diverged(self, verdict: Verdict, agreed_step: int) -> None:
         """Tell the agent, keep what was saved since the last agreed step from any restore, and stop this attempt."""
@@ -222,6 +226,8 @@ class Context:
         """
         if self._replicas is not None:
             self._check_replicas(step)
+        if self._flipper is not None:
+            self._flipper.after_progress(step)
         if self._live is not None:
             from unbroken.checkpoint.rank import rng
             from unbroken.checkpoint.rank.live import LiveState
@@ -318,7 +324,8 @@ class Context:
         process_group.register(group, self.rank, self.local_rank)
         self.attempt = notice.attempt
         self._leave_asked = None
-        self._replicas = self._flipper = self._restored_step = None  # train(ctx) watches its new objects again
+        self._replicas = self._restored_step = None  # train(ctx) watches its new objects again
+        self._watch_for_flips()
         if self._structured_logs:
             _setup_logs(self._env, self.rank, self.local_rank)
         self.checkpoint = self._make_checkpointer(self._env, self.rank, self.world_size, live)
@@ -422,6 +429,7 @@ def init(
         _make_checkpointer=make_checkpointer, _backend=backend, _structured_logs=structured_logs,
     )
     observer.ctx = ctx
+    ctx._watch_for_flips()
     # Hello before joining the process group: from here on the agent expects progress,
     # so a rank stuck in rendezvous counts against startup_timeout.
     ctx._send(MessageKind.HELLO, None)

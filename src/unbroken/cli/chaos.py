@@ -99,9 +99,9 @@ def corrupt(job: JobArg, directory: DirOption = None, node: NodeOpt = None, rank
             bit: Annotated[int | None, typer.Option("--bit", help="Which bit of the element's word, 0 = lowest (default: 3 of a "
                                                     "parameter or optimizer state, 22 of a gradient)")] = None,
             wait: Annotated[float, typer.Option("--wait", help="Seconds to wait for the rank to flip it")] = 60.0) -> None:
-    """Silent data corruption: flip one bit of one rank's training state, through the rank (its script must call
-    ctx.watch_replicas), and unless --transient make its node's devices compute wrong (the known-answer check fails).
-    The replicas should disagree at their next check: job describe shows SilentDataCorruption, the job resumes from
+    """Silent data corruption: flip one bit of one rank's training state, through the rank (its script reports
+    ctx.progress), and unless --transient make its node's devices compute wrong (the known-answer check fails).
+    With ctx.watch_replicas the replicas disagree at their next check: job describe shows SilentDataCorruption, the job resumes from
     the last agreed step, and the node is replaced. 'chaos corrupt-clear NODE' makes a node compute right again."""
     runtime = open_runtime(directory)
     chosen = fault_injection.pick_rank(runtime, job, node=node, rank=rank)

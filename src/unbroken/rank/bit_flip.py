@@ -3,9 +3,9 @@
 Silent data corruption cannot be caused on purpose on a healthy GPU (or a
 CPU), so it is injected where it would land: one bit of one tensor the rank
 trains, changed in place, with nothing raised. The chaos command writes a
-request (a small JSON file); a rank that watches its replicas
-(``ctx.watch_replicas``) looks for it at each ``progress`` (one ``stat``),
-and once the rank has reported the request's step it flips the bit in the
+request (a small JSON file); every rank looks for it at each ``progress``
+(one ``stat``), whether it watches its replicas or not (a job that does not
+is the baseline: nothing notices), and once the rank has reported the request's step it flips the bit in the
 next optimizer step:
 
 - ``params``: a parameter, right after the step updated it;

@@ -138,7 +138,7 @@ def corrupt(runtime: Runtime, target: Target, *, step: int, what: FlipTarget, la
             bit: int | None = None) -> Flipped:
     """Flip one bit of ``target``'s ``what`` in the first optimizer step after it reports ``step`` (rank/bit_flip.py);
     with ``lasting``, the node's devices also compute wrong from now on (its known-answer check fails), as a faulty GPU
-    would. Returns what the rank flipped, once it has; a rank that does not watch its replicas never acts."""
+    would. Returns what the rank flipped, once it has (every rank of a script that calls ``ctx.progress`` acts on it)."""
     job = runtime.cluster.get_job(target.job)
     node_dir = runtime.layout.node_dir(target.node)
     request = node_dir / REQUEST_FILE
@@ -157,7 +157,8 @@ def corrupt(runtime: Runtime, target: Target, *, step: int, what: FlipTarget, la
         return wait_until(lambda: read_done(request), wait_seconds, f"rank {target.rank} of {target.job} to flip the bit")
     except WaitTimeout:
         raise UsageError(f"rank {target.rank} of job {target.job} did not flip the bit within {wait_seconds:g} s: a rank acts "
-                         f"on it only if its script calls ctx.watch_replicas, once it reports step {step}") from None
+                         f"on it at its first ctx.progress at or after step {step} (a script without unbroken.init never "
+                         "does), in the optimizer step after it") from None
 
 
 def clear_corrupt(runtime: Runtime, node: str) -> bool:

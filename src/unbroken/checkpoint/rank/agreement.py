@@ -14,10 +14,13 @@ script declared replicated (``ctx.watch_replicas``):
   word per tensor and one per rank. An odd weight times any single changed bit
   (``±2**k``, ``k < 64``) is never ``0 mod 2**64``: one flipped bit anywhere
   always changes the rank's word.
-- **One small collective**: an all-gather of three int64 (the word, the
-  tensor count, the byte count) over the replica group: 24 bytes per rank.
-  Only when the words differ, a second all-gather of the per-tensor words
-  names the first tensor that differs.
+- **One small collective**: an all-reduce (MAX) of eight int64 over the
+  replica group: the word's two 32-bit halves, the tensor count and the byte
+  count, and the same four negated; the replicas agree iff every maximum is
+  minus the matching negated maximum (the maximum is the minimum). 64 bytes
+  whatever the group's size, in a collective that runs as a tree at scale.
+  Only when they differ (rarely), an all-gather of the four numbers votes and
+  an all-gather of the per-tensor words names the first tensor that differs.
 - **Vote**: a word held by more than half of the group is the agreed one and
   the others' ranks are the suspects; with no strict majority (two replicas,
   or a split) every rank is a suspect and the node's known-answer check
@@ -124,14 +127,19 @@ def compare(step: int, state: dict[str, Any], group: Any = None) -> Verdict:
         device = torch.device("cpu")
     words = tensor_words(tensors, device)
     total = sum(t.numel() * t.element_size() for t in tensors)
-    mine = torch.stack([rank_word(words), torch.tensor(len(tensors), device=device), torch.tensor(total, device=device)])
+    word = rank_word(words)
+    # the word's halves as non-negative int64: negating them never overflows (negating -2**63 would)
+    mine = torch.stack([word & 0xFFFFFFFF, (word >> 32) & 0xFFFFFFFF, torch.tensor(len(tensors), device=device),
+                        torch.tensor(total, device=device)])
+    extremes = torch.cat([mine, -mine])
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    if torch.equal(extremes[:4], -extremes[4:]):
+        return Verdict(step, True)
     size = dist.get_world_size(group)
     gathered = [torch.empty_like(mine) for _ in range(size)]
     dist.all_gather(gathered, mine, group=group)
     summary = [tuple(int(v) for v in g.tolist()) for g in gathered]
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
-    if len(set(summary)) == 1:
-        return Verdict(step, True)
     suspects, majority = vote(summary, ranks)
     return Verdict(step, False, suspects, majority, _first_differing(named, words, summary, group, size))
 
@@ -141,7 +149,7 @@ def _first_differing(named: list[tuple[str, torch.Tensor]], words: torch.Tensor,
     """The first tensor whose words differ across the group; None where the structures differ (no common index)."""
     import torch.distributed as dist
 
-    if len({s[1] for s in summary}) != 1:
+    if len({s[2] for s in summary}) != 1:
         return None  # a different number of tensors: the structures differ, a script error rather than a flipped bit
     gathered = [torch.empty_like(words) for _ in range(size)]
     dist.all_gather(gathered, words, group=group)
