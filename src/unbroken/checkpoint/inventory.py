@@ -32,7 +32,7 @@ class StepSummary:
     replicated: int
     """Ranks with at least one replica on a peer."""
     persistent: str
-    """Committed / Draining / Failed / -."""
+    """Committed / Draining / Failed / Untrusted (saved after the replicas last agreed) / -."""
     persistent_message: str | None
     committed_at: float | None
 
