@@ -173,21 +173,19 @@ class JobReconciler:
         for _ in range(3):
             node = self.store.get_node(name)
             if found.divergence.majority:
-                decided = faults.decide(node, FaultAction.REPLACE, why, faults.SILENT_DATA_CORRUPTION)
-                update, said = (NodeUpdate(state=decided.target, fault_type=decided.fault_type, fault_reason=why[:200]),
-                                f"node {name} taken out ({faults.SILENT_DATA_CORRUPTION})") if decided.target else (None, "")
-            elif node.state is NodeState.SCHEDULABLE:
-                update = NodeUpdate(state=NodeState.UNSCHEDULABLE, fault_type=faults.SDC_SUSPECT, fault_reason=why[:200])
-                said = f"node {name} cordoned until its known-answer check"
+                target = faults.decide(node, FaultAction.REPLACE, why, faults.SILENT_DATA_CORRUPTION).target
+                fault_type, said = faults.SILENT_DATA_CORRUPTION, f"node {name} taken out ({faults.SILENT_DATA_CORRUPTION})"
             else:
-                update, said = None, ""
-            if update is None:
+                target = NodeState.UNSCHEDULABLE if node.state is NodeState.SCHEDULABLE else None
+                fault_type, said = faults.SDC_SUSPECT, f"node {name} cordoned until its known-answer check"
+            if target is None:
                 return f"node {name} already {node.state.value}"
             try:
-                self.store.update_node(name, update, expect_version=node.version)
+                self.store.update_node(name, NodeUpdate(state=target, fault_type=fault_type, fault_reason=why[:200]),
+                                       expect_version=node.version)
             except StaleUpdate:
                 continue
-            self.store.add_event("Node", name, update.fault_type or faults.SILENT_DATA_CORRUPTION, why, type=EventType.WARNING)
+            self.store.add_event("Node", name, fault_type, why, type=EventType.WARNING)
             return said
         return f"node {name} kept changing; not taken out"
 

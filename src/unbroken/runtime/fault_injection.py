@@ -154,11 +154,13 @@ def corrupt(runtime: Runtime, target: Target, *, step: int, what: FlipTarget, la
         runtime.cluster.add_event("Node", target.node, "ChaosCorrupt", "its devices compute wrong numbers (known-answer check fails)",
                                   type=EventType.WARNING)
     try:
-        return wait_until(lambda: read_done(request), wait_seconds, f"rank {target.rank} of {target.job} to flip the bit")
+        flipped = wait_until(lambda: read_done(request), wait_seconds, f"rank {target.rank} of {target.job} to flip the bit")
     except WaitTimeout:
         raise UsageError(f"rank {target.rank} of job {target.job} did not flip the bit within {wait_seconds:g} s: a rank acts "
                          f"on it at its first ctx.progress at or after step {step} (a script without unbroken.init never "
                          "does), in the optimizer step after it") from None
+    assert flipped is not None  # wait_until returns a truthy value or raises
+    return flipped
 
 
 def clear_corrupt(runtime: Runtime, node: str) -> bool:

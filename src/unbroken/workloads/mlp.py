@@ -94,7 +94,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--compute-matmuls", type=int, default=0,
                         help="256x256 matmuls each rank runs per step, in its 'compute' section: a fixed amount of CPU work "
                              "that a slowed node really takes longer over (a --step-time sleep is wall-clock and is not)")
-    parser.add_argument("--output", help="rank 0 writes the final parameters here (torch.save)")
+    parser.add_argument("--output", help="rank 0 writes the final parameters here (torch.save); a path with '{rank}' in it: "
+                                         "every rank writes its own (replicas that should be equal)")
     parser.add_argument("--progress-log", help="rank 0 appends '<step> <unix time> <pid> <attempt>' per step here: the step timeline "
                                                "benchmarks read under any launcher (benchmarks/goodput.py)")
     parser.add_argument("--crash-at-step", type=int, default=None,
@@ -213,8 +214,10 @@ def train(ctx: unbroken.Context, args: argparse.Namespace) -> int:
         final = f"{loss.item():.4f}" if loss is not None else "- (resumed at the end)"
         log.info(f"done: {step} steps, first loss {first_loss}, final loss {final}, params sha256 {state_digest(model.state_dict())}",
                  extra={"step": step})
-        if args.output:
+        if args.output and "{rank}" not in args.output:
             torch.save(model.state_dict(), args.output)
+    if args.output and "{rank}" in args.output:
+        torch.save(model.state_dict(), args.output.replace("{rank}", str(ctx.rank)))
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
