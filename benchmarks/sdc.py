@@ -221,6 +221,7 @@ def _time_checks(root: Path) -> dict[str, float]:
 
 
 def false_positives(root: Path, layout: str, minutes: float) -> Result:
+    code: int | None
     """A healthy run checking every step for ``minutes`` beside a core hog: every disagreement is a false positive."""
     work = root / f"healthy-{layout}"
     work.mkdir()
@@ -239,11 +240,12 @@ def false_positives(root: Path, layout: str, minutes: float) -> Result:
     disagreements = len(set(DETECTED.findall(output)))
     checks = re.search(r"done: \d+ steps, (\d+) checks", output)
     return Result("false positives", layout, None, false_positives=disagreements, minutes=minutes,
-                  checks=int(checks.group(1)) if checks else None, note="" if disagreements or code in (0, -15, 124) else f"exit {code}")
+                  checks=int(checks.group(1)) if checks else None, note="" if disagreements or code in (0, None) else f"exit {code}")
 
 
-def _run_for(work: Path, nprocs: int, module: str, args: list[str], minutes: float) -> tuple[int, str]:
-    """torchrun for ``minutes`` then SIGTERM (the MLP counts steps, not time); its checks are counted from the log."""
+def _run_for(work: Path, nprocs: int, module: str, args: list[str], minutes: float) -> tuple[int | None, str]:
+    """torchrun for ``minutes`` then SIGTERM (the MLP counts steps, not time); its checks are counted from the log.
+    The exit code is None when it ran the whole time (and was stopped)."""
     env = {**os.environ, "UNBROKEN_CHECKPOINT_DIR": str(work / "ckpt"), "OMP_NUM_THREADS": "1"}
     log = work / "log.txt"
     with open(log, "w") as out:
@@ -253,13 +255,14 @@ def _run_for(work: Path, nprocs: int, module: str, args: list[str], minutes: flo
         deadline = time.monotonic() + minutes * 60
         while child.poll() is None and time.monotonic() < deadline:
             time.sleep(1.0)  # a fixed-length run, not synchronisation: nothing is waited for but the clock
-        if child.poll() is None:
+        stopped = child.poll() is None
+        if stopped:
             child.terminate()
         code = child.wait(timeout=120)
     output = log.read_text()
     last = re.findall(r'"step": (\d+)', output)
     steps = int(last[-1]) if last else 0
-    return code, output + f"\ndone: {steps} steps, {steps} checks\n"
+    return (None if stopped else code), output + f"\ndone: {steps} steps, {steps} checks\n"
 
 
 def main() -> int:

@@ -58,7 +58,7 @@ def main(argv: list[str]) -> int:
     teacher = torch.randn(64, 8, generator=torch.Generator().manual_seed(7))
     deadline = time.monotonic() + args.seconds if args.seconds else None
     step = 0
-    while (deadline is not None and time.monotonic() < deadline) or (deadline is None and step < args.steps):
+    while not _done(step, args.steps, deadline):
         started = time.monotonic()
         inputs = torch.randn(32, 64, generator=data)
         loss = nn.functional.mse_loss(model(inputs), inputs @ teacher)
@@ -75,6 +75,19 @@ def main(argv: list[str]) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def _done(step: int, steps: int, deadline: float | None) -> bool:
+    """Whether to stop before the next step: by count, or (``--seconds``) by a clock every rank agrees on: each rank's
+    own clock passes the deadline at a different step, and one that stopped alone would leave the others in a
+    collective for ever. So every 10 steps the ranks all-reduce whether anyone's has."""
+    if deadline is None:
+        return step >= steps
+    if step % 10:
+        return False
+    late = torch.tensor([1 if time.monotonic() >= deadline else 0])
+    dist.all_reduce(late, op=dist.ReduceOp.MAX)
+    return bool(late.item())
 
 
 if __name__ == "__main__":
