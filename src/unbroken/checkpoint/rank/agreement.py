@@ -166,8 +166,8 @@ class ReplicaWatch:
     every_steps: int
     group: Any = None
     agreed_step: int = -1
-    """The last step the replicas agreed on (-1: none yet this attempt; a restored step counts as agreed,
-    the start of training too: DDP broadcasts rank 0's parameters)."""
+    """The last step the replicas agreed on: a restored step counts as agreed; -1 until the first check of an attempt
+    that restored nothing (a disagreement then leaves nothing this attempt saved trusted)."""
     checks: int = 0
     last_checked: int | None = None
 
