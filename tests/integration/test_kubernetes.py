@@ -681,6 +681,55 @@ def test_a_straggler_node_is_named_on_the_workload_then_taken_out_labelled_and_c
     wait_until(moved, 120, "attempt 1 running off the straggler")
 
 
+def test_a_flipped_bit_in_a_pytorchjob_takes_out_the_node_that_computes_wrong_and_resumes_from_the_agreed_step(
+        cluster: Cluster, agents: Agents, tmp_path: Path) -> None:
+    """Issue 37 on the real control plane: a PyTorchJob's two replicas (Master, Worker) compare their state every 10
+    steps; one bit of the worker's parameters is flipped through its rank (the request file ``chaos corrupt`` writes,
+    named by the pod's env), and its node's known-answer check is made to fail (the ``chaos-sdc`` file in its agent's
+    state, as a faulty GPU would). Two replicas have no majority: the operator restarts the job, cordons both nodes
+    as suspects, their agents run the known-answer check, the worker's node is taken out (label, fault type,
+    remediator) and the master's comes back; the job resumes from the last agreed step on healthy nodes."""
+    cluster.start_operator()
+    request = tmp_path / "chaos-corrupt.json"
+    body = pytorchjob("sdc", tmp_path / "ckpt", steps=100_000, step_time=0.02, report_progress=True, annotations=auto_resume(2),
+                      workload_args=("--watch-replicas", "10"))
+    for replica in body["spec"]["pytorchReplicaSpecs"].values():
+        replica["template"]["spec"]["containers"][0]["env"].append({"name": "UNBROKEN_CHAOS_CORRUPT", "value": str(request)})
+        replica["template"]["spec"]["terminationGracePeriodSeconds"] = 5
+    name = running_with_a_checkpoint(cluster, body, tmp_path / "ckpt", step=20)
+    victim = cluster.core.read_namespaced_pod(f"{name}-worker-0", JOBS).spec.node_name
+    healthy = cluster.core.read_namespaced_pod(f"{name}-master-0", JOBS).spec.node_name
+    (cluster.kubelet.node_dir(victim) / "state" / "nodes" / victim / "chaos-sdc").parent.mkdir(parents=True, exist_ok=True)
+    (cluster.kubelet.node_dir(victim) / "state" / "nodes" / victim / "chaos-sdc").touch()
+    request.write_text(json.dumps({"rank": 1, "step": 0, "target": "params"}))  # the worker's rank, at its next step
+    flipped = wait_until(lambda: json.loads(request.with_suffix(".done").read_text()) if request.with_suffix(".done").exists() else None,
+                         60, "the worker's rank to flip the bit")
+    agreed = flipped["step"] // 10 * 10
+
+    said = wait_until(lambda: next((m for _, r, m in cluster.events(name) if r == "SilentDataCorruption"), None), 90,
+                      "a SilentDataCorruption Event on the PyTorchJob")
+    assert f"replicas disagree at step {agreed + 10} in model.0.weight" in said and "no majority among ranks 0, 1" in said, said
+    assert f"last agreed step {agreed}" in said and "cordoned until its known-answer check" in said, said
+
+    def settled() -> bool:
+        labels = {n: cluster.core.read_node(n).metadata.labels for n in (victim, healthy)}
+        return labels[victim].get(names.NODE_HEALTH_STATUS) == "UnschedulablePendingReplacement" and \
+            labels[healthy].get(names.NODE_HEALTH_STATUS) == "Schedulable"
+    wait_until(settled, 120, f"{victim} out and {healthy} back after their known-answer checks")
+    assert cluster.core.read_node(victim).metadata.labels[names.FAULT_TYPES] == "SilentDataCorruption"
+    wait_until(lambda: f"Replace {victim}" in cluster.remediations.read_text(), 30, "the remediator called")
+    restarting = next(m for _, r, m in cluster.events(name) if r == "JobRestarting")
+    assert restarting.startswith(f"silent data corruption: replicas disagree at step {agreed + 10}"), restarting
+    quarantined = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("untrusted-"))
+    assert quarantined and all(int(n.split("-")[2].split(".")[0]) > agreed for n in quarantined), quarantined
+
+    def resumed() -> bool:
+        pods = cluster.pods(name)
+        return len(pods) == 2 and all((p.metadata.annotations or {}).get(names.ATTEMPT) == "1" and p.spec.node_name != victim
+                                      for p in pods) and f"resumed at step {agreed} " in rank_log(cluster, f"{name}-master-0")
+    wait_until(resumed, 180, f"attempt 1 off {victim}, resumed from step {agreed}")
+
+
 def test_a_hung_rank_restarts_the_job_after_its_hang_timeout(cluster: Cluster, agents: Agents, tmp_path: Path) -> None:
     """Done-when 6: a rank stopped with SIGSTOP makes no progress; its node's agent keeps reporting the last
     step in its Lease; the operator restarts the job after hang-timeout-seconds, and it resumes."""
