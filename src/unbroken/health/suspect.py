@@ -12,8 +12,11 @@ computes right does not get the job back.
 
 from __future__ import annotations
 
+import dataclasses
+
 from unbroken.config.cluster import ClusterConfig
 from unbroken.health import catalogue, events, faults, runner, targets
+from unbroken.health.context import CheckContext
 from unbroken.health.result import CheckResult, FaultAction, Suite
 from unbroken.plumbing.layout import ClusterLayout
 from unbroken.state.phases import NodeState
@@ -24,6 +27,20 @@ from unbroken.state.updates import NodeUpdate
 CHECK = "stress.known_answer"
 
 
+def _context(layout: ClusterLayout, cluster: ClusterConfig, node: Node) -> CheckContext:
+    """The node's check context; for a node whose instance type has no health profile (a Kubernetes Node without the
+    ``node.kubernetes.io/instance-type`` label), the shipped cpu-dev profile's: the known-answer check reads no
+    threshold from it, and it checks every GPU it finds."""
+    try:
+        return targets.context(layout, cluster, node)
+    except ValueError:
+        return dataclasses.replace(targets.context(layout, cluster, dataclasses.replace(node, instance_type=UNPROFILED)),
+                                   instance_type=node.instance_type)
+
+
+UNPROFILED = "cpu-dev"
+
+
 def is_suspect(node: Node) -> bool:
     return node.state is NodeState.UNSCHEDULABLE and node.fault_type == faults.SDC_SUSPECT
 
@@ -31,7 +48,7 @@ def is_suspect(node: Node) -> bool:
 def check(store: ClusterStore, jobs_on: events.JobsOn, layout: ClusterLayout, cluster: ClusterConfig, name: str) -> CheckResult:
     """Run the known-answer check on suspect node ``name`` and move it out or back in."""
     node = store.get_node(name)
-    result = runner.run_check(catalogue.get(CHECK, cluster.Health), targets.context(layout, cluster, node), Suite.INSTANCE_STRESS)
+    result = runner.run_check(catalogue.get(CHECK, cluster.Health), _context(layout, cluster, node), Suite.INSTANCE_STRESS)
     events.record(store, result)
     if result.failed:
         events.apply_fault(store, jobs_on, name, FaultAction.REPLACE, f"{result.check}: {result.message}", source=result.check,

@@ -234,8 +234,8 @@ class KubernetesAgent:
         def run() -> None:
             try:
                 suspect.check(self.store, self._jobs_on, self.runtime.layout, self.runtime.config, self.node)
-            except StoreUnavailable:
-                log.exception("suspect check could not record its result; the next renewal runs it again", extra={"node": self.node})
+            except Exception:  # noqa: BLE001 - the node stays cordoned: a check that could not run is run again, never passed
+                log.exception("suspect check failed to run; the next renewal runs it again", extra={"node": self.node})
 
         self._suspect_check = threading.Thread(target=run, name="suspect-check", daemon=True)
         self._suspect_check.start()

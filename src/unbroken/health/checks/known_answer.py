@@ -97,13 +97,15 @@ def known_answer(ctx: CheckContext) -> Outcome:
     if n < 2 or n > 4096:
         return Outcome(Status.FAIL, f"known_answer_n {n} is out of range (2 to 4096: larger sums leave float32's exact range)",
                        "BadConfig", {}, FaultAction.NONE)
-    if ctx.profile.Accelerator == "cpu":
-        devices = ["cpu"]
-    elif torch.cuda.is_available():
+    # Every device the node has, whatever its profile says: wrong numbers are a device's, and a node checked on demand
+    # may have no profile that names its GPUs (health/suspect.py).
+    if torch.cuda.is_available():
         devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-    else:
+    elif ctx.profile.Accelerator == "gpu":
         return Outcome(Status.FAIL, f"profile {ctx.instance_type} expects GPUs; torch sees no CUDA device", "NoGPU", {},
                        FaultAction.REPLACE)
+    else:
+        devices = ["cpu"]
     corrupt = (ctx.node_dir / FAULT_FILE).exists()
     wrong: dict[str, str] = {}
     for device in devices:
