@@ -12,13 +12,13 @@ flip, ``rank/bit_flip.py``, stands for its wrong result):
   saved after the last agreed step) and runs to the end; ``bit_identical``: every rank's final parameters
   equal those of a run nobody corrupted (the MLP is deterministic). The baseline's do only where the flip
   never reached a parameter (a low bit of Adam's first moment can decay away before it does).
-* **overhead**: the MLP padded to 100 ms steps with and without a check every ``EVERY`` steps
-  (``overhead_pct``: the difference in mean step time), and the check itself timed in a 3-rank group for the
+* **overhead**: the MLP padded to 100 ms steps with and without a check every ``EVERY`` steps, in
+  interleaved trials (``overhead_pct``: the median of their differences in mean step time), and the check itself timed in a 3-rank group for the
   MLP's state and a 256 MiB one (``check_ms``; ``overhead_at_100ms_pct``: it over ``EVERY`` 100 ms steps).
 * **false positives**: healthy DDP and HSDP runs checking every step for ``--healthy-minutes`` each, beside a
   process that keeps a core busy; every check that disagreed is a false positive.
 
-    .venv/bin/python benchmarks/sdc.py [--json] [--quick] [--healthy-minutes 20]
+    .venv/bin/python benchmarks/sdc.py [--json] [--quick] [--healthy-minutes 20] [--cases detection,overhead,false-positives]
 
 ``--quick`` (a few minutes): one healthy minute each. Plain torchrun starts each attempt (its own restarts do not
 come back here: a restarted gloo group fails to connect on this machine, with or without unbroken).
@@ -150,22 +150,27 @@ def hsdp_case(root: Path, target: str) -> Result:
                   note="" if code else "not detected: the job ran to the end")
 
 
-def overhead(root: Path, steps: int) -> Result:
-    """Mean step time at 100 ms steps, with and without a check every EVERY steps; and the check timed alone."""
-    means = {}
-    for watch in (False, True):
-        work = root / f"overhead-{watch}"
-        work.mkdir()
-        code, output = torchrun(work, 3, "unbroken.workloads.mlp", mlp_args(work, watch=watch, steps=steps, step_time=0.1))
-        if code != 0:
-            return Result("overhead", "DDP x3", None, note=f"run failed (exit {code})")
-        means[watch] = _mean_step_seconds(output)
+def overhead(root: Path, steps: int, trials: int) -> Result:
+    """Mean step time at 100 ms steps, with and without a check every EVERY steps, in interleaved trials (the order
+    alternating), the median of the trials' differences; and the check timed alone."""
+    differences, means = [], {False: [], True: []}
+    for trial in range(trials):
+        mean = {}
+        for watch in ((False, True) if trial % 2 == 0 else (True, False)):
+            work = root / f"overhead-{trial}-{watch}"
+            work.mkdir()
+            code, output = torchrun(work, 3, "unbroken.workloads.mlp", mlp_args(work, watch=watch, steps=steps, step_time=0.1))
+            if code != 0:
+                return Result("overhead", "DDP x3", None, note=f"run failed (exit {code})")
+            mean[watch] = _mean_step_seconds(output)
+            means[watch].append(mean[watch])
+        differences.append(100 * (mean[True] - mean[False]) / mean[False])
     timed = _time_checks(root)
-    ratio = round(100 * (means[True] - means[False]) / means[False], 2) if means[False] else None
-    return Result("overhead", "DDP x3", None, overhead_pct=ratio, check_ms=timed["mlp"],
+    return Result("overhead", "DDP x3", None, overhead_pct=round(statistics.median(differences), 2), check_ms=timed["mlp"],
                   overhead_at_100ms_pct=round(100 * timed["mlp"] / 1000 / (EVERY * 0.1), 3),
-                  note=f"mean step {means[False] * 1000:.1f} ms without, {means[True] * 1000:.1f} ms with; "
-                       f"a 256 MiB state's check: {timed['256MiB']:.1f} ms")
+                  note=f"{trials} interleaved trials of {steps} steps: {', '.join(f'{d:+.2f}' for d in differences)} %; mean step "
+                       f"{statistics.median(means[False]) * 1000:.1f} ms without, {statistics.median(means[True]) * 1000:.1f} ms "
+                       f"with; a 256 MiB state's check: {timed['256MiB']:.1f} ms")
 
 
 def _mean_step_seconds(output: str) -> float:
@@ -270,30 +275,38 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help='print {"results": [...]} instead of the table')
     parser.add_argument("--quick", action="store_true", help="a few minutes: one healthy minute per layout")
     parser.add_argument("--healthy-minutes", type=float, default=20.0, help="length of each false-positive run")
+    parser.add_argument("--cases", default="detection,overhead,false-positives",
+                        help="which parts to run (comma-separated: detection, overhead, false-positives)")
     args = parser.parse_args()
     minutes = 1.0 if args.quick else args.healthy_minutes
+    cases = set(args.cases.split(","))
+    unknown = cases - {"detection", "overhead", "false-positives"}
+    if unknown:
+        parser.error(f"--cases: unknown {', '.join(sorted(unknown))} (valid: detection, overhead, false-positives)")
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="unbroken-sdc-") as tmp:
         root = Path(tmp)
-        clean_dir = root / "clean"
-        clean_dir.mkdir()
-        code, output = torchrun(clean_dir, 3, "unbroken.workloads.mlp", mlp_args(clean_dir, watch=True))
-        if code != 0:
-            print(output[-2000:], file=sys.stderr)
-            return 1
-        clean = clean_dir
-        for target in ("params", "optimizer", "gradients"):
-            for watch in (True, False):
-                results.append(ddp_case(root, target, clean, watch=watch))
+        if "detection" in cases:
+            clean = root / "clean"
+            clean.mkdir()
+            code, output = torchrun(clean, 3, "unbroken.workloads.mlp", mlp_args(clean, watch=True))
+            if code != 0:
+                print(output[-2000:], file=sys.stderr)
+                return 1
+            for target in ("params", "optimizer", "gradients"):
+                for watch in (True, False):
+                    results.append(ddp_case(root, target, clean, watch=watch))
+                    print(f"# {results[-1]}", file=sys.stderr, flush=True)
+            for target in ("params", "optimizer", "gradients"):
+                results.append(hsdp_case(root, target))
                 print(f"# {results[-1]}", file=sys.stderr, flush=True)
-        for target in ("params", "optimizer", "gradients"):
-            results.append(hsdp_case(root, target))
+        if "overhead" in cases:
+            results.append(overhead(root, 60 if args.quick else 150, 2 if args.quick else 4))
             print(f"# {results[-1]}", file=sys.stderr, flush=True)
-        results.append(overhead(root, 60 if args.quick else 200))
-        print(f"# {results[-1]}", file=sys.stderr, flush=True)
-        for layout in ("DDP x3", "HSDP 2x2"):
-            results.append(false_positives(root, layout, minutes))
-            print(f"# {results[-1]}", file=sys.stderr, flush=True)
+        if "false-positives" in cases:
+            for layout in ("DDP x3", "HSDP 2x2"):
+                results.append(false_positives(root, layout, minutes))
+                print(f"# {results[-1]}", file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps({"every_steps": EVERY, "flip_after_step": FLIP_AFTER, "results": [asdict(r) for r in results]}, indent=1))
         return 0
