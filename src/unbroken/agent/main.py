@@ -61,8 +61,8 @@ class Agent:
         """The agent's own folder on the node: memory tier, and the socket its ranks report to."""
         self.checkpoints = CheckpointService(runtime.catalog, runtime.cluster, node, self.node_root,
                                              credentials.load(self.layout.root), metrics=self.metrics)
-        self._suspect_check: threading.Thread | None = None
-        """The known-answer check running because the controller suspects this node (health/suspect.py)."""
+        self.suspect = suspect.SuspectWatch(self._check_suspect, node)
+        """The known-answer check, run when the controller suspects this node of silent data corruption."""
         self.workers = (WorkerRunner(node, runtime.worker_table, self.store, self.layout, self.book, self._launch_settings)
                         if runtime.worker_table is not None else None)
 
@@ -107,8 +107,7 @@ class Agent:
                     if node.state is NodeState.RETIRED:
                         log.info("node retired; stopping", extra={"node": self.node})
                         break
-                    if suspect.is_suspect(node):
-                        self._check_suspect()
+                    self.suspect.look(node)
                     self.book.apply(self.receiver.drain())
                     if self.workers is not None:
                         self.workers.reconcile()
@@ -176,20 +175,10 @@ class Agent:
         )
         log.info("join checks %s: %s", status.value, result.reason, extra={"node": self.node})
 
-    def _check_suspect(self) -> None:
-        """Run the known-answer check once per suspicion, beside the loop (it takes seconds)."""
-        if self._suspect_check is not None and self._suspect_check.is_alive():
-            return
-
-        def run() -> None:
-            try:
-                result = suspect.check(self.store, self._jobs_on, self.layout, self.cluster, self.node)
-                self._measure_check(result)
-            except Exception:  # noqa: BLE001 - the node stays cordoned: a check that could not run is run again, never passed
-                log.exception("suspect check failed to run; the next pass runs it again", extra={"node": self.node})
-
-        self._suspect_check = threading.Thread(target=run, name="suspect-check", daemon=True)
-        self._suspect_check.start()
+    def _check_suspect(self) -> CheckResult:
+        result = suspect.check(self.store, self._jobs_on, self.layout, self.cluster, self.node)
+        self._measure_check(result)
+        return result
 
     def _measure_check(self, result: CheckResult) -> None:
         self.metrics.check_ran(result.check, result.status.value, result.duration_s)

@@ -13,6 +13,10 @@ computes right does not get the job back.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import threading
+
+from collections.abc import Callable
 
 from unbroken.config.cluster import ClusterConfig
 from unbroken.health import catalogue, events, faults, runner, targets
@@ -23,6 +27,8 @@ from unbroken.state.phases import NodeState
 from unbroken.state.records import EventType, Node
 from unbroken.state.store import ClusterStore, StaleUpdate
 from unbroken.state.updates import NodeUpdate
+
+log = logging.getLogger("unbroken.health.suspect")
 
 CHECK = "stress.known_answer"
 
@@ -68,3 +74,26 @@ def check(store: ClusterStore, jobs_on: events.JobsOn, layout: ClusterLayout, cl
                         type=EventType.NORMAL)
         break
     return result
+
+
+class SuspectWatch:
+    """An agent's side of the suspicion: given its node's record (read by its loop anyway), run :func:`check` beside
+    the loop once per suspicion (it takes seconds). A check that could not run is run again, never counted as passed:
+    the node stays cordoned meanwhile. Both agents (local and Kubernetes) use it."""
+
+    def __init__(self, run: Callable[[], CheckResult], node: str) -> None:
+        self._run = run
+        self._node = node
+        self._thread: threading.Thread | None = None
+
+    def look(self, node: Node) -> None:
+        if not is_suspect(node) or (self._thread is not None and self._thread.is_alive()):
+            return
+        self._thread = threading.Thread(target=self._check, name="suspect-check", daemon=True)
+        self._thread.start()
+
+    def _check(self) -> None:
+        try:
+            self._run()
+        except Exception:  # noqa: BLE001 - the node stays cordoned: its agent looks again on its next pass
+            log.exception("suspect check failed to run; the next pass runs it again", extra={"node": self._node})

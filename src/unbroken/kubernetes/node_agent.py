@@ -92,8 +92,9 @@ class KubernetesAgent:
         self.stopping = threading.Event()
         self.rebooted_from: set[str] = set()
         """Boots this agent ran the SelfReboot command on (once each)."""
-        self._suspect_check: threading.Thread | None = None
-        """The known-answer check running because the operator suspects this node (health/suspect.py)."""
+        self.suspect = suspect.SuspectWatch(
+            lambda: suspect.check(self.store, self._jobs_on, self.runtime.layout, self.runtime.config, self.node), node)
+        """The known-answer check, run when the operator suspects this node of silent data corruption."""
         self.sender: heartbeats.HeartbeatSender | None = None
         """The heartbeat datagrams' sender, once the operator's key is read."""
         self.checkpoints: CheckpointService | None = None
@@ -136,7 +137,7 @@ class KubernetesAgent:
                             self.sender.address = self._leader_address()
                         if self_reboot:
                             self._reboot_if_asked()
-                        self._check_if_suspect()
+                        self.suspect.look(self.store.get_node(self.node))  # read at each renewal: a suspect waits at most one
                     except StoreUnavailable:
                         log.exception("lease renewal failed; retrying", extra={"node": self.node})
         finally:
@@ -224,21 +225,6 @@ class KubernetesAgent:
             self.store.add_event("Node", self.node, "SelfRebootFailed", f"{shlex.join(command)}: {failure}; the node stays "
                                  "Rebooting until RebootTimeoutSeconds, then it is replaced", type=EventType.WARNING)
             log.error("self reboot failed: %s", failure, extra={"node": self.node})
-
-    def _check_if_suspect(self) -> None:
-        """The operator cordoned this node as a suspect of silent data corruption: run the known-answer check here
-        (health/suspect.py), once per suspicion, beside the loop. Read at each renewal: a suspect waits at most one."""
-        if (self._suspect_check is not None and self._suspect_check.is_alive()) or not suspect.is_suspect(self.store.get_node(self.node)):
-            return
-
-        def run() -> None:
-            try:
-                suspect.check(self.store, self._jobs_on, self.runtime.layout, self.runtime.config, self.node)
-            except Exception:  # noqa: BLE001 - the node stays cordoned: a check that could not run is run again, never passed
-                log.exception("suspect check failed to run; the next renewal runs it again", extra={"node": self.node})
-
-        self._suspect_check = threading.Thread(target=run, name="suspect-check", daemon=True)
-        self._suspect_check.start()
 
     def _jobs_on(self, node: str) -> list[str]:
         """Jobs with pods on this node (named in fault Events)."""
