@@ -130,8 +130,8 @@ class Context:
         replicas' process group (default: every rank; HSDP/FSDP2 with a 2-D mesh: ``mesh["replicate"].get_group()``).
         Each check reads the declared bytes once and all-reduces 64 bytes, whatever the group's size. When they
         differ, the rank(s) the majority outvotes (with two replicas: both) are named to the agent, what was saved
-        after the last agreed step is never restored, and every rank raises ``ReplicasDiverged``: the job restarts from that step, and its
-        controller takes the suspect's node out. ``every_steps``: a multiple of your save interval keeps every
+        after the last agreed step is never restored, and every rank raises ``ReplicasDiverged``: the job restarts
+        from that step, and its controller takes the suspect's node out. ``every_steps``: a multiple of your save interval keeps every
         agreed step a saved one (a restart then loses nothing it need not)."""
         from unbroken.checkpoint.rank.agreement import ReplicaWatch
 
@@ -158,10 +158,11 @@ class Context:
         """``unbroken chaos corrupt``'s request for this rank, if one can be made: under an agent the node's file, else
         ``$UNBROKEN_CHAOS_CORRUPT``. Every rank that reports progress has it (one ``stat`` per step), so a job that
         does not watch its replicas can be corrupted too: what it looks like without ``watch_replicas``."""
+        from unbroken.plumbing.layout import ClusterLayout
         from unbroken.rank.bit_flip import REQUEST_ENV, REQUEST_FILE, BitFlipper
 
         request = os.environ.get(REQUEST_ENV)
-        path = Path(request) if request else (self._env.cluster_dir / "nodes" / self.node / REQUEST_FILE
+        path = Path(request) if request else (ClusterLayout.at(self._env.cluster_dir).node_dir(self.node) / REQUEST_FILE
                                                if self._env.cluster_dir is not None else None)
         self._flipper = BitFlipper(path, job=self.job, rank=self.rank, attempt=self.attempt) if path is not None else None
 
