@@ -67,19 +67,27 @@ class Result:
     note: str = ""
 
 
-def torchrun(work: Path, nprocs: int, module: str, args: list[str], *, request: dict | None = None, timeout: float = 600) -> tuple[int, str]:
-    """One attempt under plain torchrun; returns its exit code and its output."""
+def torchrun_command(nprocs: int, module: str, args: list[str]) -> list[str]:
+    """Plain torchrun, one node, no restarts of its own (each attempt is a new one)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nprocs),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--max-restarts", "0", "-m", module, *args]
+
+
+def rank_env(work: Path) -> dict[str, str]:
     env = {**os.environ, "UNBROKEN_CHECKPOINT_DIR": str(work / "ckpt"), "OMP_NUM_THREADS": "1"}
     env.pop("UNBROKEN_CHAOS_CORRUPT", None)
+    return env
+
+
+def torchrun(work: Path, nprocs: int, module: str, args: list[str], *, request: dict | None = None, timeout: float = 600) -> tuple[int, str]:
+    """One attempt under plain torchrun; returns its exit code and its output."""
+    env = rank_env(work)
     if request is not None:
         path = work / "chaos-corrupt.json"
         path.with_suffix(".done").unlink(missing_ok=True)
         path.write_text(json.dumps(request))
         env["UNBROKEN_CHAOS_CORRUPT"] = str(path)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nprocs),
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--max-restarts", "0",
-               "-m", module, *args]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=work)
+    done = subprocess.run(torchrun_command(nprocs, module, args), env=env, capture_output=True, text=True, timeout=timeout, cwd=work)
     return done.returncode, done.stdout + done.stderr
 
 
@@ -252,12 +260,10 @@ def false_positives(root: Path, layout: str, minutes: float) -> Result:
 def _run_for(work: Path, nprocs: int, module: str, args: list[str], minutes: float) -> tuple[int | None, str]:
     """torchrun for ``minutes`` then SIGTERM (the MLP counts steps, not time); its checks are counted from the log.
     The exit code is None when it ran the whole time (and was stopped)."""
-    env = {**os.environ, "UNBROKEN_CHECKPOINT_DIR": str(work / "ckpt"), "OMP_NUM_THREADS": "1"}
     log = work / "log.txt"
     with open(log, "w") as out:
-        child = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nprocs),
-                                  "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--max-restarts", "0",
-                                  "-m", module, *args], env=env, stdout=out, stderr=subprocess.STDOUT, cwd=work)
+        child = subprocess.Popen(torchrun_command(nprocs, module, args), env=rank_env(work), stdout=out, stderr=subprocess.STDOUT,
+                                 cwd=work)
         deadline = time.monotonic() + minutes * 60
         while child.poll() is None and time.monotonic() < deadline:
             time.sleep(1.0)  # a fixed-length run, not synchronisation: nothing is waited for but the clock
