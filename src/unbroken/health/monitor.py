@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 from unbroken.config.cluster import ClusterConfig
 from unbroken.errors import StoreUnavailable
@@ -21,6 +22,7 @@ from unbroken.health.result import CheckResult, FaultAction, Status, Suite
 from unbroken.plumbing.layout import ClusterLayout
 from unbroken.plumbing.metrics import AgentMetrics
 from unbroken.state.phases import NodeState
+from unbroken.state.records import Node
 from unbroken.state.store import ClusterStore
 
 log = logging.getLogger("unbroken.health.monitor")
@@ -44,10 +46,12 @@ def finding_result(node: str, finding: Finding) -> CheckResult:
 class HealthMonitor:
     def __init__(self, store: ClusterStore, jobs_on: events.JobsOn, layout: ClusterLayout, node: str, cluster: ClusterConfig,
                  stopping: threading.Event, metrics: AgentMetrics | None = None, source: LineSource | None = None, *,
-                 kernel_log: bool = True) -> None:
+                 kernel_log: bool = True, on_node: Callable[[Node], None] | None = None) -> None:
         """``source``: the kernel log to watch (default: the cluster file's KernelLogSource for this
         node); ``kernel_log=False`` watches none and runs the continuous checks only (a Kubernetes
-        agent given no kernel log)."""
+        agent given no kernel log). ``on_node`` sees the node's record each interval, as read for the checks (the
+        Kubernetes agent's suspect watch: no read of its own)."""
+        self.on_node = on_node
         self.store, self.jobs_on, self.layout, self.node, self.cluster, self.stopping = store, jobs_on, layout, node, cluster, stopping
         self.metrics = metrics
         self.settings = cluster.Health
@@ -93,6 +97,8 @@ class HealthMonitor:
         while not self.stopping.wait(interval):
             try:
                 node = store.get_node(self.node)
+                if self.on_node is not None:
+                    self.on_node(node)
                 if node.state is not NodeState.SCHEDULABLE:
                     continue
                 try:

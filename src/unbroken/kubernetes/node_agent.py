@@ -94,7 +94,8 @@ class KubernetesAgent:
         """Boots this agent ran the SelfReboot command on (once each)."""
         self.suspect = suspect.SuspectWatch(
             lambda: suspect.check(self.store, self._jobs_on, self.runtime.layout, self.runtime.config, self.node), node)
-        """The known-answer check, run when the operator suspects this node of silent data corruption."""
+        """The known-answer check, run when the operator suspects this node of silent data corruption. It sees the node
+        through the continuous checks' read (every ``Health.MonitorIntervalSeconds``): no API read of its own."""
         self.sender: heartbeats.HeartbeatSender | None = None
         """The heartbeat datagrams' sender, once the operator's key is read."""
         self.checkpoints: CheckpointService | None = None
@@ -113,7 +114,7 @@ class KubernetesAgent:
         # Lease below says the agent is up is always seen.
         HealthMonitor(self.store, self._jobs_on, self.runtime.layout, self.node, self.runtime.config, self.stopping,
                       self.metrics, source=kernel_log_source(self.kernel_log) if watch_kernel_log else None,
-                      kernel_log=watch_kernel_log).start()
+                      kernel_log=watch_kernel_log, on_node=self.suspect.look).start()
         self.store.renew_lease(self.node, at=time.time())
         # Both wait for a Secret the operator makes (the heartbeat key, the cluster's TLS credentials): in
         # threads of their own, so that an agent started before the operator does its health work meanwhile.
@@ -137,7 +138,6 @@ class KubernetesAgent:
                             self.sender.address = self._leader_address()
                         if self_reboot:
                             self._reboot_if_asked()
-                        self.suspect.look(self.store.get_node(self.node))  # read at each renewal: a suspect waits at most one
                     except StoreUnavailable:
                         log.exception("lease renewal failed; retrying", extra={"node": self.node})
         finally:
