@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from enum import StrEnum
 
+from unbroken.controller import divergence
+
 
 class FaultKind(StrEnum):
     WORKER_KILLED = "worker_killed"
@@ -38,7 +40,7 @@ class FaultKind(StrEnum):
 
 
 _PATTERNS: tuple[tuple[FaultKind, re.Pattern[str]], ...] = (
-    (FaultKind.SILENT_DATA_CORRUPTION, re.compile(r"^silent data corruption: ")),
+    (FaultKind.SILENT_DATA_CORRUPTION, re.compile("^" + re.escape(divergence.REASON_PREFIX))),
     (FaultKind.STARTUP_TIMEOUT, re.compile(r"^hang: no rank on \S+ reported progress within startup_timeout")),
     (FaultKind.HANG, re.compile(r"^hang: ")),
     (FaultKind.LAUNCH_FAILED, re.compile(r"cannot start torchrun")),
