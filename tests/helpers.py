@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +26,13 @@ T = TypeVar("T")
 
 STEPS = 60
 """Steps of the integration tests' MLP jobs (and of their reference run)."""
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now (a rendezvous endpoint; its owner binds it right after)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def race(count: int, contender: Callable[[int], None], timeout: float = 30) -> list[BaseException]:

@@ -80,6 +80,7 @@ class Context:
     """``unbroken chaos corrupt``'s watch on this rank (rank/bit_flip.py)."""
     _restored_step: int | None = field(repr=False, default=None)
     """The step this attempt restored (told by the checkpointer): the replicas' first agreed step."""
+    _finished: bool = field(repr=False, default=False)
 
     def run(self, train: Callable[[Context], T]) -> T:
         """Train with in-process restarts: ``return ctx.run(train)``, where ``train(ctx)`` builds the model
@@ -128,7 +129,9 @@ class Context:
         ``state()`` returns what every replica holds bit for bit after an optimizer step (DDP: the model's and the
         optimizer's ``state_dict()``; never per-rank parts such as RNG state or a sampler's position). ``group``: the
         replicas' process group (default: every rank; HSDP/FSDP2 with a 2-D mesh: ``mesh["replicate"].get_group()``).
-        Each check reads the declared bytes once and all-reduces 64 bytes, whatever the group's size. When they
+        Each check reads the declared bytes once and all-reduces 64 bytes, whatever the group's size, in the
+        background: its verdict is read at the next ``progress`` (the last step's at ``finished``, which ``ctx.run``
+        calls; a script without it calls ``ctx.finished()`` before it destroys the process group). When they
         differ, the rank(s) the majority outvotes (with two replicas: both) are named to the agent, what was saved
         after the last agreed step is never restored, and every rank raises ``ReplicasDiverged``: the job restarts
         from that step, and its controller takes the suspect's node out. ``every_steps``: a multiple of your save interval keeps every
@@ -146,13 +149,24 @@ class Context:
         return self._replicas.agreed_step if self._replicas is not None else None
 
     def _check_replicas(self, step: int) -> None:
+        """Judge the check started at the last ``progress`` (its all-reduce finished meanwhile), then start this
+        step's if it is due."""
         watch = self._replicas
         assert watch is not None
-        if watch.due(step) and self.world_size > 1 and _group_is_up():
-            agreed_before = watch.agreed_step
-            verdict = watch.check(step)
-            if not verdict.agreed:
-                self._diverged(verdict, agreed_before)
+        if self.world_size <= 1 or not _group_is_up():
+            return
+        self._judge_replicas()
+        if watch.due(step):
+            watch.start(step)
+
+    def _judge_replicas(self) -> None:
+        watch = self._replicas
+        if watch is None or watch.in_flight is None:
+            return
+        agreed_before = watch.agreed_step
+        verdict = watch.collect()
+        if verdict is not None and not verdict.agreed:
+            self._diverged(verdict, agreed_before)
 
     def _watch_for_flips(self) -> None:
         """``unbroken chaos corrupt``'s request for this rank, if one can be made: under an agent the node's file, else
@@ -245,7 +259,18 @@ class Context:
     def finished(self) -> None:
         """Say that this rank is done training and exits now (``ctx.run`` says it when ``train`` returns). Its launcher and
         agent stop timing its silence for a hang; an agent ends a rank that said so and has not exited a while later
-        (a teardown stuck in a library) and judges the job on what its ranks reported."""
+        (a teardown stuck in a library) and judges the job on what its ranks reported. With ``watch_replicas`` it
+        first judges the last step's check, so call it before destroying the process group. Said once: later calls
+        do nothing."""
+        if self._finished:
+            return  # a script said it before ctx.run did
+        if self._replicas is not None and self._replicas.in_flight is not None:
+            if _group_is_up():
+                self._judge_replicas()  # the last step's check: a finished job's final state is judged too
+            else:
+                print(f"unbroken: rank {self.rank}: the replica check of step {self._replicas.in_flight.step} was never judged: the "
+                      "process group was destroyed first (call ctx.finished() before destroy_process_group)", flush=True)
+        self._finished = True
         self._stop_leave_watch()  # done: nothing may keep this rank from exiting now
         self._send(MessageKind.FINISHED, None)
 

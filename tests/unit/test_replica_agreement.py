@@ -4,6 +4,7 @@ the fingerprints and the vote with real gloo process groups, the flip through re
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import free_port
 from unbroken.checkpoint.rank import agreement
 from unbroken.rank.bit_flip import BitFlipper, FlipRequest, FlipTarget, read_done
 
@@ -110,6 +112,80 @@ def test_every_single_bit_of_a_tensor_changes_the_rank_word() -> None:
             changed = int(agreement.rank_word(agreement.tensor_words([tensor], torch.device("cpu"))))
             raw[offset + bit // 8] ^= 1 << (bit % 8)
             assert changed != base, (offset, bit)
+
+
+def test_every_single_bit_of_small_packed_tensors_changes_the_rank_word() -> None:
+    """Tensors of up to a block are summed packed together (zero-padded to whole words): a flipped bit in any of
+    them, a ragged one's last bytes included, still changes the word; and their words are each tensor's own."""
+    tensors = [torch.randn(7), torch.zeros(0), torch.randn(3, 5).t(), torch.tensor(3.0), torch.randn(2**18)]
+    base = int(agreement.rank_word(agreement.tensor_words(tensors, torch.device("cpu"))))
+    for index in (0, 3, 4):
+        raw = tensors[index].reshape(-1).view(torch.uint8)
+        for byte in range(raw.numel() if raw.numel() <= 28 else 8):
+            for bit in range(8):
+                raw[byte] ^= 1 << bit
+                changed = int(agreement.rank_word(agreement.tensor_words(tensors, torch.device("cpu"))))
+                raw[byte] ^= 1 << bit
+                assert changed != base, (index, byte, bit)
+    transposed = tensors[2]  # not contiguous: read in row-major order, as its contiguous copy
+    words = agreement.tensor_words(tensors, torch.device("cpu"))
+    alone = agreement.tensor_words([transposed.contiguous()], torch.device("cpu"))
+    assert int(words[2]) == int(alone[0]) and int(words[1]) == 0
+
+
+STARTED_THEN_CHANGED = r'''
+import json, sys
+import torch, torch.distributed as dist
+from unbroken.checkpoint.rank.agreement import ReplicaWatch
+
+rank, world, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+weight = torch.ones(1000)
+watch = ReplicaWatch(lambda: {"weight": weight}, 10)
+watch.start(10)
+if rank == 2:
+    weight.view(torch.uint8)[5] ^= 4  # after the fingerprint: the check at 10 saw the state before it
+dist.barrier()
+first = watch.collect()
+watch.start(20)
+second = watch.collect()
+print("RESULT " + json.dumps({"first": first.agreed, "second": [second.agreed, list(second.suspects)],
+                              "agreed_step": watch.agreed_step, "checks": watch.checks}), flush=True)
+dist.barrier()
+dist.destroy_process_group()
+'''
+
+
+def test_a_check_fingerprints_when_it_starts_and_is_judged_when_collected(tmp_path: Path) -> None:
+    """The all-reduce runs in the background between ``start`` (at one progress) and ``collect`` (at the next): the
+    state may change meanwhile without touching the verdict, and a change before the next start is seen by it."""
+    script = tmp_path / "started.py"
+    script.write_text(STARTED_THEN_CHANGED)
+    children = [subprocess.Popen([sys.executable, str(script), str(r), "3", str(tmp_path / "store")], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for r in range(3)]
+    for child in children:
+        out, err = child.communicate(timeout=120)
+        assert child.returncode == 0, err[-2000:]
+        result = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+        assert result == {"first": True, "second": [False, [2]], "agreed_step": 10, "checks": 2}
+
+
+def test_the_last_steps_check_is_judged_before_the_rank_finishes(tmp_path: Path) -> None:
+    """A flip caught only by the check at the job's last step: its verdict comes after the last ``progress``, at
+    ``finished`` (``ctx.run``), so the job fails instead of ending on corrupted state (real torchrun, gloo, the MLP)."""
+    request = tmp_path / "chaos-corrupt.json"
+    FlipRequest(job=None, rank=2, step=13, target=FlipTarget.PARAMS).write(request)
+    env = {**os.environ, "UNBROKEN_CHAOS_CORRUPT": str(request), "UNBROKEN_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
+           "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "3", "--rdzv-backend",
+               "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--max-restarts", "0", "-m", "unbroken.workloads.mlp",
+               "--steps", "20", "--checkpoint-every", "10", "--watch-replicas", "10"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    output = done.stdout + done.stderr
+    assert read_done(request) is not None, output[-3000:]
+    assert done.returncode != 0, output[-3000:]
+    assert "silent data corruption: replicas disagree at step 20 in model." in output
+    assert "rank 2 differs from the majority; last agreed step 10" in output
 
 
 def test_vote_names_the_minority_or_everyone() -> None:

@@ -70,6 +70,7 @@ def main(argv: list[str]) -> int:
         if remaining > 0:
             time.sleep(remaining)  # simulated compute, not synchronisation
         ctx.progress(step, loss=loss.item())
+    ctx.finished()  # judges the last step's replica check before the process group goes
     if ctx.rank == 0:
         print(f"done: {step} steps, {ctx._replicas.checks if ctx._replicas else 0} checks, final loss {loss.item():.5f}", flush=True)
     dist.barrier()

@@ -218,10 +218,10 @@ def train(ctx: unbroken.Context, args: argparse.Namespace) -> int:
             torch.save(model.state_dict(), args.output)
     if args.output and "{rank}" in args.output:
         torch.save(model.state_dict(), args.output.replace("{rank}", str(ctx.rank)))
+    ctx.finished()  # judges the last step's replica check, which needs the process group
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-    ctx.progress(step)  # winding down is progress too: a slow exit is not a hang
     return 0
 
 
