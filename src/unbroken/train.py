@@ -142,6 +142,8 @@ class Context:
             raise ValueError(f"ctx.watch_replicas(every_steps={every_steps}): a check every 1 or more steps")
         start = self._restored_step if self._restored_step is not None else -1
         self._replicas = ReplicaWatch(state, every_steps, group, agreed_step=start)
+        if self._restored_step is not None:
+            self.checkpoint.agreed(self._restored_step)
 
     @property
     def agreed_step(self) -> int | None:
@@ -165,7 +167,11 @@ class Context:
             return
         agreed_before = watch.agreed_step
         verdict = watch.collect()
-        if verdict is not None and not verdict.agreed:
+        if verdict is None:
+            return
+        if verdict.agreed:
+            self.checkpoint.agreed(verdict.step)  # retention keeps it: the step a later disagreement rolls back to
+        else:
             self._diverged(verdict, agreed_before)
 
     def _watch_for_flips(self) -> None:
@@ -393,6 +399,7 @@ class _AgentObserver:
             self.ctx._restored_step = report.step
             if self.ctx._replicas is not None:
                 self.ctx._replicas.agreed_step = report.step
+                self.ctx.checkpoint.agreed(report.step)
             self.ctx._send(MessageKind.RESTORED, report.step, {"seconds": report.seconds}, report.source)
 
 

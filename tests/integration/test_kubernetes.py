@@ -721,7 +721,8 @@ def test_a_flipped_bit_in_a_pytorchjob_takes_out_the_node_that_computes_wrong_an
     restarting = next(m for _, r, m in cluster.events(name) if r == "JobRestarting")
     assert restarting.startswith(f"silent data corruption: replicas disagree at step {agreed + 20}"), restarting
     quarantined = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("untrusted-"))
-    assert quarantined == [f"untrusted-step-{agreed + 10:09d}"], quarantined  # saved after the agreed step: never restored
+    # saved after the agreed step (the check step's own save too: the verdict is read a step later): never restored
+    assert quarantined == [f"untrusted-step-{agreed + 10:09d}", f"untrusted-step-{agreed + 20:09d}"], quarantined
 
     def resumed() -> bool:
         pods = cluster.pods(name)

@@ -313,6 +313,25 @@ def test_retention_keeps_the_newest_two(tmp_path: Path) -> None:
     assert committed_steps(tmp_path, 1) == [40, 30]
 
 
+def test_retention_keeps_the_last_agreed_step_however_many_are_saved_after_it(tmp_path: Path) -> None:
+    """Replicas compared every 40 steps, saves every 10, keep 2: the steps saved since the last agreement are
+    unverified, so the agreed one stays (a disagreement rolls back to it) until a later step is agreed."""
+    ck = FileCheckpointer(tmp_path, keep=2)
+    ck.save(40, {"step": 40})
+    ck.agreed(40)
+    for step in (50, 60, 70):
+        ck.save(step, {"step": step})
+    assert committed_steps(tmp_path, 1) == [70, 60, 40]
+    ck.distrust_after(40, "replicas disagree at step 80")
+    restored = ck.restore()
+    assert restored is not None and restored.step == 40
+    ck.save(50, {"step": 50})
+    ck.agreed(50)
+    ck.save(60, {"step": 60})
+    ck.save(70, {"step": 70})
+    assert committed_steps(tmp_path, 1) == [70, 60, 50], "a later agreement lets the earlier one go"
+
+
 def test_retention_never_deletes_the_newest_committed_step(tmp_path: Path) -> None:
     r0 = FileCheckpointer(tmp_path, rank=0, world_size=2, keep=1)
     r1 = FileCheckpointer(tmp_path, rank=1, world_size=2, keep=1)

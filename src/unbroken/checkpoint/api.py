@@ -61,6 +61,11 @@ class Checkpointer(Protocol):
     def prepare(self, state: dict[str, Any]) -> None:
         """Get ready to save ``state`` (its size known, buffers allocated) so the first save costs what the others do."""
 
+    def agreed(self, step: int) -> None:
+        """The replicas agreed on ``step``'s state (``ctx.watch_replicas``): until a later step is agreed, retention
+        keeps the newest checkpoint at or before it, the one a disagreement rolls back to, however many are saved
+        meanwhile. Never called without ``watch_replicas``: retention is then the plain newest ``keep``."""
+
     def distrust_after(self, step: int, why: str) -> None:
         """The replicas stopped agreeing after ``step`` (silent data corruption): what this rank saved after it must
         never be restored. The file checkpointer quarantines those folders itself; the tiered one leaves it to the

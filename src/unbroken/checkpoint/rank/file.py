@@ -83,12 +83,17 @@ class FileCheckpointer:
         self.world_size = world_size
         self.keep = keep
         self.observer = observer
+        self.agreed_step: int | None = None
+        """The last step the replicas agreed on (``agreed``): retention keeps the newest committed step up to it."""
 
     def close(self) -> None:
         """Nothing to let go of: every save is durable when it returns."""
 
     def fence(self) -> None:
         """Nothing to wait for: ``save`` returns with the state on disk."""
+
+    def agreed(self, step: int) -> None:
+        self.agreed_step = step
 
     def distrust_after(self, step: int, why: str) -> None:
         """Quarantine the step folders after ``step``: each is renamed ``untrusted-step-…`` with the reason beside
@@ -192,7 +197,9 @@ class FileCheckpointer:
         return collectives.from_rank0(lambda: committed_steps(self.directory, self.world_size))
 
     def _apply_retention(self) -> None:
-        """Keep the newest ``keep`` committed steps; drop anything older than the oldest kept.
+        """Keep the newest ``keep`` committed steps, and the newest committed step the replicas agreed on (where they
+        are watched: with checks rarer than saves, the steps saved since are unverified, and a disagreement rolls
+        back to that one); drop anything else older than the oldest kept.
 
         Runs on rank 0 only. Only steps *older* than a committed step are deleted,
         so an in-progress newer step (other ranks still writing) is never touched.
@@ -201,9 +208,11 @@ class FileCheckpointer:
         if len(committed) <= self.keep:
             return
         oldest_kept = committed[self.keep - 1]
+        agreed = self.agreed_step
+        rollback_point = next((s for s in committed if agreed is not None and s <= agreed), None)
         for entry in self.directory.iterdir():
             match = _STEP_DIR.match(entry.name)
-            if match and int(match.group(1)) < oldest_kept:
+            if match and int(match.group(1)) < oldest_kept and int(match.group(1)) != rollback_point:
                 shutil.rmtree(entry, ignore_errors=True)
 
 

@@ -63,6 +63,9 @@ class LiveFirst:
     def close(self) -> None:
         self.inner.close()
 
+    def agreed(self, step: int) -> None:
+        self.inner.agreed(step)
+
     def distrust_after(self, step: int, why: str) -> None:
         self.inner.distrust_after(step, why)
 

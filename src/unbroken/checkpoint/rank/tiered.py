@@ -300,6 +300,11 @@ class TieredCheckpointer:
         except (OSError, CheckpointError) as exc:
             _say(f"memory tier: could not allocate slots ahead of time ({exc}); saves will allocate them")
 
+    def agreed(self, step: int) -> None:
+        """Nothing here: the memory tier keeps ``memory.keep`` steps per job and the persistent tier its own; a
+        check every ``keep - 1`` saves or more often keeps the agreed step among them
+        (docs/silent-data-corruption.md)."""
+
     def distrust_after(self, step: int, why: str) -> None:
         """Nothing here: the steps committed after ``step`` are rows in the catalog every node shares, and the
         controller marks them ``Untrusted`` when it restarts the job (a rank cannot speak for the other nodes')."""
