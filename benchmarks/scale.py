@@ -134,10 +134,10 @@ class SimulatedAgents:
         self.beat_rounds: list[float] = []
         self.senders: dict[str, HeartbeatSender] = {}
         if system == "unbroken":
-            key = heartbeats.ensure_key(api, NAMESPACE)
+            master = heartbeats.ensure_key(api, NAMESPACE)  # each simulated agent holds its node's key, as the operator gives it
             self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
-            self.senders = {n: HeartbeatSender(key, n, sock=self.sock) for n in nodes}
+            self.senders = {n: HeartbeatSender(heartbeats.node_key(master, n), n, sock=self.sock) for n in nodes}
         step = self.renew_every / len(nodes)
         now = time.monotonic()
         self.next_renewal = {n: now + i * step for i, n in enumerate(nodes)}

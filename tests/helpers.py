@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import yaml
 
+from unbroken.checkpoint.node.credentials import Credentials
 from unbroken.controller.jobs import current_step
 from unbroken.plumbing.layout import ClusterLayout
 from unbroken.runtime import Runtime, open_local
@@ -33,6 +34,26 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+def tls_handshake(server: Credentials, client: Credentials) -> None:
+    """Mutual TLS between the two over a real socket pair: raises if either refuses the other."""
+    left, right = socket.socketpair()
+    failures: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            with server.server_context().wrap_socket(left, server_side=True) as tls:
+                tls.sendall(b"ok")
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            failures.append(exc)
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    with client.client_context().wrap_socket(right) as tls:
+        assert tls.recv(2) == b"ok"
+    thread.join(10)
+    assert not failures, failures
 
 
 def race(count: int, contender: Callable[[int], None], timeout: float = 30) -> list[BaseException]:

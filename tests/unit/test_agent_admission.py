@@ -113,6 +113,10 @@ REFUSED: dict[str, Callable[[kubernetes.client.ApiClient], Any]] = {
         SYSTEM, {"metadata": {"name": "stolen"}, "stringData": {"a": "b"}}),
     "replace the heartbeat key": lambda a: kubernetes.client.CoreV1Api(a).create_namespaced_secret(
         SYSTEM, {"metadata": {"name": "unbroken-heartbeat-key"}, "stringData": {"key": "x"}}),
+    "read the heartbeat master key": lambda a: kubernetes.client.CoreV1Api(a).read_namespaced_secret(
+        "unbroken-heartbeat-key", SYSTEM),
+    "read the cluster's CA key": lambda a: kubernetes.client.CoreV1Api(a).read_namespaced_secret(names.CLUSTER_TLS_SECRET, SYSTEM),
+    "list Secrets": lambda a: kubernetes.client.CoreV1Api(a).list_namespaced_secret(SYSTEM),
     # its own node, beyond unbroken's own fields
     "cordon its own node": lambda a: kubernetes.client.CoreV1Api(a).patch_node(OWN, {"spec": {"unschedulable": True}}),
     "set its own node Ready=False": lambda a: kubernetes.client.CoreV1Api(a).patch_node_status(OWN, condition("Ready", "False")),

@@ -1,10 +1,9 @@
-"""Heartbeat datagrams (kubernetes/backend/heartbeats.py) over real UDP sockets on loopback, the signing key in a real
-Secret on the real API server, and how the Kubernetes store turns datagrams and Leases into a node's heartbeat."""
+"""Heartbeat datagrams (kubernetes/backend/heartbeats.py) over real UDP sockets on loopback, signed with per-node keys
+made from a master key in a real Secret on the real API server, and how the Kubernetes store turns datagrams and Leases into a node's heartbeat."""
 
 from __future__ import annotations
 
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -22,7 +21,9 @@ from unbroken.state.records import RankInfo, RankTiming, StepTiming, WorkerProgr
 from unbroken.plumbing.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
-KEY = b"k" * 32
+MASTER = b"k" * 32
+KEY = heartbeats.node_key(MASTER, "gpu-1")
+"""gpu-1's key, as the operator gives it to gpu-1's agent."""
 REPORT = WorkerProgress(job="ns/llama", attempt=1, ranks=(RankInfo(rank=0, local_rank=0, pid=42),), last_step=17,
                         last_progress_at=1_700_000_000.5)
 
@@ -30,13 +31,13 @@ REPORT = WorkerProgress(job="ns/llama", attempt=1, ranks=(RankInfo(rank=0, local
 @pytest.fixture
 def board() -> Iterator[HeartbeatBoard]:
     board = HeartbeatBoard("127.0.0.1", 0)
-    board.key = KEY
+    board.master = MASTER
     yield board
     board.close()
 
 
-def sender_to(board: HeartbeatBoard, node: str = "gpu-1", key: bytes = KEY) -> HeartbeatSender:
-    sender = HeartbeatSender(key, node)
+def sender_to(board: HeartbeatBoard, node: str = "gpu-1") -> HeartbeatSender:
+    sender = HeartbeatSender(heartbeats.node_key(MASTER, node), node)
     sender.address = ("127.0.0.1", board.port)
     return sender
 
@@ -67,8 +68,19 @@ def test_forged_replayed_and_skewed_datagrams_are_dropped_and_counted(board: Hea
     assert board.heard("gpu-2") is None and board.heard("gpu-1").at == now + 2
 
 
+def test_a_node_signs_for_itself_alone(board: HeartbeatBoard) -> None:
+    """A compromised node holds its own key: a beat it signs for another node is dropped, so it cannot keep a dead
+    node alive."""
+    now = time.time()
+    assert not board.accept(heartbeats.encode(KEY, Beat("gpu-2", "agent-b", 1, now)), now), "gpu-1's key for gpu-2"
+    assert not board.accept(heartbeats.encode(MASTER, Beat("gpu-2", "agent-b", 1, now)), now), "the master key itself"
+    assert not board.accept(b"\0" * 32 + b"not json", now), "no node named"
+    assert board.heard("gpu-2") is None and board.rejected == 3
+    assert board.accept(heartbeats.encode(heartbeats.node_key(MASTER, "gpu-2"), Beat("gpu-2", "agent-b", 1, now)), now)
+
+
 def test_a_board_without_the_key_drops_everything(board: HeartbeatBoard) -> None:
-    board.key = None
+    board.master = None
     assert not board.accept(heartbeats.encode(KEY, Beat("gpu-1", "agent-a", 1, time.time())), time.time())
 
 
@@ -115,17 +127,13 @@ def api(kubeconfig: Path, namespace: str) -> kubernetes.client.ApiClient:
     return api_client(kubeconfig)
 
 
-def test_the_operator_makes_the_key_once_and_a_waiting_agent_reads_it(api: kubernetes.client.ApiClient, namespace: str) -> None:
-    assert heartbeats.read_key(api, namespace) is None
-    got: list[bytes | None] = []
-    agent = threading.Thread(target=lambda: got.append(heartbeats.wait_key(api, namespace, threading.Event())))
-    agent.start()
+def test_the_operator_makes_the_master_key_once_and_each_node_gets_its_own(api: kubernetes.client.ApiClient,
+                                                                          namespace: str) -> None:
     first = heartbeats.ensure_key(api, namespace)
     assert len(first) == 32
     assert heartbeats.ensure_key(api, namespace) == first, "a second leader keeps the key"
-    agent.join(30)
-    assert got == [first]
-    assert heartbeats.read_key(api, namespace) == first
+    one, two = heartbeats.node_key(first, "gpu-1"), heartbeats.node_key(first, "gpu-2")
+    assert one != two and one != first and heartbeats.node_key(first, "gpu-1") == one
 
 
 def make_node(api: kubernetes.client.ApiClient) -> str:
@@ -146,7 +154,7 @@ def test_datagrams_are_the_heartbeat_and_the_lease_the_backstop(api: kubernetes.
     store.renew_lease(node, at=now - 30)
     assert store.get_node(node).heartbeat_at == pytest.approx(now - 20, abs=0.5), \
         "heard nothing yet (a new leader): the Lease vouches until its next renewal is due"
-    assert board.accept(heartbeats.encode(KEY, Beat(node, "a", 1, now, (REPORT,))), now - 2)
+    assert board.accept(heartbeats.encode(heartbeats.node_key(MASTER, node), Beat(node, "a", 1, now, (REPORT,))), now - 2)
     assert store.get_node(node).heartbeat_at == pytest.approx(now - 2), "the datagram is newer: it is the heartbeat"
     assert store.lease_progress()[("ns/llama", 1, node)] == REPORT
     store.renew_lease(node, at=now - 1.5)
@@ -155,7 +163,7 @@ def test_datagrams_are_the_heartbeat_and_the_lease_the_backstop(api: kubernetes.
     store.renew_lease(node, at=now)
     assert store.get_node(node).heartbeat_at == pytest.approx(now, abs=0.5), \
         "renewed well after the last datagram (its beats do not get through): the Lease vouches"
-    assert board.accept(heartbeats.encode(KEY, Beat(node, "a", 2, now - 100, leaving=True)), now - 100)
+    assert board.accept(heartbeats.encode(heartbeats.node_key(MASTER, node), Beat(node, "a", 2, now - 100, leaving=True)), now - 100)
     assert store.get_node(node).heartbeat_at == pytest.approx(now - 100 + heartbeats.AGENT_RESTART_GRACE_SECONDS), \
         "an agent that said it leaves vouches for its node through its restart"
 
@@ -177,7 +185,7 @@ def test_when_most_datagrams_stop_at_once_the_leases_vouch_only_after_two_renewa
     a, b, c = make_node(api), make_node(api), make_node(api)
     now = time.time()
     for seq, node in enumerate((a, b, c), 1):
-        assert board.accept(heartbeats.encode(KEY, Beat(node, f"agent-{node}", seq, now - 5)), now - 5)
+        assert board.accept(heartbeats.encode(heartbeats.node_key(MASTER, node), Beat(node, f"agent-{node}", seq, now - 5)), now - 5)
     store.renew_lease(a, at=now - 0.5)
     store.renew_lease(b, at=now - 0.5)
     store.renew_lease(c, at=now - 60)
@@ -193,6 +201,6 @@ def test_when_most_datagrams_stop_at_once_the_leases_vouch_only_after_two_renewa
 
     later = time.time()
     for seq, node in enumerate((a, b, c), 10):
-        assert board.accept(heartbeats.encode(KEY, Beat(node, f"agent-{node}", seq, later)), later)
+        assert board.accept(heartbeats.encode(heartbeats.node_key(MASTER, node), Beat(node, f"agent-{node}", seq, later)), later)
     assert {n.name: n.heartbeat_at for n in store.list_nodes() if n.name in (a, b, c)} == {
         a: pytest.approx(later), b: pytest.approx(later), c: pytest.approx(later)}, "datagrams back: they decide again"

@@ -15,9 +15,9 @@ its host when the operator asks (``_reboot_if_asked``).
 It keeps the node's checkpoint memory tier as the local agent does (the same
 :class:`CheckpointService`: replicas to peers, drains to the persistent tier,
 the restore catalog for its ranks) over the Kubernetes catalog (ConfigMaps,
-kubernetes/backend/catalog.py), with the cluster's TLS credentials from the Secret
-(kubernetes/backend/cluster_tls.py) written beside its socket, where the training pods find
-them, and its shard server's address in the file ``checkpoint-endpoint`` there.
+kubernetes/backend/catalog.py), with its node's TLS certificate, which the operator issues
+it (kubernetes/backend/node_credentials.py: the agent holds no Secret), written beside its socket,
+where the training pods find it, and its shard server's address in the file ``checkpoint-endpoint`` there.
 
 It runs the continuous checks (the cluster file's ``Continuous`` suite, every
 ``Health.MonitorIntervalSeconds`` while its node is Schedulable) as the local
@@ -40,7 +40,6 @@ from pathlib import Path
 
 from unbroken.plumbing import logs, metrics
 from unbroken.plumbing.atomic_file import write_bytes_atomically
-from unbroken.kubernetes.backend import cluster_tls
 from unbroken.agent.progress import ProgressBook
 from unbroken.rank.channel import AgentReceiver, agent_socket
 from unbroken.checkpoint.node import shm
@@ -51,7 +50,8 @@ from unbroken.errors import NotFoundError, StoreUnavailable, UnbrokenError
 from unbroken.health.kernel_log.sources import LineSource, open_source
 from unbroken.health.monitor import HealthMonitor
 from unbroken.health import suspect
-from unbroken.kubernetes.backend import heartbeats, names, node_repair, rank_env
+from unbroken.kubernetes.backend import heartbeats, names, node_credentials, node_repair, rank_env
+from unbroken.checkpoint.node.credentials import Credentials
 from unbroken.rank.env import ENDPOINT_FILE
 from unbroken.kubernetes.backend.client import api_client
 from unbroken.plumbing.metrics import AgentMetrics
@@ -97,7 +97,7 @@ class KubernetesAgent:
         """The known-answer check, run when the operator suspects this node of silent data corruption. It sees the node
         through the continuous checks' read (every ``Health.MonitorIntervalSeconds``): no API read of its own."""
         self.sender: heartbeats.HeartbeatSender | None = None
-        """The heartbeat datagrams' sender, once the operator's key is read."""
+        """The heartbeat datagrams' sender, once the operator has given this node its key."""
         self.checkpoints: CheckpointService | None = None
         """The node's memory tier, once it runs."""
 
@@ -116,10 +116,9 @@ class KubernetesAgent:
                       self.metrics, source=kernel_log_source(self.kernel_log) if watch_kernel_log else None,
                       kernel_log=watch_kernel_log, on_node=self.suspect.look).start()
         self.store.renew_lease(self.node, at=time.time())
-        # Both wait for a Secret the operator makes (the heartbeat key, the cluster's TLS credentials): in
-        # threads of their own, so that an agent started before the operator does its health work meanwhile.
-        threading.Thread(target=self._beat, name="heartbeats", daemon=True).start()
-        threading.Thread(target=self._start_checkpoints, name="checkpoints", daemon=True).start()
+        # The heartbeats and the memory tier wait for this node's credentials from the operator: in threads of
+        # their own, so that an agent started before the operator does its health work meanwhile.
+        threading.Thread(target=self._with_credentials, name="heartbeats", daemon=True).start()
         endpoint = metrics.serve(self.metrics.registry, metrics_host, metrics_port or 0) if metrics_port is not None else None
         log.info("agent started", extra={"node": self.node, "kernel_log": self.kernel_log, "socket": str(receiver.path),
                                          "metrics": endpoint.address if endpoint else None})
@@ -150,13 +149,21 @@ class KubernetesAgent:
             if endpoint is not None:
                 endpoint.close()
 
-    def _beat(self) -> None:
-        """Once the operator has made the heartbeat key: a datagram to the leader every ``HeartbeatIntervalSeconds``
-        until the agent stops (a stall, a paused agent, sends one beat after it, not a burst). Until then the Lease
-        alone vouches for this node, and a loss is seen ``LeaseRenewSeconds`` later."""
-        key = heartbeats.wait_key(self.store.api, self.store.namespace, self.stopping)
-        if key is None:
+    def _with_credentials(self) -> None:
+        """Ask the leading operator for this node's credentials (kubernetes/backend/node_credentials.py: its
+        certificate, written where the training pods find it, and its heartbeat key), then keep the memory tier and
+        beat. Until then the Lease alone vouches for this node (a loss is seen ``LeaseRenewSeconds`` later) and
+        the memory tier is off."""
+        issued = node_credentials.obtain(self.store.api, lambda: self.store.lease_annotations(names.LEADER_LEASE), self.node,
+                                         self.socket_dir / rank_env.CLUSTER_FOLDER, self.stopping)
+        if issued is None:
             return
+        threading.Thread(target=self._start_checkpoints, args=(issued.tls,), name="checkpoints", daemon=True).start()
+        self._beat(issued.heartbeat_key)
+
+    def _beat(self, key: bytes) -> None:
+        """A datagram to the leader every ``HeartbeatIntervalSeconds`` until the agent stops (a stall, a paused agent,
+        sends one beat after it, not a burst)."""
         sender = heartbeats.HeartbeatSender(key, self.node)
         sender.address = self._leader_address()
         self.sender = sender
@@ -174,13 +181,10 @@ class KubernetesAgent:
         text = annotations.get(heartbeats.ADDRESS_ANNOTATION, "")
         return heartbeats.parse_address(text)
 
-    def _start_checkpoints(self) -> None:
-        """The memory tier on this node, once the operator has made the cluster's TLS credentials; if it cannot
-        start, it stays off (logged) and the agent's health work goes on."""
+    def _start_checkpoints(self, creds: Credentials) -> None:
+        """The memory tier on this node, with the node's certificate; if it cannot start, it stays off (logged) and the
+        agent's health work goes on."""
         cluster_dir = self.socket_dir / rank_env.CLUSTER_FOLDER
-        creds = cluster_tls.wait(self.store.api, self.store.namespace, cluster_dir, self.stopping)
-        if creds is None:
-            return
         # The pass reads the Nodes, the workloads and the job's catalog: from watch caches, not lists (this
         # agent follows no other node's Lease and no pod: kubernetes/backend/watch_cache.py).
         caches = self.store.start_watches(leases=False, pods=False)

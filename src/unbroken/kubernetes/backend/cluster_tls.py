@@ -1,74 +1,63 @@
-"""The cluster's TLS credentials on Kubernetes: one Secret, made by the operator.
+"""The cluster's certificate authority on Kubernetes: one Secret, made and read by the operator alone.
 
 The memory tier's peer API is mutual TLS under a CA of the cluster's own
-(checkpoint/node/credentials.py). On Kubernetes the three files live in the Secret
-``unbroken-cluster-tls`` in unbroken's namespace, made by the operator when it
-first leads (:func:`make`; kubernetes/backend/shared_secret.py: of two
-replicas racing, the first create wins). An agent may only read it (its Role,
-and deploy/admission/agent-policy.yaml, refuse it any Secret write): it waits for
-the Secret (:func:`wait`), then writes the files into its node's socket folder
-(``/var/run/unbroken/cluster``), which the training pods mount already: their
-ranks present the same certificate to restore from peers. The CA's key is not
-kept, as locally: nobody can mint a second certificate.
+(checkpoint/node/credentials.py). On Kubernetes the CA's certificate and key
+live in the Secret ``unbroken-cluster-tls`` in unbroken's namespace, made by the
+operator when it first leads (:func:`make`; kubernetes/backend/shared_secret.py:
+of two replicas racing, the first create wins). No agent may read it (its Role
+has no Secret rights): the operator certifies each node's agent with it
+(kubernetes/operator/credential_issuer.py), so every node holds a certificate
+and key of its own and nobody but the operator can mint one. The CA's
+certificate, which is public, is on the leader Lease, where agents check the
+operator's identity by it.
 
-``unbroken ckpt verify`` on a cluster reads the same Secret (:func:`fetch`), never
-creating it, to dial the nodes' shard servers as a peer would.
+``unbroken ckpt verify`` on a cluster reads the Secret (:func:`fetch`, an
+administrator's right, never creating it) and certifies itself for the run, to
+dial the nodes' shard servers as a peer would.
 """
 
 from __future__ import annotations
 
 import base64
-import tempfile
-import threading
 from pathlib import Path
 
 import kubernetes
 
-from unbroken.plumbing.atomic_file import write_bytes_atomically
 from unbroken.checkpoint.node import credentials
-from unbroken.checkpoint.node.credentials import Credentials
+from unbroken.checkpoint.node.credentials import Authority, Credentials
 from unbroken.errors import NotFoundError
 from unbroken.kubernetes.backend import names, shared_secret
 
-_FILES = (credentials.CA_FILE, credentials.CERT_FILE, credentials.KEY_FILE)
-_REMEDY = "delete it and the operator makes a new one (every node's agent must then restart to read it)"
+CA_KEY_FIELD = "cluster-ca.key"
+_FIELDS = (credentials.CA_FILE, CA_KEY_FIELD)
+_REMEDY = ("delete it and restart the operator, which makes a new one; then restart every agent (each asks the "
+           "operator for its node's credentials when it starts)")
 
 
-def make(api: kubernetes.client.ApiClient, namespace: str, cluster_name: str) -> None:
-    """The operator's side: the Secret, created if there is none yet (an existing one is kept)."""
-    shared_secret.ensure(kubernetes.client.CoreV1Api(api), namespace, names.CLUSTER_TLS_SECRET, _FILES,
-                         lambda: _make(cluster_name), remedy=_REMEDY)
-
-
-def wait(api: kubernetes.client.ApiClient, namespace: str, directory: Path, stopping: threading.Event) -> Credentials | None:
-    """The agent's side: the cluster's credentials written into ``directory``, once the operator has made the Secret
-    (polled: shared_secret.wait); None if ``stopping`` is set first."""
-    core = kubernetes.client.CoreV1Api(api)
-    return shared_secret.wait(lambda: _read(core, namespace), stopping, f"Secret {namespace}/{names.CLUSTER_TLS_SECRET}",
-                              lambda data: _write(data, directory))
+def make(api: kubernetes.client.ApiClient, namespace: str, cluster_name: str) -> Authority:
+    """The operator's side: the cluster's CA, its Secret created if there is none yet (an existing one is kept)."""
+    data = shared_secret.ensure(kubernetes.client.CoreV1Api(api), namespace, names.CLUSTER_TLS_SECRET, _FIELDS,
+                                lambda: _encoded(Authority.new(cluster_name)), remedy=_REMEDY)
+    return _decoded(data)
 
 
 def fetch(api: kubernetes.client.ApiClient, namespace: str, directory: Path) -> Credentials:
-    """The cluster's credentials from the Secret, written into ``directory``; NotFoundError if no agent has made them yet."""
-    data = _read(kubernetes.client.CoreV1Api(api), namespace)
+    """Credentials for an administrator's command, certified by the cluster's CA, written into ``directory`` (a
+    scratch folder); NotFoundError if the operator has not made the CA yet."""
+    data = shared_secret.read(kubernetes.client.CoreV1Api(api), namespace, names.CLUSTER_TLS_SECRET, _FIELDS, remedy=_REMEDY)
     if data is None:
         raise NotFoundError(f"Secret {namespace}/{names.CLUSTER_TLS_SECRET} does not exist: the operator has not "
                             "led yet (it makes it), so no node runs the checkpoint memory tier and none holds a copy to verify")
-    return _write(data, directory)
+    authority = _decoded(data)
+    key_pem, request = credentials.new_request("unbroken ckpt verify")
+    return credentials.write(directory, authority.cert_pem, authority.sign(request, "unbroken ckpt verify", "cli.unbroken.invalid"),
+                             key_pem)
 
 
-def _write(data: dict[str, str], directory: Path) -> Credentials:
-    directory.mkdir(mode=0o755, parents=True, exist_ok=True)
-    for name in _FILES:
-        write_bytes_atomically(directory / name, base64.b64decode(data[name]), mode=0o600 if name.endswith(".key") else 0o644)
-    return credentials.load(directory)
+def _encoded(authority: Authority) -> dict[str, str]:
+    return {credentials.CA_FILE: base64.b64encode(authority.cert_pem).decode(),
+            CA_KEY_FIELD: base64.b64encode(authority.key_pem).decode()}
 
 
-def _read(core: kubernetes.client.CoreV1Api, namespace: str) -> dict[str, str] | None:
-    return shared_secret.read(core, namespace, names.CLUSTER_TLS_SECRET, _FILES, remedy=_REMEDY)
-
-
-def _make(cluster_name: str) -> dict[str, str]:
-    with tempfile.TemporaryDirectory(prefix="unbroken-tls-") as scratch:
-        credentials.create(Path(scratch), cluster_name)
-        return {n: base64.b64encode((Path(scratch) / n).read_bytes()).decode() for n in _FILES}
+def _decoded(data: dict[str, str]) -> Authority:
+    return Authority(base64.b64decode(data[credentials.CA_FILE]), base64.b64decode(data[CA_KEY_FIELD]))

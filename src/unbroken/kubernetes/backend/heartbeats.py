@@ -16,13 +16,16 @@ Where to: the leader writes its address into the leader Lease
 (``unbroken.dev/heartbeat-address``); agents read it with each Lease renewal, so
 a new leader hears every node within one renewal.
 
-Signed: HMAC-SHA256 under a 32-byte key in the Secret
-``unbroken-heartbeat-key``, made by the operator (kubernetes/backend/shared_secret.py) and
-read by every agent. A datagram whose signature does not verify, that repeats
-or precedes a sequence number already heard from the same agent process, or
-whose sender clock is more than ``MAX_CLOCK_SKEW_SECONDS`` from the operator's
-is dropped and counted: a forged or replayed datagram cannot keep a dead node
-alive.
+Signed: HMAC-SHA256 under the node's own key (:func:`node_key`: the HMAC of
+its name under a 32-byte master key in the Secret ``unbroken-heartbeat-key``,
+which only the operator reads; kubernetes/backend/shared_secret.py). Each agent
+is given its node's key by the operator (kubernetes/backend/node_credentials.py)
+and so can sign for its node alone: a compromised node cannot keep another one
+alive. A datagram whose signature does not verify under the key of the node it
+names, that repeats or precedes a sequence number already heard from the same
+agent process, or whose sender clock is more than ``MAX_CLOCK_SKEW_SECONDS``
+from the operator's is dropped and counted: a forged or replayed datagram cannot
+keep a dead node alive.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -63,22 +66,16 @@ _REMEDY = "delete it; the operator makes a new one when it next leads (restart t
 
 
 def ensure_key(api: kubernetes.client.ApiClient, namespace: str) -> bytes:
-    """The operator's side: the key, the Secret made first if there is none yet."""
+    """The operator's side: the master key, the Secret made first if there is none yet."""
     data = shared_secret.ensure(kubernetes.client.CoreV1Api(api), namespace, KEY_SECRET, (KEY_FIELD,),
                                 lambda: {KEY_FIELD: base64.b64encode(secrets.token_bytes(32)).decode()}, remedy=_REMEDY)
     return base64.b64decode(data[KEY_FIELD])
 
 
-def wait_key(api: kubernetes.client.ApiClient, namespace: str, stopping: threading.Event) -> bytes | None:
-    """The agents' side: the key once the operator has made it (polled: shared_secret.wait); None if ``stopping``
-    is set first."""
-    return shared_secret.wait(lambda: read_key(api, namespace), stopping, f"Secret {namespace}/{KEY_SECRET}", lambda key: key)
-
-
-def read_key(api: kubernetes.client.ApiClient, namespace: str) -> bytes | None:
-    """The agents' side: the key, or None while the operator has not made it."""
-    data = shared_secret.read(kubernetes.client.CoreV1Api(api), namespace, KEY_SECRET, (KEY_FIELD,), remedy=_REMEDY)
-    return None if data is None else base64.b64decode(data[KEY_FIELD])
+def node_key(master: bytes, node: str) -> bytes:
+    """The key ``node``'s beats are signed with: only the holder of the master key (the operator) can make it for
+    any node; a node's agent is given its own."""
+    return hmac.digest(master, b"unbroken heartbeat key of node " + node.encode(), "sha256")
 
 
 @dataclass(frozen=True)
@@ -105,15 +102,20 @@ def encode(key: bytes, beat: Beat) -> bytes:
     return hmac.digest(key, body, "sha256") + body
 
 
-def decode(key: bytes, datagram: bytes) -> Beat | None:
-    """The beat, or None if the signature does not verify or the body is not a beat."""
+def decode(key_for: Callable[[str], bytes], datagram: bytes) -> Beat | None:
+    """The beat, or None if its signature does not verify under the key of the node it names (``key_for(node)``) or
+    the body is not a beat."""
     signature, body = datagram[:_DIGEST], datagram[_DIGEST:]
-    if not hmac.compare_digest(signature, hmac.digest(key, body, "sha256")):
-        return None
     try:
         fields = json.loads(body)
+        node = str(fields["node"])
+    except (ValueError, TypeError, KeyError):
+        return None
+    if not hmac.compare_digest(signature, hmac.digest(key_for(node), body, "sha256")):
+        return None
+    try:
         progress = tuple(progress_from_json(dict(p)) for p in fields.get("progress") or ())
-        return Beat(str(fields["node"]), str(fields["sender"]), int(fields["seq"]), float(fields["sent_at"]), progress,
+        return Beat(node, str(fields["sender"]), int(fields["seq"]), float(fields["sent_at"]), progress,
                     bool(fields.get("leaving", False)))
     except (ValueError, TypeError, KeyError):
         return None
@@ -193,7 +195,9 @@ class HeartbeatBoard:
         self._socket.bind((host, port))
         self._socket.settimeout(0.5)
         self.port: int = self._socket.getsockname()[1]
-        self.key: bytes | None = None
+        self.master: bytes | None = None
+        """The master key (``ensure_key``): nothing is accepted until the operator has it."""
+        self._keys: dict[str, bytes] = {}
         self._heard: dict[str, Heard] = {}
         self._last: dict[str, tuple[str, int]] = {}
         self._lock = threading.Lock()
@@ -229,7 +233,7 @@ class HeartbeatBoard:
 
     def accept(self, datagram: bytes, now: float) -> bool:
         """Take one datagram received at ``now``; False (counted) when it is dropped."""
-        beat = decode(self.key, datagram) if self.key is not None else None
+        beat = decode(self._key, datagram) if self.master is not None else None
         with self._lock:
             previous = self._last.get(beat.node) if beat is not None else None
             fresh = (beat is not None and abs(now - beat.sent_at) <= MAX_CLOCK_SKEW_SECONDS
@@ -244,6 +248,14 @@ class HeartbeatBoard:
             self._last[beat.node] = (beat.sender, beat.seq)
             self._heard[beat.node] = Heard(now, beat.progress, beat.leaving)
             return True
+
+    def _key(self, node: str) -> bytes:
+        """``node``'s key, made once (10,000 nodes: 10,000 entries of 32 bytes)."""
+        key = self._keys.get(node)
+        if key is None:
+            assert self.master is not None
+            key = self._keys[node] = node_key(self.master, node)
+        return key
 
     def close(self) -> None:
         self._stopping.set()

@@ -81,7 +81,14 @@ COMPONENT = "unbroken"
 CHECKPOINT_JOB = f"{PREFIX}/checkpoint-job"
 """On each checkpoint catalog ConfigMap (kubernetes/backend/catalog.py): label = the job's digest, annotation = its name."""
 CLUSTER_TLS_SECRET = "unbroken-cluster-tls"
-"""The cluster's TLS credentials for the memory tier's peer API (checkpoint/node/credentials.py), made by the operator."""
+"""The cluster's certificate authority for the memory tier's peer API (checkpoint/node/credentials.py), made and read by
+the operator alone."""
+CLUSTER_CA = f"{PREFIX}/cluster-ca"
+"""On the leader Lease: the cluster CA's certificate (PEM), by which agents check the operator that certifies them."""
+AGENT_ACCOUNT = "unbroken-agent"
+"""The agents' ServiceAccount (deploy/base/serviceaccounts.yaml): the operator certifies its tokens' nodes only."""
+NODE_NAME_CLAIM = "authentication.kubernetes.io/node-name"
+"""What a node- or pod-bound ServiceAccount token says of its node (TokenReview's ``user.extra``)."""
 
 _LABEL_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 

@@ -1,12 +1,14 @@
-"""A Secret in unbroken's namespace made by the operator and read by the node agents.
+"""A Secret in unbroken's namespace made and read by the operator alone.
 
 The operator makes it when it first leads (:func:`ensure`); two replicas may
 race, a create is atomic, so the first one's data wins and the loser reads the
 winner's. There is no install step (a random key cannot be written in a
-manifest). The agents may only read it, by name (deploy/base/rbac-agent.yaml;
-deploy/admission/agent-policy.yaml refuses them any Secret write): they wait for
-it (:func:`wait`). Used for the memory tier's TLS credentials
-(kubernetes/backend/cluster_tls.py) and the heartbeat key (kubernetes/backend/heartbeats.py).
+manifest). The agents may not read it (deploy/base/rbac-agent.yaml grants them no
+Secret; deploy/admission/agent-policy.yaml refuses them any Secret write): what
+they need of it the operator gives each for its node, which they wait for
+(:func:`wait`, kubernetes/backend/node_credentials.py). Used for the cluster's
+CA (kubernetes/backend/cluster_tls.py) and the heartbeat master key
+(kubernetes/backend/heartbeats.py).
 """
 
 from __future__ import annotations
@@ -71,8 +73,9 @@ def ensure(core: kubernetes.client.CoreV1Api, namespace: str, name: str, keys: C
     return theirs
 
 
-def wait(read: Callable[[], D | None], stopping: threading.Event, what: str, use: Callable[[D], T]) -> T | None:
-    """``use(data)`` once ``read()`` finds the Secret; None if ``stopping`` is set first. A refused or failed read
+def wait(read: Callable[[], D | None], stopping: threading.Event, what: str, use: Callable[[D], T], *,
+         absent: str = "does not exist yet: the operator makes it when it leads") -> T | None:
+    """``use(data)`` once ``read()`` finds what it waits for (not None); None if ``stopping`` is set first. A refused or failed read
     (StoreUnavailable: RBAC, a key missing, the API server away) is logged and tried again: each is a state an
     administrator can fix while the agent runs."""
     delay = FIRST_POLL_SECONDS
@@ -80,7 +83,7 @@ def wait(read: Callable[[], D | None], stopping: threading.Event, what: str, use
     while True:
         try:
             data = read()
-            problem = f"{what} does not exist yet: the operator makes it when it leads"
+            problem = f"{what} {absent}"
         except StoreUnavailable as exc:
             data, problem = None, str(exc)
         if data is not None:

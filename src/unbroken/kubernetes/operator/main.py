@@ -37,6 +37,7 @@ from unbroken.controller.node_reconciler import NodeReconciler
 from unbroken.errors import StoreUnavailable, UnbrokenError
 from unbroken.kubernetes.backend import heartbeats, names
 from unbroken.kubernetes.operator import deep_checks
+from unbroken.kubernetes.operator.credential_issuer import CredentialIssuer, IssuerServer
 from unbroken.kubernetes.operator.deep_checks import DeepCheckJobs
 from unbroken.kubernetes.operator.reboots import RebootReturns
 from unbroken.kubernetes.backend.client import api_client
@@ -56,7 +57,10 @@ SILENT_AFTER_SECONDS = 3.0
 
 
 class Operator:
-    def __init__(self, runtime: KubernetesRuntime, leader: LeaderLease, deep_checks: DeepCheckJobs) -> None:
+    def __init__(self, runtime: KubernetesRuntime, leader: LeaderLease, deep_checks: DeepCheckJobs, *,
+                 issuer_at: tuple[str, int] | None = None) -> None:
+        """``issuer_at``: where to certify the agents (kubernetes/operator/credential_issuer.py) once this replica
+        leads; None: nowhere (a test's operator whose agents get nothing)."""
         self.runtime = runtime
         self.leader = leader
         self.deep_checks = deep_checks
@@ -66,6 +70,8 @@ class Operator:
         self.nodes = NodeReconciler(runtime.cluster, runtime.backend, runtime.config)
         self.jobs = JobReconciler(runtime.cluster, runtime.backend, silent_after=SILENT_AFTER_SECONDS, catalog=runtime.catalog)
         self.secrets_made = False
+        self.issuer_at = issuer_at
+        self.issuer: IssuerServer | None = None
 
     @property
     def store(self) -> KubernetesStore:
@@ -111,19 +117,25 @@ class Operator:
             self.stopping.wait(1.0)
 
     def _make_secrets(self) -> None:
-        """What the agents wait for, made by the first leader (kept if there): the heartbeat key, which the board
-        verifies datagrams with, and the memory tier's TLS credentials. Only the operator may create Secrets. A
-        refusal (RBAC of an older install) is logged and tried again next pass; the rest of the pass goes on: the
-        nodes' Leases still vouch for them and jobs are still kept alive, without the memory tier."""
+        """What the agents wait for, made by the first leader (kept if there): the heartbeat master key, which the
+        board verifies datagrams with, and the cluster's CA; then the issuer that certifies each agent for its node
+        (its certificate and heartbeat key), and the CA's certificate on the leader Lease for the agents to check it
+        by. Only the operator may create or read these Secrets. A refusal (RBAC of an older install) or a port taken
+        is logged and tried again next pass; the rest of the pass goes on: the nodes' Leases still vouch for them and
+        jobs are still kept alive, without the memory tier."""
         try:
             key = heartbeats.ensure_key(self.store.api, self.store.namespace)
-            cluster_tls.make(self.store.api, self.store.namespace, self.runtime.config.ClusterName)
-        except StoreUnavailable as exc:
-            log.error("cannot make the agents' Secrets (the nodes send no heartbeat datagrams and run no memory tier "
+            authority = cluster_tls.make(self.store.api, self.store.namespace, self.runtime.config.ClusterName)
+            if self.issuer_at is not None and self.issuer is None:
+                self.issuer = CredentialIssuer(self.store.api, self.store.namespace, authority, key).serve(*self.issuer_at)
+                log.info("certifying node agents", extra={"port": self.issuer.port})
+        except (StoreUnavailable, OSError) as exc:
+            log.error("cannot make the agents' credentials (the nodes send no heartbeat datagrams and run no memory tier "
                       "until it can): %s", exc)
             return
         if self.store.heartbeats is not None:
-            self.store.heartbeats.key = key
+            self.store.heartbeats.master = key
+        self.leader.annotations[names.CLUSTER_CA] = authority.cert_pem.decode()  # published with the next renewal
         self.secrets_made = True
 
     def warn_invalid(self) -> None:
@@ -174,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metrics-host", default="0.0.0.0")
     parser.add_argument("--identity", default=os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}",
                         help="this replica's name in the leader Lease")
-    parser.add_argument("--heartbeat-host", default="0.0.0.0", help="where to hear the agents' heartbeat datagrams (UDP)")
+    parser.add_argument("--heartbeat-host", default="0.0.0.0", help="where to hear the agents' heartbeat datagrams (UDP) and certify "
+                        "them for their nodes (HTTPS, TCP, the same port)")
     parser.add_argument("--heartbeat-port", type=int, default=None,
                         help="their port (default: the cluster file's Kubernetes.HeartbeatPort, 9403; 0: any free one)")
     parser.add_argument("--heartbeat-address", default=os.environ.get("POD_IP", "127.0.0.1"),
@@ -200,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     operator = Operator(runtime, LeaderLease(api, args.namespace, names.LEADER_LEASE, args.identity,
                                              annotations={heartbeats.ADDRESS_ANNOTATION: address}),
                         deep_checks.DeepCheckJobs(api, args.namespace, runtime.cluster,
-                                                  busy=lambda: {w.node for w in runtime.backend.active_workers()}))
+                                                  busy=lambda: {w.node for w in runtime.backend.active_workers()}),
+                        issuer_at=(args.heartbeat_host, board.port))  # TCP beside the heartbeats' UDP: one address
     endpoint = None
     if runtime.config.Metrics.Enabled:
         registry = CollectorRegistry()
@@ -226,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         runtime.cluster.stop_watches()
         if endpoint is not None:
             endpoint.close()
+        if operator.issuer is not None:
+            operator.issuer.close()
         board.close()
     return 0
 
