@@ -45,7 +45,9 @@ from controlplane.unbroken_cluster import (
 from helpers import run_cli
 from processes import stop_process
 from unbroken.plumbing import procs
-from unbroken.kubernetes.backend import names
+from unbroken.checkpoint.node import credentials
+from unbroken.kubernetes.backend import heartbeats, names, node_credentials, rank_env
+from unbroken.kubernetes.backend.rank_env import AGENT_DIR
 from unbroken.kubernetes.backend.client import api_client
 from unbroken.kubernetes.backend.catalog import KubernetesCatalog
 from unbroken.rank.symptoms import says_peer_lost
@@ -952,10 +954,12 @@ def test_an_agents_token_is_refused_what_only_the_operator_may_do(cluster: Clust
 
 
 def test_a_compromised_node_cannot_make_the_operator_run_a_command(cluster: Cluster, agents: Agents, tmp_path: Path) -> None:
-    """What an intruder on gpu-a holds is its agent's token: it tries to rewrite the cluster file's RemediationCommand
-    (the command the operator runs on a fault) and to plant its own Secret, and is refused both. Then a real Xid 79
+    """What an intruder on gpu-a holds is its agent's token and gpu-a's own credentials: it tries to rewrite the cluster
+    file's RemediationCommand (the command the operator runs on a fault), to plant its own Secret, to read the
+    heartbeat master key, and to have the operator certify it as gpu-b, and is refused each. Then a real Xid 79
     in gpu-a's kernel log: the operator remediates with the administrator's command, and the intruder's never runs.
-    The agents themselves, under the same policy, did their work throughout (their Leases, the fault write)."""
+    The agents themselves, under the same policy, did their work throughout (their Leases, their own credentials from
+    the operator, the fault write)."""
     from unbroken.health.xid_lines import xid_line
 
     cluster.start_operator()
@@ -969,6 +973,21 @@ def test_a_compromised_node_cannot_make_the_operator_run_a_command(cluster: Clus
     with pytest.raises(kubernetes.client.ApiException) as refused:
         intruder.create_namespaced_secret(SYSTEM, {"metadata": {"name": "unbroken-heartbeat-key-2"}, "stringData": {"key": "x"}})
     assert refused.value.status == 403
+    with pytest.raises(kubernetes.client.ApiException) as refused:
+        intruder.read_namespaced_secret("unbroken-heartbeat-key", SYSTEM)
+    assert refused.value.status == 403
+
+    # every agent was certified for its own node by the operator; gpu-a's token gets nothing for gpu-b
+    for node in NODES:
+        own = cluster.kubelet.node_dir(node) / AGENT_DIR.lstrip("/") / rank_env.CLUSTER_FOLDER / credentials.CERT_FILE
+        wait_until(own.is_file, 30, f"{node}'s certificate from the operator")
+        assert credentials.common_name(own.read_bytes()) == f"unbroken node {node}"
+    published = kubernetes.client.CoordinationV1Api(cluster.api).read_namespaced_lease(names.LEADER_LEASE, SYSTEM).metadata.annotations
+    address = heartbeats.parse_address(published[heartbeats.ADDRESS_ANNOTATION])
+    assert address is not None
+    with pytest.raises(node_credentials.Refused, match="the token is bound to node gpu-a, the request asks for 'gpu-b'"):
+        node_credentials.request(address, published[names.CLUSTER_CA].encode(), node_credentials.bearer_token(intruder.api_client),
+                                 "gpu-b", tmp_path / "stolen")
 
     with open(cluster.kubelet.node_dir("gpu-a") / "kmsg.log", "a") as kmsg:
         kmsg.write(xid_line(79, "PCI:0000:b9:00") + "\n")
