@@ -88,12 +88,13 @@ OPERATOR_CLUSTER_RULES = rules(
     ("trainer.kubeflow.org", "trainjobs", "get list watch patch"),
     ("jobset.x-k8s.io", "jobsets", "get list watch delete"),
     ("kueue.x-k8s.io", "workloads", "list patch"),  # a queued job stopped for good: its Workload deactivated
+    ("authentication.k8s.io", "tokenreviews", "create"),  # which node an agent asking for its credentials is on
 )
 OPERATOR_NAMESPACE_RULES = rules(
     ("coordination.k8s.io", "leases", "get list watch create update patch"),
     ("batch", "jobs", "create get list watch delete"),
     ("", "configmaps", "get list watch"),  # never write: its configuration is the administrators'
-    ("", "secrets", "create get"),  # it makes the agents' two Secrets (create cannot be limited to names); get by name
+    ("", "secrets", "create get"),  # it makes its two Secrets (create cannot be limited to names); get by name
 )
 AGENT_CLUSTER_RULES = rules(
     ("", "nodes", "get list watch patch"),
@@ -107,8 +108,7 @@ AGENT_CLUSTER_RULES = rules(
 AGENT_NAMESPACE_RULES = rules(
     ("coordination.k8s.io", "leases", "get create update patch"),
     ("", "configmaps", "get list watch create patch delete"),  # the checkpoint catalog (kubernetes/backend/catalog.py)
-    ("", "secrets", "get"),  # the operator's two Secrets, by name; never a write
-)
+)  # no Secret: its node's credentials come from the operator (kubernetes/backend/node_credentials.py)
 
 
 # --- rendering -------------------------------------------------------------------------------
@@ -249,7 +249,8 @@ def test_operator_deployment(rendered: list[Obj]) -> None:
     assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}  # published in the leader Lease for the agents
     assert c["ports"] == [{"name": "metrics", "containerPort": 9400, "protocol": "TCP"},
-                          {"name": "heartbeats", "containerPort": 9403, "protocol": "UDP"}]  # Kubernetes.HeartbeatPort
+                          {"name": "heartbeats", "containerPort": 9403, "protocol": "UDP"},  # Kubernetes.HeartbeatPort
+                          {"name": "credentials", "containerPort": 9403, "protocol": "TCP"}]  # the agents' certification
     for probe in ("readinessProbe", "livenessProbe"):
         assert c[probe]["httpGet"] == {"path": "/healthz", "port": 9400}, probe
     assert c["resources"] == {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
@@ -402,8 +403,8 @@ def test_rbac_is_exactly_the_contract() -> None:
 
 
 def test_rbac_has_no_wildcards_no_secrets_and_no_cluster_wide_writes_of_leases_or_jobs() -> None:
-    """Secrets: only the operator's Role in unbroken's namespace creates (the memory tier's TLS Secret and the
-    heartbeat key); both Roles read those two by name; nothing can list or watch secrets, and the agent writes none."""
+    """Secrets: only the operator's Role in unbroken's namespace creates (the cluster's CA and the heartbeat master
+    key) and reads those two by name; nothing can list or watch secrets, and the agent has no Secret right at all."""
     objects = render(DEPLOY)
     for role in (o for o in objects if o["kind"] in {"ClusterRole", "Role"}):
         name = f"{role['kind']}/{role['metadata']['name']}"
@@ -411,7 +412,7 @@ def test_rbac_has_no_wildcards_no_secrets_and_no_cluster_wide_writes_of_leases_o
             for field in ("apiGroups", "resources", "verbs"):
                 assert "*" not in rule.get(field, []), f"{name}: wildcard in {field}: {rule}"
             if "secrets" in rule["resources"]:
-                assert name in ("Role/unbroken-agent", "Role/unbroken-operator") and rule["resources"] == ["secrets"], f"{name}: {rule}"
+                assert name == "Role/unbroken-operator" and rule["resources"] == ["secrets"], f"{name}: {rule}"
                 readable = {"unbroken-cluster-tls", "unbroken-heartbeat-key"}
                 assert (rule["verbs"] == ["create"] and name == "Role/unbroken-operator") or (
                     rule["verbs"] == ["get"] and set(rule.get("resourceNames") or ()) == readable), f"{name}: {rule}"
