@@ -100,12 +100,18 @@ class CredentialIssuer:
         return IssuerServer(self, host, port)
 
 
+class _Listener(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 1024
+    """The listen backlog: a cluster's agents start together (a DaemonSet rollout, the operator back after an
+    outage); with the default of 5, connections beyond it wait a SYN retry (1 s, then 3 s, ...)."""
+
+
 class IssuerServer:
     """The issuer on HTTPS at ``host:port`` (TCP), until :meth:`close`."""
 
     def __init__(self, issuer: CredentialIssuer, host: str, port: int) -> None:
-        self.server = ThreadingHTTPServer((host, port), _handler(issuer))
-        self.server.daemon_threads = True
+        self.server = _Listener((host, port), _handler(issuer))
         self.server.socket = _server_context(issuer.authority).wrap_socket(
             self.server.socket, server_side=True, do_handshake_on_connect=False)  # the handshake in the connection's thread
         self.port: int = self.server.server_address[1]
