@@ -27,7 +27,6 @@ import json
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -43,7 +42,6 @@ from controlplane.cluster import ControlPlane  # noqa: E402
 from unbroken.checkpoint.node.credentials import Authority  # noqa: E402
 from unbroken.kubernetes.backend import names, node_credentials  # noqa: E402
 from unbroken.kubernetes.backend.client import api_client  # noqa: E402
-from unbroken.kubernetes.operator import credential_issuer  # noqa: E402
 from unbroken.kubernetes.operator.credential_issuer import CredentialIssuer  # noqa: E402
 
 NAMESPACE = "unbroken-system"
