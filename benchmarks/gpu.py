@@ -22,6 +22,8 @@ Sections (``--only`` picks some; each runs on its own, and a failing one is repo
   formed again, with an all-reduce on the device and one on the host.
 * ``overhead``: a ~5 ms GPU step bare, with ``ctx.progress``, and with four ``ctx.section``\\ s (CUDA
   events) and ``ctx.progress``.
+* ``agreement``: replica agreement's fingerprint on the device against the host's (bit for bit), a bit
+  flipped on the device, and a check's host time judged a step later against the previous design's wait.
 * ``llm``: the LLM workload (``--config small``) through the local cluster, its rank SIGKILLed, cold
   and with a warm spare, each to ``Succeeded``: kill -> first step, and how each job ended.
 
@@ -553,6 +555,70 @@ def section_abort(run: Run) -> dict[str, Any]:
     return out
 
 
+# -- replica agreement ----------------------------------------------------------------
+
+
+def section_agreement(run: Run) -> dict[str, Any]:
+    """Replica agreement on the device (checkpoint/rank/agreement.py): its words on the GPU equal the host's bit for
+    bit (small tensors packed, large ones in blocks), one bit flipped on the GPU changes the rank's word, and what a
+    check costs the host in ``unbroken.init``'s process group (``cpu:gloo,cuda:nccl``, world 1): started at one step
+    and judged at the next, beside the previous design, which waited for the all-reduce at once (and so for every
+    kernel queued before it)."""
+    import torch
+    import torch.distributed as dist
+
+    from unbroken.checkpoint.rank import agreement
+    from unbroken.plumbing.ports import free_port
+    from unbroken.rank import process_group
+    from unbroken.rank.env import GroupPlacement
+
+    generator = torch.Generator(device=run.device).manual_seed(0)
+    large = (GIB if run.cuda else 32 * MIB) // 8 // 4  # eight large float32 tensors
+    state: dict[str, Any] = {f"small.{i}": torch.randn(1 + (97 * i) % 4096, device=run.device, generator=generator) for i in range(300)}
+    state.update({f"large.{i}": torch.randn(large, device=run.device, generator=generator) for i in range(8)})
+    tensors = [t for _, t in agreement.tensors_of(state)]
+    on_device = agreement.tensor_words(tensors, run.device).cpu()
+    on_host = agreement.tensor_words([t.cpu() for t in tensors], torch.device("cpu"))
+    out: dict[str, Any] = {"tensors": len(tensors), "bytes": sum(t.numel() * t.element_size() for t in tensors),
+                           "device_words_equal_host": bool(torch.equal(on_device, on_host))}
+    base = int(agreement.rank_word(on_device))
+    flipped = {}
+    for name in ("small.7", "large.3"):
+        raw = state[name].view(torch.uint8)
+        raw[5] ^= 16
+        flipped[name] = int(agreement.rank_word(agreement.tensor_words(tensors, run.device))) != base
+        raw[5] ^= 16
+    out["flip_seen"] = all(flipped.values())
+
+    placement = GroupPlacement(group_rank=0, nnodes=1, rendezvous=f"127.0.0.1:{free_port()}", rejoin_dir=run.work / "agreement",
+                               collective_timeout=30.0)
+    os.environ.update(placement.rank_environ(0, 1))
+    process_group.init_process_group(None, 0, placement)
+    work = StepWork(run, 0.005)
+    try:
+        waited, paid = [], []
+        for step in range(23):
+            work.queue()  # the step the check follows, queued
+            waited.append(_timed(lambda step=step: agreement.compare(step, state)))
+            run.sync()
+            work.queue()
+            started = time.perf_counter()
+            flight = agreement.InFlight.start(step, state)
+            start_s = time.perf_counter() - started
+            work.queue()  # the next step, queued before its progress judges the check
+            started = time.perf_counter()
+            verdict = flight.verdict()
+            paid.append(start_s + time.perf_counter() - started)
+            run.sync()
+            if not verdict.agreed:
+                raise RuntimeError(f"a world of one disagreed with itself at step {step}")
+        out["check_host_ms"] = round(1000 * median(paid[3:]), 3)
+        out["check_waited_ms"] = round(1000 * median(waited[3:]), 3)
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
 def _timed(fn: Callable[[], Any]) -> float:
     started = time.perf_counter()
     fn()
@@ -766,7 +832,7 @@ def restart_timeline(store: Any, backend: Any, name: str) -> list[str]:
 
 SECTIONS: dict[str, Callable[[Run], dict[str, Any]]] = {
     "primitives": section_primitives, "readback": section_readback, "save": section_save, "dcp": section_dcp, "abort": section_abort,
-    "overhead": section_overhead, "health": section_health, "llm": section_llm,
+    "overhead": section_overhead, "agreement": section_agreement, "health": section_health, "llm": section_llm,
 }
 
 
@@ -799,6 +865,11 @@ def goals(sections: dict[str, Any]) -> list[dict[str, Any]]:
          lambda v: v <= 1.2),
         ("healthy one-GPU node joins", get("health", "node_state"), "Schedulable", lambda v: v == "Schedulable"),
         ("four sections + progress, share of a ~5 ms step", get("overhead", "sections_fraction"), "<= 1 %", lambda v: v <= 0.01),
+        ("replica agreement: the device's fingerprint words equal the host's", get("agreement", "device_words_equal_host"), "yes",
+         lambda v: v is True),
+        ("replica agreement: one bit flipped on the device is seen", get("agreement", "flip_seen"), "yes", lambda v: v is True),
+        ("replica check of 1 GiB in 308 tensors, host ms (judged a step later)", get("agreement", "check_host_ms"),
+         "below the previous design's wait", lambda v: v < (get("agreement", "check_waited_ms") or 0)),
     ]
     return [{"figure": f, "measured": v, "goal": g, "met": None if v is None else bool(ok(v))} for f, v, g, ok in rows]
 

@@ -19,7 +19,7 @@ def test_the_gpu_benchmark_runs_every_section_on_a_cpu(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout)
     sections = report["sections"]
-    assert set(sections) == {"primitives", "readback", "save", "dcp", "abort", "overhead", "health", "llm"}
+    assert set(sections) == {"primitives", "readback", "save", "dcp", "abort", "overhead", "agreement", "health", "llm"}
     failed = {name: s["error"] for name, s in sections.items() if "error" in s}
     assert not failed, failed
     readback = sections["readback"]
@@ -28,6 +28,8 @@ def test_the_gpu_benchmark_runs_every_section_on_a_cpu(tmp_path: Path) -> None:
     save = sections["save"]["32MiB"]
     assert save["restore_device_exact"] and save["restore_host_exact"], save
     assert sections["dcp"]["in_group_ok"] and sections["abort"]["reformed_collectives_ok"]
+    agreement = sections["agreement"]
+    assert agreement["device_words_equal_host"] and agreement["flip_seen"] and agreement["tensors"] == 308, agreement
     assert sections["health"]["node_state"] == "Schedulable", sections["health"]
     for name in ("llm-cold", "llm-warm"):
         row = sections["llm"][name]
