@@ -357,6 +357,7 @@ class Context:
         self.attempt = notice.attempt
         self._leave_asked = None
         self._replicas = self._restored_step = None  # train(ctx) watches its new objects again
+        self._finished = False  # a rank that said it and then lost a peer in its last collective trains again
         self._watch_for_flips()
         if self._structured_logs:
             _setup_logs(self._env, self.rank, self.local_rank)
