@@ -126,16 +126,21 @@ class Operator:
         try:
             key = heartbeats.ensure_key(self.store.api, self.store.namespace)
             authority = cluster_tls.make(self.store.api, self.store.namespace, self.runtime.config.ClusterName)
-            if self.issuer_at is not None and self.issuer is None:
-                self.issuer = CredentialIssuer(self.store.api, self.store.namespace, authority, key).serve(*self.issuer_at)
-                log.info("certifying node agents", extra={"port": self.issuer.port})
-        except (StoreUnavailable, OSError) as exc:
+        except StoreUnavailable as exc:
             log.error("cannot make the agents' credentials (the nodes send no heartbeat datagrams and run no memory tier "
                       "until it can): %s", exc)
             return
         if self.store.heartbeats is not None:
-            self.store.heartbeats.master = key
+            self.store.heartbeats.master = key  # agents certified by an earlier leader beat on at once
         self.leader.annotations[names.CLUSTER_CA] = authority.cert_pem.decode()  # published with the next renewal
+        if self.issuer_at is not None and self.issuer is None:
+            try:
+                self.issuer = CredentialIssuer(self.store.api, self.store.namespace, authority, key).serve(*self.issuer_at)
+            except OSError as exc:
+                log.error("cannot certify node agents on %s:%s (agents that start meanwhile wait; tried again next pass): %s",
+                          *self.issuer_at, exc)
+                return
+            log.info("certifying node agents", extra={"port": self.issuer.port})
         self.secrets_made = True
 
     def warn_invalid(self) -> None:
