@@ -136,19 +136,22 @@ def test_an_elastic_jobs_member_exit_is_left_to_its_rendezvous_not_restarted(clu
     """Kubeflow's elastic shape: ``elasticPolicy`` (min 1, max 2, maxRestarts 100), torchrun with c10d rendezvous in
     Master + Worker. One member's torchrun (not the one hosting the rendezvous store) is killed: the kubelet restarts
     its container in place, and while the other member runs, unbroken restarts nothing and spends no retry (it once
-    restarted the whole job at the exit). Whether torchrun's agents then regroup is torch's to do; if they cannot
-    (both members down), the job is below its min and unbroken restarts it, saying so."""
+    restarted the whole job at the exit). Whether torchrun's agents then regroup is torch's to do (below); if they
+    cannot (both members down), the job is below its min and unbroken restarts it, saying so."""
     cluster.start_operator()
     checkpoints = tmp_path / "ckpt"
     body = pytorchjob("elastic-echo", checkpoints, steps=300, annotations=auto_resume(2), elastic=(1, 2))
     body["spec"]["elasticPolicy"]["maxRestarts"] = 100
     name = running_with_a_checkpoint(cluster, body, checkpoints)
     # The member that does not host the c10d store: the store lives in one agent (torch's rendezvous has no
-    # replica of it), and every pod here shares 127.0.0.1, so whichever bound the port first hosts it.
+    # replica of it) on the rendezvous endpoint's port, training-operator's MASTER_PORT, and every pod here shares
+    # 127.0.0.1, so whichever bound that port first hosts it. (The other may listen too: the workers' own store,
+    # hosted by the member that drew group rank 0, is on a port of its own.)
+    port = int(next(e.value for p in cluster.pods(name) for c in p.spec.containers for e in c.env or [] if e.name == "MASTER_PORT"))
     agents = {pod: psutil.Process(wait_until(lambda pod=pod: cluster.kubelet.pid_of(JOBS, f"{name}-{pod}"), 30, f"{pod}'s torchrun"))
               for pod in ("master-0", "worker-0")}
     victim = next(pod for pod, agent in agents.items()
-                  if not any(c.status == psutil.CONN_LISTEN for c in agent.net_connections("tcp")))
+                  if not any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in agent.net_connections("tcp")))
     survivor = agents[next(pod for pod in agents if pod != victim)]
     agents[victim].kill()
 
@@ -160,9 +163,15 @@ def test_an_elastic_jobs_member_exit_is_left_to_its_rendezvous_not_restarted(clu
     assert cluster.annotations(name).get(names.RESTART_COUNT, "0") == "0", cluster.events(name)
     assert "JobRestarting" not in cluster.reasons(name), cluster.events(name)
 
-    wait_until(lambda: cluster.annotations(name).get(names.JOB_PHASE) == "Succeeded", 240, "the job to finish")
-    restarts = [m for _, r, m in cluster.events(name) if r == "JobRestarting"]
-    assert all("below elasticPolicy.minReplicas 1" in m for m in restarts), restarts
+    # Whether torch's agents regroup is torch's to do: on this machine a gloo group formed again after a member's
+    # in-place restart sometimes never comes back (benchmarks/sdc.py says the same of torchrun's own restarts), and
+    # nothing here (no node agent) would see that hang. What is unbroken's: for 30 s after the member is back it
+    # restarts nothing but a job below its min, and a job that finishes meanwhile ends Succeeded.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and cluster.annotations(name).get(names.JOB_PHASE) != "Succeeded":
+        restarts = [m for _, r, m in cluster.events(name) if r == "JobRestarting"]
+        assert all("below elasticPolicy.minReplicas 1" in m for m in restarts), restarts
+        time.sleep(0.5)  # watching for a decision that must not come: a poll, not synchronisation
     cluster.assert_clean()
 
 
