@@ -284,7 +284,8 @@ class ReplicaWatch:
         return verdict
 
     def check(self, step: int) -> Verdict:
-        """Start and judge at once (what a script's last step, or a test, needs)."""
+        """Start and judge at once, waiting for the all-reduce (the tests' synchronous form; ``ctx`` starts at one
+        ``progress`` and collects at the next)."""
         self.start(step)
         verdict = self.collect()
         assert verdict is not None
