@@ -15,15 +15,20 @@ strict where CUDA is:
 - A device-to-host copy into registered memory goes through the registration
   (the DMA engine writes the pages it pinned); into unregistered memory it is
   the runtime's own staged copy. ``corrupt_next`` makes the next copies deliver
-  one flipped bit, as a copy gone wrong would: what the tier's read-back must catch.
+  one flipped bit, as a copy gone wrong would: what the tier's read-back must catch;
+  ``fail_next`` makes them raise.
 
-Everything else (streams, events) is a no-op: on a CPU the copy is done when the call returns.
+By default everything else (streams, events) is a no-op: on a CPU the copy is done
+when the call returns. With ``asynchronous=True`` device-to-host copies are queued,
+as on a CUDA stream, and land only when the host waits for them: ``wait`` on a
+marker (an event) runs the copies queued before it, ``synchronize`` all of them. A
+reader that does not wait for a copy sees the bytes that were there before it.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,9 +55,16 @@ class RuleKeepingCuda:
     registered_on: list[str] = field(default_factory=list)
     """The thread of every successful registration."""
     corrupt_next: int = 0
+    fail_next: int = 0
+    """The next copies to refuse, as a copy on a faulted device does."""
     copies: int = 0
     copies_to_device: int = 0
+    asynchronous: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _queued: list[Callable[[], None]] = field(default_factory=list)
+    _landed: int = 0
+    """How many of ``_queued`` have run."""
+    _stream: threading.Lock = field(default_factory=threading.Lock)
 
     def is_device(self, tensor: torch.Tensor) -> bool:
         return True  # every tensor saved plays a device tensor
@@ -78,6 +90,16 @@ class RuleKeepingCuda:
         return SUCCESS
 
     def copy_to_host(self, destination: torch.Tensor, source: torch.Tensor) -> None:
+        if self.fail_next:
+            self.fail_next -= 1
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (the stand-in's fail_next)")
+        if not self.asynchronous:
+            self._copy_to_host(destination, source)
+            return
+        with self._stream:
+            self._queued.append(lambda: self._copy_to_host(destination, source))
+
+    def _copy_to_host(self, destination: torch.Tensor, source: torch.Tensor) -> None:
         start = destination.data_ptr()
         nbytes = destination.numel() * destination.element_size()
         registration = next((r for r in self.registrations.values() if r.address <= start and start + nbytes <= r.address + r.size), None)
@@ -100,17 +122,26 @@ class RuleKeepingCuda:
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def marker(self) -> Any:
-        return None
+        with self._stream:
+            return len(self._queued)  # the copies queued before it
 
     def wait(self, marker: Any) -> None:
-        return None
+        self._land(marker)
 
     @contextmanager
     def copy_stream(self, ready: Any) -> Iterator[None]:
         yield
 
     def synchronize(self) -> None:
-        return None
+        self._land(None)
+
+    def _land(self, upto: int | None) -> None:
+        """Run the queued copies, in order, up to the marker ``upto`` (None: all)."""
+        with self._stream:
+            end = len(self._queued) if upto is None else upto
+            while self._landed < end:
+                self._queued[self._landed]()
+                self._landed += 1
 
     @property
     def pinned_bytes(self) -> int:

@@ -102,6 +102,47 @@ def test_saves_of_changing_sizes_across_in_process_restarts_are_all_recorded_exa
     assert cuda.registered_on and "MainThread" not in cuda.registered_on, "slots are pinned off the training thread"
 
 
+@pytest.mark.parametrize("corrupt", [False, True], ids=["exact", "a-bit-flipped"])
+def test_a_slot_is_checksummed_and_read_back_as_its_copies_land_and_never_before(
+        checkpointer, cuda: RuleKeepingCuda, shm_dir: Path, corrupt: bool) -> None:
+    """Copies that land only when the host waits for them, as on a CUDA stream: the slot's checksum and the
+    read-back of its fingerprints start while the copies are still queued, so each must wait for the copies
+    before what it reads (checkpoint/rank/landing.py). A reader that did not would record the bytes the slot
+    held before (the checksum) or call a good copy bad (the read-back)."""
+    cuda.asynchronous = True
+    ck = checkpointer()
+    for step in range(1, 5):
+        state = state_of(96 * MIB, seed=step)  # several 32 MiB checksum chunks: several markers to wait for
+        if corrupt and step == 3:
+            cuda.corrupt_next = 1
+        ck.save(step, state)
+        ck.wait()
+        back = saved_payload(shm_dir, "j", step)
+        if corrupt and step == 3:
+            assert back is None, "a copy that landed other bytes must not be recorded"
+        else:
+            assert back is not None and back["step"] == step and same(back["state"], state)
+
+
+def test_a_copy_that_fails_halfway_wakes_the_slots_readers_and_loses_only_its_step(
+        checkpointer, cuda: RuleKeepingCuda, shm_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The checksum and the read-back wait for copies that will never land: the failed copy must wake them (or the
+    save's thread, and every save after it, would hang), and the slot must not be recorded."""
+    cuda.asynchronous = True
+    ck = checkpointer()
+    ck.save(1, state_of(96 * MIB, seed=1))
+    ck.wait()
+    cuda.fail_next = 1
+    ck.save(2, state_of(96 * MIB, seed=2))
+    ck.wait()
+    assert saved_payload(shm_dir, "j", 2) is None
+    assert "step 2 not checkpointed: copying it into the memory tier failed" in capsys.readouterr().out
+    state = state_of(96 * MIB, seed=3)
+    ck.save(3, state)
+    ck.wait()
+    assert same(saved_payload(shm_dir, "j", 3)["state"], state)
+
+
 def test_a_copy_that_delivers_other_bytes_is_not_recorded_and_the_next_goes_through_a_bounce_buffer(
         checkpointer, cuda: RuleKeepingCuda, shm_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ck = checkpointer()

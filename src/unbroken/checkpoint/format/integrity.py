@@ -16,6 +16,7 @@ made (``like=``). No torch import: the node agent uses this too and must start f
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -32,20 +33,31 @@ THREADS = max(1, min(8, (os.cpu_count() or 1) - 1))
 """Threads hashing one shard: the cores a node can spare beside its ranks, no more than eight."""
 
 
-def checksum(buffer: Any, size: int, *, like: str | None = None) -> str:
-    """The checksum of the first ``size`` bytes; with ``like``, made the way that checksum was (to compare with it)."""
+def checksum(buffer: Any, size: int, *, like: str | None = None, ready: Callable[[int], None] | None = None) -> str:
+    """The checksum of the first ``size`` bytes; with ``like``, made the way that checksum was (to compare with it).
+
+    ``ready(end)``, if given, returns once the bytes before ``end`` are in ``buffer``: each chunk is hashed as soon
+    as it is, while the rest is still being written (a save's copy from the device)."""
     view = memoryview(buffer).cast("B")[:size]
+
+    def digest(start: int) -> bytes:
+        end = min(start + CHUNK_BYTES, size)
+        if ready is not None:
+            ready(end)
+        with view[start:end] as chunk:
+            return chunk_digest(chunk)
+
     try:
         if _algorithm(like) == WHOLE_ALGORITHM:
+            if ready is not None:
+                ready(size)
             return f"{WHOLE_ALGORITHM}:{xxhash.xxh3_64(view).hexdigest()}"
-        chunks = [view[start : start + CHUNK_BYTES] for start in range(0, size, CHUNK_BYTES)]
-        if len(chunks) <= 2:
-            digests = [chunk_digest(chunk) for chunk in chunks]
+        starts = range(0, size, CHUNK_BYTES)
+        if len(starts) <= 2:
+            digests = [digest(start) for start in starts]
         else:
-            with ThreadPoolExecutor(min(THREADS, len(chunks)), thread_name_prefix="checksum") as pool:
-                digests = list(pool.map(chunk_digest, chunks))
-        for chunk in chunks:
-            chunk.release()
+            with ThreadPoolExecutor(min(THREADS, len(starts)), thread_name_prefix="checksum") as pool:
+                digests = list(pool.map(digest, starts))
         return combine(digests, size)
     finally:
         view.release()

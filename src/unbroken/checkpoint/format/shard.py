@@ -108,12 +108,16 @@ Copy = Callable[[torch.Tensor, torch.Tensor], None]
 """Copies a tensor (source, second) into its place in a shard (destination, first)."""
 
 
-def write(buffer: Any, layout: ShardLayout, tensors: list[torch.Tensor], *, copy: Copy | None = None) -> None:
+def write(buffer: Any, layout: ShardLayout, tensors: list[torch.Tensor], *, copy: Copy | None = None,
+          landed: Callable[[int], None] | None = None) -> None:
     """Copy every tensor and the skeleton into ``buffer`` (writable, at least ``layout.size`` bytes).
 
     This copy is the whole blocking part of a save. ``copy`` puts one tensor in its
     place (default ``Tensor.copy_``); the memory tier passes one that queues device
     tensors' copies on its copy stream, and synchronises before the bytes are read.
+    ``landed(end)``, if given, is told after each tensor's copy, in order, that the
+    bytes before ``end`` are copied (or queued, by such a ``copy``); last with
+    ``layout.size``, once the skeleton is written.
     """
     with torch.no_grad():
         for meta, tensor in zip(layout.tensors, tensors, strict=True):
@@ -123,9 +127,13 @@ def write(buffer: Any, layout: ShardLayout, tensors: list[torch.Tensor], *, copy
                     destination.copy_(tensor.detach())
                 else:
                     copy(destination, tensor.detach())
+                if landed is not None:
+                    landed(meta.offset + meta.nbytes)
     view = memoryview(buffer)
     view[layout.skeleton_offset : layout.size] = layout.skeleton
     view.release()
+    if landed is not None:
+        landed(layout.size)
 
 
 def view(buffer: Any, meta: TensorMeta) -> torch.Tensor:

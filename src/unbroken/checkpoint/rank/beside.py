@@ -23,7 +23,7 @@ def timed(into: dict[str, float], key: str, work: Callable[[], T]) -> T:
         into[key] = time.perf_counter() - started
 
 
-def beside(work: Callable[[], T]) -> Future[T]:
+def beside(work: Callable[[], T], name: str = "ckpt-beside") -> Future[T]:
     """Run ``work`` in a thread of its own; its result (or exception) comes through the future."""
     future: Future[T] = Future()
 
@@ -33,7 +33,7 @@ def beside(work: Callable[[], T]) -> Future[T]:
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
             future.set_exception(exc)
 
-    threading.Thread(target=run, name="ckpt-verify", daemon=True).start()
+    threading.Thread(target=run, name=name, daemon=True).start()
     return future
 
 

@@ -26,6 +26,7 @@ import logging
 import mmap
 import threading
 import time
+from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,7 @@ from unbroken.checkpoint.api import CheckpointObserver, Restored, RestoreReport,
 from unbroken.checkpoint.node.credentials import Credentials
 from unbroken.checkpoint.node.cuda_host import PinnedMemory
 from unbroken.checkpoint.rank.device_copy import DeviceCopy, Expected
+from unbroken.checkpoint.rank.landing import Landing
 from unbroken.checkpoint.format.manifest import ShardInfo
 from unbroken.checkpoint.format.restore_catalog import RestoreCatalog
 from unbroken.checkpoint.node.peer import PeerClient
@@ -54,6 +56,19 @@ T = TypeVar("T")
 def _say(message: str) -> None:
     """Checkpoint decisions go to the rank's log, which ``unbroken job logs`` shows."""
     print(f"unbroken: {message}", flush=True)
+
+
+@dataclass(frozen=True)
+class _SlotReads:
+    """What reads a device save's slot beside its copy: the shard's checksum and the device tensors' fingerprints."""
+
+    checksum: Future[str]
+    fingerprints: Future[dict[int, torch.Tensor]]
+
+    def settle(self) -> None:
+        """Until neither reads the slot any more, however they ended."""
+        pending: list[Future[Any]] = [self.checksum, self.fingerprints]
+        futures.wait(pending)
 
 
 @dataclass(frozen=True)
@@ -101,8 +116,9 @@ class TieredCheckpointer:
     """How long the last save blocked the script: ``save()``'s return plus the fence's wait."""
     last_fence_seconds: float = field(default=0.0, init=False)
     last_save_timing: dict[str, float] = field(default_factory=dict, init=False)
-    """Where the last save's time went, in its background thread: ``copy_s`` (map, pin and copy; the fence waits
-    for this), ``checksum_s`` and, for device tensors, ``verify_s`` (beside the checksum), ``published_s`` (all of it)."""
+    """Where the last save's time went, in its background thread, each from the save's start: ``copy_s`` (map, pin
+    and copy; the fence waits for this), ``checksum_s`` and, for device tensors, ``verify_s`` (both read what the
+    copy has landed while it goes on), ``published_s`` (all of it)."""
     last_restore_timing: dict[str, float] = field(default_factory=dict, init=False)
     """A restore to a device from this node's shared memory: where its time went (device_restore.StreamTiming)."""
 
@@ -211,6 +227,7 @@ class TieredCheckpointer:
     def _copy_and_finalize(self, slot: shm.Slot, layout: shard.ShardLayout, tensors: list[torch.Tensor], step: int,
                            device: DeviceCopy | None, ready: Any, copied: threading.Event) -> None:
         expected: Expected | None = None
+        reads: _SlotReads | None = None
         started = time.perf_counter()
         self.last_save_timing = {}
         try:
@@ -221,16 +238,37 @@ class TieredCheckpointer:
             if device is None:
                 shard.write(buffer, layout, tensors)
             else:
-                expected = device.into(slot, buffer, layout, tensors, ready)
+                landing = Landing(device.pinning.runtime, layout.size)
+                reads = self._read_as_landed(buffer, layout, device.device_indices(layout, tensors), landing)
+                try:
+                    expected = device.into(slot, buffer, layout, tensors, ready, landing)
+                except BaseException as exc:
+                    landing.failed(exc)
+                    raise
         except BaseException as exc:  # noqa: BLE001 - a failing tier degrades: the step is lost, training goes on
             copied.set()
+            if reads is not None:
+                reads.settle()  # nothing reads the slot once it is given back
             self._pool.release(slot, None)
             _say(f"step {step} not checkpointed: copying it into the memory tier failed: {exc!r}")
             return
         copied.set()  # the state is the script's again; what follows reads the slot only
         self.last_save_timing["copy_s"] = time.perf_counter() - started
-        self._finalize(slot, buffer, layout, step, device, expected)
+        self._finalize(slot, buffer, layout, step, device, expected, reads)
         self.last_save_timing["published_s"] = time.perf_counter() - started
+
+    def _read_as_landed(self, buffer: Any, layout: shard.ShardLayout, indices: list[int], landing: Landing) -> _SlotReads:
+        """Start the slot's checksum and the read-back of its device tensors' fingerprints, each reading what has
+        landed while the rest is still being copied (landing.py). Their ``_s`` timings count from the copy's start."""
+        timing = self.last_save_timing
+        return _SlotReads(
+            checksum=beside.beside(lambda: beside.timed(timing, "checksum_s",
+                                                        lambda: shard.checksum(buffer, layout.size, ready=landing.wait_for)),
+                                   name="ckpt-checksum"),
+            fingerprints=beside.beside(lambda: beside.timed(timing, "verify_s",
+                                                            lambda: DeviceCopy.fingerprint_slot(buffer, layout, indices, landing.wait_for)),
+                                       name="ckpt-verify"),
+        )
 
     @property
     def last_step(self) -> int | None:
@@ -254,21 +292,19 @@ class TieredCheckpointer:
         return collectives.any_rank(due)
 
     def _finalize(self, slot: shm.Slot, buffer: Any, layout: shard.ShardLayout, step: int, device: DeviceCopy | None,
-                  expected: Expected | None) -> None:
+                  expected: Expected | None, reads: _SlotReads | None) -> None:
         """Checksum the slot and publish it, once a device copy's bytes are proven to be the device's."""
         info: ShardInfo | None = None
         try:
-            mismatch: Future[str | None] | None = None
-            started = time.perf_counter()
-            if device is not None and expected is not None:
-                # beside the checksum: both read the slot, both release the GIL
-                mismatch = beside.beside(lambda: beside.timed(self.last_save_timing, "verify_s", lambda: device.verify(buffer, layout, expected)))
-            digest = shard.checksum(buffer, layout.size)
-            self.last_save_timing["checksum_s"] = time.perf_counter() - started
-            try:
-                differs = mismatch.result() if mismatch is not None else None
-            except Exception as exc:  # noqa: BLE001 - a check that cannot be made is a check that failed
-                differs = f"the check itself failed: {exc!r}"
+            differs: str | None = None
+            if reads is None:
+                digest = beside.timed(self.last_save_timing, "checksum_s", lambda: shard.checksum(buffer, layout.size))
+            else:
+                try:
+                    differs = DeviceCopy.verify(reads.fingerprints.result(), layout, expected) if expected is not None else None
+                except Exception as exc:  # noqa: BLE001 - a check that cannot be made is a check that failed
+                    differs = f"the check itself failed: {exc!r}"
+                digest = reads.checksum.result()
             if differs is None:
                 info = ShardInfo.describe(
                     job=self.job, step=step, rank=self.rank, world_size=self.world_size, attempt=self.attempt,
@@ -281,6 +317,8 @@ class TieredCheckpointer:
                      "through a bounce buffer")
                 slot.distrust_pinning()
         finally:
+            if reads is not None:
+                reads.settle()
             self._pool.release(slot, info)
         self._prepare_slots(layout.size, device)
 
