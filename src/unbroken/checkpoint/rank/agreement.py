@@ -89,8 +89,16 @@ def tensor_words(tensors: list[torch.Tensor], device: torch.device) -> torch.Ten
             sums = fingerprint.of_tensor(tensor)
             words[index] = (sums * _odd_weights(sums.numel(), sums.device)).sum().to(device)
     for where, indices in packed.items():
-        words.index_copy_(0, torch.tensor(indices, device=device), _packed_words([tensors[i] for i in indices], where).to(device))
+        words.index_copy_(0, _on_device(tuple(indices), device), _packed_words([tensors[i] for i in indices], where).to(device))
     return words
+
+
+@functools.lru_cache(maxsize=32)
+def _on_device(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device``, made once per state's structure. Made at every check it would
+    cost a synchronous copy from the host: on a GPU the host waiting for every kernel queued before the check (the
+    training step's), which is what the deferred verdict is there to avoid."""
+    return torch.tensor(values, dtype=torch.int64, device=device)
 
 
 def _packed_words(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -194,8 +202,7 @@ class InFlight:
         total = sum(t.numel() * t.element_size() for t in tensors)
         word = rank_word(words)
         # the word's halves as non-negative int64: negating them never overflows (negating -2**63 would)
-        mine = torch.stack([word & 0xFFFFFFFF, (word >> 32) & 0xFFFFFFFF, torch.tensor(len(tensors), device=device),
-                            torch.tensor(total, device=device)])
+        mine = torch.cat([torch.stack([word & 0xFFFFFFFF, (word >> 32) & 0xFFFFFFFF]), _on_device((len(tensors), total), device)])
         extremes = torch.cat([mine, -mine])
         work = dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group, async_op=True)
         flight = cls(step, group, [name for name, _ in named], words, mine, extremes, work)
