@@ -38,7 +38,7 @@ A GPU machine with a CUDA torch but none of unbroken's other dependencies and no
 and give it to ``--wheels DIR``, which installs them into a private folder for this run::
 
     python3 benchmarks/gpu.py --print-wheels --python-version 3.12      # here: prints the download line
-    python3 benchmarks/gpu.py --wheels .whl --out OUT                   # there: about 6 minutes on one H100
+    python3 benchmarks/gpu.py --wheels .whl --out OUT                   # there: about 7 minutes on one H100
 """
 
 from __future__ import annotations
