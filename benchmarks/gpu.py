@@ -362,10 +362,10 @@ def restore_section(run: Run, cluster: Any, state: dict[str, Any]) -> dict[str, 
 
     out: dict[str, Any] = {}
     readers = device_restore.READERS
-    for attempt, how in ((1, "device"), (2, "host"), (3, "device_8_readers")):
+    for attempt, how in ((1, "device"), (2, "host"), (3, "device_16_readers")):
         ck = cluster.checkpointer("node-1", endpoint=cluster.endpoints["node-1"], attempt=attempt)
         ck.wait_prefetch()  # a restart maps ahead while it imports and builds its model (seconds): not counted
-        device_restore.READERS = 8 if how == "device_8_readers" else readers
+        device_restore.READERS = 16 if how == "device_16_readers" else readers
         run.sync()
         started = time.perf_counter()
         if how.startswith("device"):

@@ -38,11 +38,11 @@ CHUNK_BYTES = integrity.CHUNK_BYTES
 """A chunk: the checksum's (each reader hashes what it read), large enough for each copy to run at the link's speed
 and each ``pread`` to amortise its call."""
 BUFFERS = 6
-READERS = max(4, min(16, os.cpu_count() or 1))
+READERS = max(4, min(8, os.cpu_count() or 1))
 """``pread`` from tmpfs is the kernel copying at one core's memory speed, and each reader hashes its chunk too. On an
-H100 host (16 cores) ``pread`` gave 3.5 GB/s on one thread, 10 on three and 17.5 on eight, and an 8 GiB restore to
-the device took 1.00 s with four readers and 0.63 s with eight: one reader a core, up to 16, while the rank has
-nothing else to do."""
+H100 host (16 cores) ``pread`` gave 3.5 GB/s on one thread, 10 on three and 15.7-17.5 on eight; an 8 GiB restore to
+the device took 1.00 s with four readers, and with eight against sixteen, in the same runs, 0.80 against 0.95 s and
+1.03 against 1.13 s: past eight, readers only contend for the memory bandwidth. One a core, up to eight."""
 HOST_PART = "rng"
 """The part of a shard's payload that stays on the host."""
 
