@@ -116,9 +116,10 @@ class TieredCheckpointer:
     """How long the last save blocked the script: ``save()``'s return plus the fence's wait."""
     last_fence_seconds: float = field(default=0.0, init=False)
     last_save_timing: dict[str, float] = field(default_factory=dict, init=False)
-    """Where the last save's time went, in its background thread, each from the save's start: ``copy_s`` (map, pin
-    and copy; the fence waits for this), ``checksum_s`` and, for device tensors, ``verify_s`` (both read what the
-    copy has landed while it goes on), ``published_s`` (all of it)."""
+    """Where the last save's time went, in its background thread: ``copy_s`` (map, pin and copy; the fence waits for
+    this), ``checksum_s``, ``published_s`` (all of it), and for device tensors ``verify_s``. For device tensors the
+    checksum and the read-back (``verify_s``) read what the copy has landed while it goes on, so theirs count from
+    the save's start too; for host tensors ``checksum_s`` is the checksum's own time, after the copy."""
     last_restore_timing: dict[str, float] = field(default_factory=dict, init=False)
     """A restore to a device from this node's shared memory: where its time went (device_restore.StreamTiming)."""
 
@@ -301,7 +302,8 @@ class TieredCheckpointer:
                 digest = beside.timed(self.last_save_timing, "checksum_s", lambda: shard.checksum(buffer, layout.size))
             else:
                 try:
-                    differs = DeviceCopy.verify(reads.fingerprints.result(), layout, expected) if expected is not None else None
+                    differs = ("the device's fingerprints are missing" if expected is None
+                               else DeviceCopy.verify(reads.fingerprints.result(), layout, expected))
                 except Exception as exc:  # noqa: BLE001 - a check that cannot be made is a check that failed
                     differs = f"the check itself failed: {exc!r}"
                 digest = reads.checksum.result()
