@@ -20,6 +20,7 @@ RANKS = r'''
 import json, sys
 import torch, torch.distributed as dist
 from unbroken.checkpoint.rank.agreement import ReplicaWatch
+from unbroken.workloads.script import exit_rank
 
 rank, world, store, plan = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
 dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -45,6 +46,7 @@ if group is None or rank in plan["group"]:
 print("RESULT " + json.dumps(out), flush=True)
 dist.barrier()  # nobody tears down while a peer still talks to it
 dist.destroy_process_group()
+exit_rank(0)  # as a rank ends: torch 2.13's gloo threads now and then abort in the C++ static destructors
 '''
 
 
@@ -137,6 +139,7 @@ STARTED_THEN_CHANGED = r'''
 import json, sys
 import torch, torch.distributed as dist
 from unbroken.checkpoint.rank.agreement import ReplicaWatch
+from unbroken.workloads.script import exit_rank
 
 rank, world, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -153,6 +156,7 @@ print("RESULT " + json.dumps({"first": first.agreed, "second": [second.agreed, l
                               "agreed_step": watch.agreed_step, "checks": watch.checks}), flush=True)
 dist.barrier()
 dist.destroy_process_group()
+exit_rank(0)  # as a rank ends: torch 2.13's gloo threads now and then abort in the C++ static destructors
 '''
 
 
