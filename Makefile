@@ -20,10 +20,11 @@ HAS_NVIDIA      := $(shell test -e /proc/driver/nvidia/version && echo yes)
 TORCH_SPEC      := torch==$(TORCH_VERSION)$(if $(HAS_NVIDIA),,+cpu)
 
 # What the tests run for real besides Python: Prometheus (scraping the cluster's /metrics),
-# Chromium (the dashboard, driven by Playwright), and the King James Bible (bible-kjv: a
-# public-domain text the LLM workload's tests tokenize and train on). Debian's packages;
-# sudo where not root.
-SYSTEM_PACKAGES := prometheus chromium bible-kjv bible-kjv-text kubectl
+# Chromium (the dashboard, driven by Playwright), the King James Bible (bible-kjv: a
+# public-domain text the LLM workload's tests tokenize and train on), and for the real nodes
+# (tests/controlplane/node.py) runc, the CNI plugins and mmdebstrap (the nodes' image from
+# Debian's packages). Debian's packages; sudo where not root.
+SYSTEM_PACKAGES := prometheus chromium bible-kjv bible-kjv-text kubectl runc containernetworking-plugins mmdebstrap
 SUDO := $(shell test "$$(id -u)" = 0 || echo sudo)
 
 # The suite in two runs: the fast part (unit tests, no cluster) on both cores with pytest-xdist
@@ -45,8 +46,9 @@ test: $(STAMP) system-packages control-plane
 install: $(STAMP)
 
 # The Kubernetes tests' control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
-# training-operator, JobSet, Trainer, Kueue), built from Go modules into ~/.cache/unbroken/control-plane/ once
-# per version (tests/controlplane/build.py; ~8 min the first time here, nothing after that).
+# training-operator, JobSet, Trainer, Kueue) and the real nodes' kubelet, containerd and image tools, built
+# from Go modules into ~/.cache/unbroken/control-plane/ once per version (tests/controlplane/build.py;
+# ~8 min the first time here, nothing after that).
 # Needs Go >= 1.24 (`go`, or /usr/local/go/bin/go) and its module proxy; Debian's golang-go is too old.
 control-plane:
 	$(PYTHON) tests/controlplane/build.py
@@ -56,7 +58,8 @@ screenshots: $(STAMP) system-packages
 	$(BIN)/python docs/screenshots.py
 
 system-packages:
-	@command -v prometheus >/dev/null && command -v chromium >/dev/null && command -v bible >/dev/null && command -v kubectl >/dev/null || \
+	@command -v prometheus >/dev/null && command -v chromium >/dev/null && command -v bible >/dev/null && command -v kubectl >/dev/null \
+		&& command -v runc >/dev/null && test -x /usr/lib/cni/bridge && command -v mmdebstrap >/dev/null || \
 		( $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends $(SYSTEM_PACKAGES) )
 
 $(STAMP): pyproject.toml Makefile

@@ -55,7 +55,7 @@ def build(component: Component) -> None:
     for package, binary in zip(component.packages, component.binaries, strict=True):
         print(f"control plane:   go build {package} ...", flush=True)
         command = [GO, "build", "-trimpath", "-ldflags", " ".join(("-s", "-w", *component.ldflags)),
-                   "-o", str(staging / binary), package]
+                   *(["-tags", ",".join(component.tags)] if component.tags else []), "-o", str(staging / binary), package]
         subprocess.run(command, cwd=component.module_dir, env=_go_env(), check=True)
     for module, folder, name in component.data:
         source = _module_dir(module, component.module_dir) / folder

@@ -21,7 +21,7 @@ The Kubeflow controllers each run in a private mount namespace (root only) whose
 path, as each would in its own pod.
 
 What is not here: a kubelet and a container runtime (tests/controlplane/kubelet.py plays them with
-processes), kube-proxy, DNS and a pod network (everything is 127.0.0.1; see the kubelet).
+processes; tests/controlplane/node.py runs real ones), kube-proxy and DNS.
 """
 
 from __future__ import annotations

@@ -33,10 +33,15 @@ class Component:
     data: tuple[tuple[str, str, str], ...] = field(default=())
     """(Go module@version, folder inside it, name): that folder's ``*.yaml`` files (not kustomizations),
     copied to ``<cache folder>/<name>/``."""
+    tags: tuple[str, ...] = ()
+    """Go build tags."""
+    module: str = ""
+    """The Go module's folder beside this file, where it is not ``name`` (the kubelet is built from the
+    control plane's Kubernetes module, so that both are the same release by construction)."""
 
     @property
     def module_dir(self) -> Path:
-        return HERE / self.name
+        return HERE / (self.module or self.name)
 
     @property
     def directory(self) -> Path:
@@ -93,4 +98,21 @@ KUEUE = Component(
     data=(("sigs.k8s.io/kueue@v0.17.0", "config/components/crd/bases", "crds"),
           ("sigs.k8s.io/kueue@v0.17.0", "config/components/webhook", "webhook")))
 
-ALL = (ETCD, KUBERNETES, TRAINING_OPERATOR, TRAINER, KUEUE)
+# A real node (tests/controlplane/node.py): the kubelet, containerd with its runc shim and ctr, and the
+# tools that write the nodes' images. runc and the CNI plugins are Debian's (the Makefile installs them).
+KUBELET = Component("kubelet", KUBERNETES_VERSION, ("k8s.io/kubernetes/cmd/kubelet",), ("kubelet",),
+                    ldflags=_kubernetes_version_flags(KUBERNETES_VERSION), module="kubernetes")
+CONTAINERD_VERSION = "v2.4.2"
+CONTAINERD = Component(
+    "containerd", CONTAINERD_VERSION,
+    tuple(f"github.com/containerd/containerd/v2/cmd/{c}" for c in ("containerd", "containerd-shim-runc-v2", "ctr")),
+    ("containerd", "containerd-shim-runc-v2", "ctr"),
+    ldflags=(f"-X github.com/containerd/containerd/v2/version.Version={CONTAINERD_VERSION}",),
+    # the snapshotters that need C libraries or kernel features this machine lacks are left out
+    tags=("no_btrfs", "no_devmapper", "no_zfs"))
+IMAGE_TOOLS = Component("image", "v1", (".", "./pause"), ("imagetool", "pause"))
+"""Bump the version with any change to image/*.go: the cache is keyed by it."""
+
+NODE = (KUBELET, CONTAINERD, IMAGE_TOOLS)
+
+ALL = (ETCD, KUBERNETES, TRAINING_OPERATOR, TRAINER, KUEUE, *NODE)
