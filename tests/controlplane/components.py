@@ -110,8 +110,8 @@ CONTAINERD = Component(
     ldflags=(f"-X github.com/containerd/containerd/v2/version.Version={CONTAINERD_VERSION}",),
     # the snapshotters that need C libraries or kernel features this machine lacks are left out
     tags=("no_btrfs", "no_devmapper", "no_zfs"))
-IMAGE_TOOLS = Component("image", "v1", (".", "./pause"), ("imagetool", "pause"))
-"""Bump the version with any change to image/*.go: the cache is keyed by it."""
+IMAGE_TOOLS = Component("image-tools", "v1", (".", "./pause"), ("imagetool", "pause"))
+"""Bump the version with any change to image-tools/**.go: the cache is keyed by it."""
 
 NODE = (KUBELET, CONTAINERD, IMAGE_TOOLS)
 

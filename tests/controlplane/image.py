@@ -1,11 +1,11 @@
 """Images for the real nodes (node.py), built here without a Docker daemon, registry or base image.
 
-A layer is an uncompressed tar of files; ``imagetool`` (image/main.go, go-containerregistry) stacks layers
+A layer is an uncompressed tar of files; ``imagetool`` (image-tools/main.go, go-containerregistry) stacks layers
 into an OCI image written as a docker-archive tarball, which a node's containerd imports (``ctr images
 import``). Built once per content and kept outside the clone, as the control plane's binaries are
 (``~/.cache/unbroken/images/<name>-<key>/image.tar``, ``$UNBROKEN_IMAGE_CACHE`` moves it):
 
-* ``pause_image()``: the pod sandbox's image, one static Go binary (image/pause/main.go) as ``/pause``.
+* ``pause_image()``: the pod sandbox's image, one static Go binary (image-tools/pause/main.go) as ``/pause``.
 * ``base_image()``: Debian bookworm (``mmdebstrap --variant=minbase``) with Python 3.11 and the venv
   module: what unbroken's own image is built on (the Dockerfile's ``python:3.11-slim``, which no registry here
   can serve). ~20 s and ~230 MB the first time.

@@ -1,6 +1,6 @@
 // Tools for the real nodes' images: imagetool writes a root filesystem as an OCI image (go-containerregistry),
 // pause is the pod sandbox's process (the image registry.k8s.io/pause would be, were a registry reachable).
-module unbroken.dev/tests/controlplane/image
+module unbroken.dev/tests/controlplane/image-tools
 
 go 1.26.0
 
