@@ -7,15 +7,22 @@
    ``10.88.<index>.0/24`` behind a bridge the CNI bridge plugin makes (``ubpods<index>``, host-local IPAM). Every
    node's bridge is in this machine's network namespace, so pods on different nodes reach each other through
    its routing table, as through a cluster's pod network.
-2. **containerd** (v2, built from its Go module) with its own root, state, socket, CNI configuration and the
+2. **A mount namespace of the node's own**, where everything below runs: its ``/var/lib/kubelet`` is the node's
+   (the kubelet's device manager uses that path whatever its root directory), and the containers' root
+   filesystems, the kubelet's volume mounts and the pods' network-namespace mounts die with the node.
+3. **containerd** (v2, built from its Go module) with its own root, state, socket, CNI configuration and the
    sandbox image pinned; runc is Debian's, through ``runc-oom-floor`` (below). The images the test asks for
    are imported (``ctr images import``); pods name them with ``imagePullPolicy: Never``: no registry here.
-3. **The kubelet** (built from the control plane's Kubernetes module) with cgroup v1 and the cgroupfs driver
+4. **The kubelet** (built from the control plane's Kubernetes module) with cgroup v1 and the cgroupfs driver
    under a cgroup root of its own (``/unbroken-<name>``), its own root directory, pod-log directory and ports,
    a client certificate of ``system:node:<name>`` (so NodeRestriction applies to it) and a serving
    certificate for its IP from the control plane's CA (the API server verifies it: ``kubectl logs``/``exec``
    go API server -> kubelet over TLS). Only clients with a certificate from that CA may talk to it; once
    authenticated, any is allowed (``AlwaysAllow``; a cluster would ask the API server with a webhook).
+
+With ``gpus=N``, a device plugin offers N fake ``nvidia.com/gpu`` through the kubelet's device-plugin API, as
+NVIDIA's does (the node's capacity, the scheduler's accounting, ``NVIDIA_VISIBLE_DEVICES`` in the container);
+no device is behind them.
 
 ``fail()`` is a node lost at once: its kubelet, containerd, shims and every container SIGKILLed, its
 network cut. ``stop()`` (and ``__exit__``) leaves nothing behind: containers, mounts, the pods' network
@@ -96,7 +103,9 @@ def missing_prerequisites() -> list[str]:
 
 class RealNode:
     def __init__(self, plane: ControlPlane, name: str, index: int, workdir: Path,
-                 images: tuple[image.Image, ...] = ()) -> None:
+                 images: tuple[image.Image, ...] = (), gpus: int = 0) -> None:
+        """``gpus``: fake ``nvidia.com/gpu`` devices offered through the kubelet's device-plugin API
+        (kubernetes/fake-gpu-plugin/main.go), IDs ``GPU-<name>-<i>``."""
         if not 1 <= index <= 200:
             raise ValueError(f"node index {index}: 1 to 200 (it names the node's subnets)")
         self.plane, self.name, self.index = plane, name, index
@@ -106,11 +115,13 @@ class RealNode:
         self.link, self.bridge = f"ubnode{index}", f"ubpods{index}"
         self.cgroup = f"unbroken-{name}"
         self.images = (image.pause_image(), *images)
+        self.gpus = gpus
         self.run_dir = RUN_ROOT / name
         """containerd's sockets and the kubelet's root directory (its pod-resources and device-plugin sockets): a unix
         socket's path has at most 104 bytes, too few for a test's temporary folder."""
         self.socket = self.run_dir / "containerd.sock"
         self.processes: dict[str, Process] = {}
+        self.enter: list[str] = []
 
     # ---------------------------------------------------------------- start
 
@@ -124,6 +135,7 @@ class RealNode:
             (self.dir / folder).mkdir(parents=True, exist_ok=True)
         self._network()
         self._cgroups()
+        self._start_mount_namespace()
         self._start_containerd()
         for each in self.images:
             self.ctr("images", "import", "--local", str(each.archive))
@@ -145,6 +157,25 @@ class RealNode:
             for name in ("cpuset.cpus", "cpuset.mems"):
                 if (hierarchy / name).exists():
                     (path / name).write_text((hierarchy / name).read_text())
+
+    def _start_mount_namespace(self) -> None:
+        """The node's own mount namespace, held by a process that waits, for containerd, its shims, the kubelet and
+        the device plugin: its ``/var/lib/kubelet`` is the node's (the kubelet's device manager serves its socket
+        and writes its checkpoint at ``/var/lib/kubelet/device-plugins/`` whatever its root directory: two nodes
+        would share both), and the containers' root filesystems, the kubelet's volume mounts and the pods'
+        network-namespace mounts live and die with it. Mounts of this machine still reach it (``slave``), so
+        hostPath volumes see what the test writes."""
+        own = self.run_dir / "var-lib-kubelet"
+        own.mkdir()
+        Path("/var/lib/kubelet").mkdir(parents=True, exist_ok=True)  # the mount point, empty on this machine
+        script = 'mount --bind "$0" /var/lib/kubelet && echo mounted && exec sleep infinity'
+        holder = Process("mount-namespace", ["unshare", "--mount", "--propagation", "slave", "sh", "-c", script, str(own)],
+                         self.dir / "logs" / "mount-namespace.log", dict(os.environ))
+        self.processes["mount-namespace"] = holder
+        holder.start()
+        self._wait("the node's mount namespace", lambda: "mounted" in holder.tail())
+        assert holder.popen is not None
+        self.enter = ["nsenter", f"--mount=/proc/{holder.popen.pid}/ns/mnt", "--"]
 
     def _start_containerd(self) -> None:
         wrapper = self.dir / "runc-oom-floor"
@@ -220,9 +251,14 @@ state = "{state}/state"
             f"--kubeconfig={kubeconfig}", f"--root-dir={self.run_dir / 'kubelet'}", f"--cert-dir={kubelet / 'pki'}",
             f"--hostname-override={self.name}", f"--node-ip={self.ip}", "--v=1"])
         self._wait("the kubelet's node Ready", self.ready)
+        if self.gpus:
+            self._process("fake-gpu-plugin", [
+                str(components.KUBELET.binary("fake-gpu-plugin")), f"--count={self.gpus}", f"--id-prefix=GPU-{self.name}"])
+            self._wait(f"{self.gpus} nvidia.com/gpu allocatable", lambda: self.allocatable().get("nvidia.com/gpu") == str(self.gpus))
 
     def _process(self, name: str, command: list[str], env: dict[str, str] | None = None) -> None:
-        process = Process(name, command, self.dir / "logs" / f"{name}.log", env or dict(os.environ))
+        """``command`` started in the node's mount namespace."""
+        process = Process(name, [*self.enter, *command], self.dir / "logs" / f"{name}.log", env or dict(os.environ))
         self.processes[name] = process
         process.start()
 
@@ -243,8 +279,8 @@ state = "{state}/state"
 
     def ctr(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         """``ctr`` against this node's containerd, in the CRI's namespace (``k8s.io``)."""
-        return _run(str(components.CONTAINERD.binary("ctr")), "--address", str(self.socket), "--namespace", "k8s.io",
-                    *args, check=check)
+        return _run(*self.enter, str(components.CONTAINERD.binary("ctr")), "--address", str(self.socket),
+                    "--namespace", "k8s.io", *args, check=check)
 
     def ready(self) -> bool:
         result = self.plane.kubectl("get", "node", self.name, "-o", "json", check=False)
@@ -252,6 +288,10 @@ state = "{state}/state"
             return False
         conditions = json.loads(result.stdout)["status"].get("conditions", [])
         return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+    def allocatable(self) -> dict[str, str]:
+        node = json.loads(self.plane.kubectl("get", "node", self.name, "-o", "json").stdout)
+        return dict(node["status"].get("allocatable", {}))
 
     def log(self, name: str) -> str:
         return self.processes[name].tail(200) if name in self.processes else ""
@@ -268,7 +308,7 @@ state = "{state}/state"
 
     def stop(self) -> None:
         """The kubelet, then containerd, then whatever is left (containers, mounts, links, cgroups)."""
-        for name in ("kubelet", "containerd"):
+        for name in ("fake-gpu-plugin", "kubelet", "containerd", "mount-namespace"):
             if name in self.processes:
                 self.processes.pop(name).stop()
         clean_leftovers(self.name, self.index, self.dir)

@@ -8,7 +8,8 @@ periods from the kubelet through containerd and runc, ``kubectl logs``/``exec`` 
 port, and a lost node noticed by Kubernetes itself.
 
 Needs root (links, mounts, cgroups), runc and the CNI plugins (``make test`` installs them) and the node
-binaries (``make control-plane``). Two nodes are shared by the module's tests; the lost-node test has its own.
+binaries (``make control-plane``). Two nodes are shared by the module's tests (node-b with two fake GPUs,
+offered through the kubelet's device-plugin API); the lost-node test has its own.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     base = image.base_image()
     with ControlPlane(work / "plane", kubeflow=False) as plane, \
             RealNode(plane, "node-a", 1, work / "nodes", images=(base,)) as a, \
-            RealNode(plane, "node-b", 2, work / "nodes", images=(base,)) as b:
+            RealNode(plane, "node-b", 2, work / "nodes", images=(base,), gpus=2) as b:
         yield Cluster(plane, {"node-a": a, "node-b": b}, base)
 
 
@@ -93,6 +94,34 @@ def test_pods_on_two_nodes_reach_each_other_at_their_pod_ips(cluster: Cluster) -
     logs = cluster.plane.kubectl("logs", "server").stdout
     client_ip = json.loads(cluster.plane.kubectl("get", "pod", "client", "-o", "json").stdout)["status"]["podIP"]
     assert f"{client_ip} - -" in logs, logs
+
+
+def test_fake_gpus_are_offered_through_the_device_plugin_api_and_allocated_to_containers(cluster: Cluster) -> None:
+    """node-b's two ``nvidia.com/gpu`` come from its device plugin, not a patched Node status: the kubelet counts
+    them, the scheduler places by them, the plugin's Allocate names the container's device."""
+    assert cluster.nodes["node-b"].allocatable()["nvidia.com/gpu"] == "2"
+    assert "nvidia.com/gpu" not in cluster.nodes["node-a"].allocatable()
+    one_gpu = {"resources": {"limits": {"nvidia.com/gpu": "1"}}}
+    cluster.pod("gpu-user", "node-b", ["sleep", "3600"], container=one_gpu)
+    visible = cluster.exec("gpu-user", "printenv", "NVIDIA_VISIBLE_DEVICES").strip()
+    assert visible in ("GPU-node-b-0", "GPU-node-b-1")
+    # two more than the one left: the scheduler keeps it Pending, naming the resource
+    greedy = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "greedy", "namespace": "default"},
+              "spec": {"containers": [{"name": "main", "image": cluster.base.ref, "imagePullPolicy": "Never",
+                                       "command": ["sleep", "3600"], "resources": {"limits": {"nvidia.com/gpu": "2"}}}]}}
+    cluster.plane.apply([greedy])
+
+    def unschedulable() -> str | None:
+        pod = json.loads(cluster.plane.kubectl("get", "pod", "greedy", "-o", "json").stdout)
+        condition = next((c for c in pod["status"].get("conditions", []) if c["type"] == "PodScheduled"), {})
+        return condition.get("message") if condition.get("reason") == "Unschedulable" else None
+
+    assert "Insufficient nvidia.com/gpu" in wait_until(unschedulable, 30, "greedy Unschedulable")
+    cluster.plane.kubectl("delete", "pod", "gpu-user", "--grace-period=0", "--force")
+    wait_until(lambda: json.loads(cluster.plane.kubectl("get", "pod", "greedy", "-o", "json").stdout)["status"]
+               .get("phase") == "Running", 60, "greedy Running once both GPUs are free")
+    assert sorted(cluster.exec("greedy", "printenv", "NVIDIA_VISIBLE_DEVICES").strip().split(",")) == \
+        ["GPU-node-b-0", "GPU-node-b-1"]
 
 
 TRAP_SIGTERM = """
