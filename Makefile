@@ -59,7 +59,7 @@ screenshots: $(STAMP) system-packages
 
 system-packages:
 	@command -v prometheus >/dev/null && command -v chromium >/dev/null && command -v bible >/dev/null && command -v kubectl >/dev/null \
-		&& command -v runc >/dev/null && test -x /usr/lib/cni/bridge && command -v mmdebstrap >/dev/null || \
+		&& test -x /usr/sbin/runc && test -x /usr/lib/cni/bridge && command -v mmdebstrap >/dev/null || \
 		( $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends $(SYSTEM_PACKAGES) )
 
 $(STAMP): pyproject.toml Makefile
