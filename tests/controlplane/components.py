@@ -114,6 +114,9 @@ CONTAINERD = Component(
 IMAGE_TOOLS = Component("image-tools", "v1", (".", "./pause"), ("imagetool", "pause"))
 """Bump the version with any change to image-tools/**.go: the cache is keyed by it."""
 
-NODE = (KUBELET, CONTAINERD, IMAGE_TOOLS)
+COREDNS = Component("coredns", "v1.13.2", (".",), ("coredns",))
+"""The cluster DNS: CoreDNS with the kubernetes plugin (coredns/main.go)."""
+
+NODE = (KUBELET, CONTAINERD, IMAGE_TOOLS, COREDNS)
 
 ALL = (ETCD, KUBERNETES, TRAINING_OPERATOR, TRAINER, KUEUE, *NODE)

@@ -61,6 +61,8 @@ CNI_PLUGINS = "/usr/lib/cni"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 START_TIMEOUT_S = 60.0
 RUN_ROOT = Path("/run/unbroken-nodes")
+CLUSTER_DNS_IP = "10.96.0.10"
+"""kubeadm's choice: the tenth address of the Service range (cluster.SERVICE_CIDR)."""
 RUNC_OOM_FLOOR = f'''#!{sys.executable}
 # runc, with a container's oomScoreAdj raised to this machine's floor (no CAP_SYS_RESOURCE to go below it)
 import json, os, sys
@@ -103,9 +105,11 @@ def missing_prerequisites() -> list[str]:
 
 class RealNode:
     def __init__(self, plane: ControlPlane, name: str, index: int, workdir: Path,
-                 images: tuple[image.Image, ...] = (), gpus: int = 0) -> None:
+                 images: tuple[image.Image, ...] = (), gpus: int = 0, dns: ClusterDNS | None = None) -> None:
         """``gpus``: fake ``nvidia.com/gpu`` devices offered through the kubelet's device-plugin API
-        (kubernetes/fake-gpu-plugin/main.go), IDs ``GPU-<name>-<i>``."""
+        (kubernetes/fake-gpu-plugin/main.go), IDs ``GPU-<name>-<i>``. ``dns``: the cluster DNS the kubelet gives
+        its pods (``clusterDNS``)."""
+        self.dns = dns
         if not 1 <= index <= 200:
             raise ValueError(f"node index {index}: 1 to 200 (it names the node's subnets)")
         self.plane, self.name, self.index = plane, name, index
@@ -239,6 +243,7 @@ state = "{state}/state"
             "authorization": {"mode": "AlwaysAllow"},
             "podLogsDir": str(self.dir / "pod-logs"), "volumePluginDir": str(kubelet / "volume-plugins"),
             "clusterDomain": "cluster.local", "failSwapOn": False,
+            **({"clusterDNS": [CLUSTER_DNS_IP]} if self.dns else {}),
             # a test machine's disk and memory are shared by every node on it: no eviction, no image GC
             "evictionHard": {}, "imageGCHighThresholdPercent": 100, "imageGCLowThresholdPercent": 99,
             "enforceNodeAllocatable": [], "localStorageCapacityIsolation": False, "makeIPTablesUtilChains": False,
@@ -314,6 +319,70 @@ state = "{state}/state"
         clean_leftovers(self.name, self.index, self.dir)
 
     def __enter__(self) -> RealNode:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+
+class ClusterDNS:
+    """The cluster's DNS, as CoreDNS serves it on a cluster (its kubernetes plugin, zone ``cluster.local``):
+    Services, a headless Service's pods and a pod's ``hostname.subdomain`` resolve to pod IPs. It runs as a
+    process of this machine answering at ``CLUSTER_DNS_IP`` (the address of a link of its own: every node's pods
+    reach this machine through their bridge), not as a Deployment behind kube-proxy: there is no kube-proxy here
+    (a ClusterIP Service's address does not answer), and unbroken's jobs name their peers by headless Services,
+    which need none. It reads the API with the admin's credentials."""
+
+    LINK = "ubdns"
+
+    def __init__(self, plane: ControlPlane, workdir: Path) -> None:
+        self.plane, self.dir = plane, workdir / "cluster-dns"
+        self.process: Process | None = None
+
+    def start(self) -> ClusterDNS:
+        missing = [f"{c.name} {c.version} (make control-plane)" for c in (components.COREDNS,) if not c.is_built()]
+        if missing:
+            raise NodeError("the cluster DNS needs " + "; ".join(missing))
+        self.dir.mkdir(parents=True, exist_ok=True)
+        _run("ip", "link", "del", self.LINK, check=False)  # a killed run's
+        _run("ip", "link", "add", self.LINK, "type", "veth", "peer", "name", f"{self.LINK}p")
+        _run("ip", "addr", "add", f"{CLUSTER_DNS_IP}/32", "dev", self.LINK)
+        _run("ip", "link", "set", self.LINK, "up")
+        _run("ip", "link", "set", f"{self.LINK}p", "up")
+        corefile = self.dir / "Corefile"
+        corefile.write_text(f"""cluster.local:53 {{
+    bind {CLUSTER_DNS_IP}
+    errors
+    log
+    kubernetes cluster.local {{
+        kubeconfig {self.plane.kubeconfig} test
+        pods verified
+    }}
+}}
+""")
+        self.process = Process("coredns", [str(components.COREDNS.binary("coredns")), "-conf", str(corefile)],
+                               self.dir / "coredns.log", dict(os.environ))
+        self.process.start()
+        wait_until(self._answers, START_TIMEOUT_S, f"CoreDNS answering at {CLUSTER_DNS_IP}")
+        return self
+
+    def _answers(self) -> bool:
+        assert self.process is not None and self.process.popen is not None
+        if self.process.popen.poll() is not None:
+            raise NodeError(f"CoreDNS exited with {self.process.popen.returncode}; its log ends:\n{self.process.tail()}")
+        # the banner CoreDNS prints once its servers listen, after its kubernetes plugin synced with the API
+        return "CoreDNS-" in self.process.tail()
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+        _run("ip", "link", "del", self.LINK, check=False)
+
+    def __enter__(self) -> ClusterDNS:
         try:
             return self.start()
         except BaseException:

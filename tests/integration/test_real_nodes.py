@@ -25,7 +25,7 @@ import pytest
 
 from controlplane import image
 from controlplane.cluster import NODE_GRACE_S, TOLERATION_S, ControlPlane
-from controlplane.node import RealNode
+from controlplane.node import ClusterDNS, RealNode
 from unbroken.plumbing.waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -35,11 +35,12 @@ class Cluster:
     def __init__(self, plane: ControlPlane, nodes: dict[str, RealNode], base: image.Image) -> None:
         self.plane, self.nodes, self.base = plane, nodes, base
 
-    def pod(self, name: str, node: str, command: list[str], **spec: Any) -> dict[str, Any]:
+    def pod(self, name: str, node: str, command: list[str], labels: dict[str, str] | None = None,
+            **spec: Any) -> dict[str, Any]:
         """A pod of the base image on ``node``, running ``command``, started and waited for (Running)."""
         container = {"name": "main", "image": self.base.ref, "imagePullPolicy": "Never", "command": command,
                      **spec.pop("container", {})}
-        manifest = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
+        manifest = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default", "labels": labels or {}},
                     "spec": {"nodeName": node, "containers": [container], **spec}}
         self.plane.apply([manifest])
         return wait_until(lambda: self._running(name), 60, f"pod {name} Running on {node}")
@@ -56,9 +57,9 @@ class Cluster:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     work = tmp_path_factory.mktemp("real-nodes")
     base = image.base_image()
-    with ControlPlane(work / "plane", kubeflow=False) as plane, \
-            RealNode(plane, "node-a", 1, work / "nodes", images=(base,)) as a, \
-            RealNode(plane, "node-b", 2, work / "nodes", images=(base,), gpus=2) as b:
+    with ControlPlane(work / "plane", kubeflow=False) as plane, ClusterDNS(plane, work) as dns, \
+            RealNode(plane, "node-a", 1, work / "nodes", images=(base,), dns=dns) as a, \
+            RealNode(plane, "node-b", 2, work / "nodes", images=(base,), gpus=2, dns=dns) as b:
         yield Cluster(plane, {"node-a": a, "node-b": b}, base)
 
 
@@ -122,6 +123,28 @@ def test_fake_gpus_are_offered_through_the_device_plugin_api_and_allocated_to_co
                .get("phase") == "Running", 60, "greedy Running once both GPUs are free")
     assert sorted(cluster.exec("greedy", "printenv", "NVIDIA_VISIBLE_DEVICES").strip().split(",")) == \
         ["GPU-node-b-0", "GPU-node-b-1"]
+
+
+def test_a_headless_services_names_resolve_in_a_pod_to_pod_ips(cluster: Cluster) -> None:
+    """What a PyTorchJob's workers do to find their master: the headless Service's name, and the master pod's
+    ``hostname.subdomain``, resolve through the cluster DNS (CoreDNS) to the master's pod IP, in a pod on another
+    node."""
+    cluster.plane.apply([{"apiVersion": "v1", "kind": "Service", "metadata": {"name": "job-master", "namespace": "default"},
+                          "spec": {"clusterIP": "None", "selector": {"role": "master"},
+                                   "ports": [{"name": "c10d", "port": 23456}]}}])
+    master = cluster.pod("master", "node-b", ["python3", "-m", "http.server", "23456"], labels={"role": "master"},
+                         hostname="master-0", subdomain="job-master")
+    cluster.pod("worker", "node-a", ["sleep", "3600"])
+    ip = master["status"]["podIP"]
+
+    def resolved(name: str) -> str:
+        return cluster.plane.kubectl("exec", "worker", "--", "getent", "hosts", name, check=False).stdout
+
+    for name in ("job-master", "job-master.default.svc.cluster.local", "master-0.job-master",
+                 "master-0.job-master.default.svc.cluster.local"):
+        assert ip in wait_until(lambda n=name: resolved(n), 30, f"{name} resolving in the worker")
+    fetch = "import urllib.request; print(urllib.request.urlopen('http://master-0.job-master:23456/', timeout=10).status)"
+    assert cluster.exec("worker", "python3", "-c", fetch).strip() == "200"
 
 
 TRAP_SIGTERM = """
