@@ -118,7 +118,7 @@ class RealNode:
         self.pod_cidr = f"10.88.{index}.0/24"
         self.link, self.bridge = f"ubnode{index}", f"ubpods{index}"
         self.cgroup = f"unbroken-{name}"
-        self.images = (image.pause_image(), *images)
+        self.images = images
         self.gpus = gpus
         self.run_dir = RUN_ROOT / name
         """containerd's sockets and the kubelet's root directory (its pod-resources and device-plugin sockets): a unix
@@ -141,7 +141,7 @@ class RealNode:
         self._cgroups()
         self._start_mount_namespace()
         self._start_containerd()
-        for each in self.images:
+        for each in (image.pause_image(), *self.images):
             self.ctr("images", "import", "--local", str(each.archive))
         self._start_kubelet()
         return self
