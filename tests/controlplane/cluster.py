@@ -21,7 +21,7 @@ The Kubeflow controllers each run in a private mount namespace (root only) whose
 path, as each would in its own pod.
 
 What is not here: a kubelet and a container runtime (tests/controlplane/kubelet.py plays them with
-processes; tests/controlplane/node.py runs real ones, and its cluster DNS), kube-proxy.
+processes; tests/controlplane/node.py runs real ones, with a cluster DNS and kube-proxy).
 """
 
 from __future__ import annotations

@@ -100,8 +100,9 @@ KUEUE = Component(
 
 # A real node (tests/controlplane/node.py): the kubelet, containerd with its runc shim and ctr, and the
 # tools that write the nodes' images. runc and the CNI plugins are Debian's (the Makefile installs them).
-KUBELET = Component("kubelet", KUBERNETES_VERSION, ("k8s.io/kubernetes/cmd/kubelet", "./fake-gpu-plugin"),
-                    ("kubelet", "fake-gpu-plugin"), ldflags=_kubernetes_version_flags(KUBERNETES_VERSION),
+KUBELET = Component("kubelet", KUBERNETES_VERSION,
+                    ("k8s.io/kubernetes/cmd/kubelet", "k8s.io/kubernetes/cmd/kube-proxy", "./fake-gpu-plugin"),
+                    ("kubelet", "kube-proxy", "fake-gpu-plugin"), ldflags=_kubernetes_version_flags(KUBERNETES_VERSION),
                     module="kubernetes")
 CONTAINERD_VERSION = "v2.4.2"
 CONTAINERD = Component(

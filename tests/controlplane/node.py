@@ -53,7 +53,7 @@ from types import TracebackType
 import yaml
 
 from controlplane import components, image
-from controlplane.cluster import ControlPlane, ControlPlaneError, Process, write_kubeconfig
+from controlplane.cluster import ControlPlane, ControlPlaneError, Process, listen_port, write_kubeconfig
 from unbroken.plumbing.waiting import WaitTimeout, wait_until
 
 RUNC = "/usr/sbin/runc"
@@ -61,6 +61,8 @@ CNI_PLUGINS = "/usr/lib/cni"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 START_TIMEOUT_S = 60.0
 RUN_ROOT = Path("/run/unbroken-nodes")
+POD_CIDRS = "10.88.0.0/16"
+"""Every node's pod subnet (10.88.<index>.0/24) is in it."""
 CLUSTER_DNS_IP = "10.96.0.10"
 """kubeadm's choice: the tenth address of the Service range (cluster.SERVICE_CIDR)."""
 RUNC_OOM_FLOOR = f'''#!{sys.executable}
@@ -383,6 +385,50 @@ class ClusterDNS:
         _run("ip", "link", "del", self.LINK, check=False)
 
     def __enter__(self) -> ClusterDNS:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+
+class ServiceProxy:
+    """kube-proxy (iptables mode), one for this machine: every node's pods route through this machine's network
+    namespace, where its rules turn a ClusterIP Service's address into one of its pods'. A cluster runs one per
+    node, each in that node's network namespace; here they would all write the same tables. Its rules are
+    removed when it stops (``kube-proxy --cleanup``)."""
+
+    def __init__(self, plane: ControlPlane, workdir: Path, node: str) -> None:
+        self.plane, self.dir, self.node = plane, workdir / "kube-proxy", node
+        self.process: Process | None = None
+
+    def start(self) -> ServiceProxy:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.healthz = listen_port()
+        self.process = Process("kube-proxy", [
+            str(components.KUBELET.binary("kube-proxy")), f"--kubeconfig={self.plane.kubeconfig}",
+            "--proxy-mode=iptables", f"--cluster-cidr={POD_CIDRS}", f"--hostname-override={self.node}",
+            f"--healthz-bind-address=127.0.0.1:{self.healthz}", f"--metrics-bind-address=127.0.0.1:{listen_port()}",
+            "--conntrack-max-per-core=0"], self.dir / "kube-proxy.log", dict(os.environ))
+        self.process.start()
+        wait_until(self._synced, START_TIMEOUT_S, "kube-proxy's first sync of the Services")
+        return self
+
+    def _synced(self) -> bool:
+        assert self.process is not None and self.process.popen is not None
+        if self.process.popen.poll() is not None:
+            raise NodeError(f"kube-proxy exited with {self.process.popen.returncode}; its log ends:\n{self.process.tail()}")
+        return "KUBE-SERVICES" in _run("iptables-save", "-t", "nat", check=False).stdout
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+        _run(str(components.KUBELET.binary("kube-proxy")), "--cleanup", "--proxy-mode=iptables", check=False)
+
+    def __enter__(self) -> ServiceProxy:
         try:
             return self.start()
         except BaseException:

@@ -25,7 +25,7 @@ import pytest
 
 from controlplane import image
 from controlplane.cluster import NODE_GRACE_S, TOLERATION_S, ControlPlane
-from controlplane.node import ClusterDNS, RealNode
+from controlplane.node import ClusterDNS, RealNode, ServiceProxy
 from unbroken.plumbing.waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -58,6 +58,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     work = tmp_path_factory.mktemp("real-nodes")
     base = image.base_image()
     with ControlPlane(work / "plane", kubeflow=False) as plane, ClusterDNS(plane, work) as dns, \
+            ServiceProxy(plane, work, "node-a"), \
             RealNode(plane, "node-a", 1, work / "nodes", images=(base,), dns=dns) as a, \
             RealNode(plane, "node-b", 2, work / "nodes", images=(base,), gpus=2, dns=dns) as b:
         yield Cluster(plane, {"node-a": a, "node-b": b}, base)
@@ -81,7 +82,7 @@ def test_a_pod_runs_in_a_container_as_the_images_user_with_its_own_ip_and_shared
     marker = f"unbroken-real-node-{time.monotonic_ns()}"
     cluster.exec("alone", "touch", f"/dev/shm/{marker}")
     assert marker in cluster.exec("alone", "ls", "/dev/shm") and not Path("/dev/shm", marker).exists()
-    assert cluster.plane.kubectl("logs", "alone").stdout == "started as 65532\n"
+    assert wait_until(lambda: cluster.plane.kubectl("logs", "alone").stdout, 30, "its first line") == "started as 65532\n"
 
 
 def test_pods_on_two_nodes_reach_each_other_at_their_pod_ips(cluster: Cluster) -> None:
@@ -90,11 +91,13 @@ def test_pods_on_two_nodes_reach_each_other_at_their_pod_ips(cluster: Cluster) -
     server_ip = server["status"]["podIP"]
     assert ipaddress.ip_address(server_ip) in ipaddress.ip_network(cluster.nodes["node-b"].pod_cidr)
     fetch = f"import urllib.request; print(urllib.request.urlopen('http://{server_ip}:8080/hostname', timeout=10).read().decode())"
-    assert cluster.exec("client", "python3", "-c", fetch).strip() == "server"
+    # Running is not listening yet: poll until the server answers
+    answer = wait_until(lambda: cluster.plane.kubectl("exec", "client", "--", "python3", "-c", fetch, check=False).stdout,
+                        30, "the server answering")
+    assert answer.strip() == "server"
     # the server saw the client's pod IP (no NAT between pods), in node-a's subnet
-    logs = cluster.plane.kubectl("logs", "server").stdout
     client_ip = json.loads(cluster.plane.kubectl("get", "pod", "client", "-o", "json").stdout)["status"]["podIP"]
-    assert f"{client_ip} - -" in logs, logs
+    wait_until(lambda: f"{client_ip} - -" in cluster.plane.kubectl("logs", "server").stdout, 30, "the request logged")
 
 
 def test_fake_gpus_are_offered_through_the_device_plugin_api_and_allocated_to_containers(cluster: Cluster) -> None:
@@ -144,7 +147,28 @@ def test_a_headless_services_names_resolve_in_a_pod_to_pod_ips(cluster: Cluster)
                  "master-0.job-master.default.svc.cluster.local"):
         assert ip in wait_until(lambda n=name: resolved(n), 30, f"{name} resolving in the worker")
     fetch = "import urllib.request; print(urllib.request.urlopen('http://master-0.job-master:23456/', timeout=10).status)"
-    assert cluster.exec("worker", "python3", "-c", fetch).strip() == "200"
+    answer = wait_until(lambda: cluster.plane.kubectl("exec", "worker", "--", "python3", "-c", fetch, check=False).stdout,
+                        30, "the master answering by name")  # Running is not listening yet
+    assert answer.strip() == "200"
+
+
+def test_a_cluster_ip_service_reaches_its_pod_on_another_node_through_kube_proxy(cluster: Cluster) -> None:
+    """The operator's metrics and an agent's shard API are reached by Service: kube-proxy's rules take the
+    ClusterIP (and the name, through the cluster DNS) to the pod on the other node."""
+    cluster.pod("backend", "node-b", ["python3", "-m", "http.server", "8000", "--directory", "/etc"],
+                labels={"app": "backend"})
+    cluster.plane.apply([{"apiVersion": "v1", "kind": "Service", "metadata": {"name": "backend", "namespace": "default"},
+                          "spec": {"selector": {"app": "backend"}, "ports": [{"port": 80, "targetPort": 8000}]}}])
+    cluster_ip = json.loads(cluster.plane.kubectl("get", "service", "backend", "-o", "json").stdout)["spec"]["clusterIP"]
+    assert ipaddress.ip_address(cluster_ip) in ipaddress.ip_network("10.96.0.0/16")
+    cluster.pod("caller", "node-a", ["sleep", "3600"])
+
+    def fetched(host: str) -> str:
+        script = f"import urllib.request; print(urllib.request.urlopen('http://{host}/hostname', timeout=5).read().decode())"
+        return cluster.plane.kubectl("exec", "caller", "--", "python3", "-c", script, check=False).stdout.strip()
+
+    assert wait_until(lambda: fetched(cluster_ip), 30, "the ClusterIP answering") == "backend"
+    assert fetched("backend.default.svc.cluster.local") == "backend"
 
 
 TRAP_SIGTERM = """
