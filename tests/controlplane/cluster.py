@@ -42,7 +42,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
@@ -159,7 +159,27 @@ def write_kubeconfig(path: Path, server: str, ca: Path, *, cert: pki.KeyPair | N
     return path
 
 
-class ControlPlane:
+class Started:
+    """``with X(...) as x:``: ``start()`` on entry (and ``stop()`` if it fails half-way), ``stop()`` on exit."""
+
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+
+class ControlPlane(Started):
     """etcd, kube-apiserver, kube-controller-manager, kube-scheduler (and Kubeflow's controllers) on loopback."""
 
     def __init__(self, workdir: Path, *, kubeflow: bool = True, trainer: bool = False, crds: bool = False,
@@ -542,15 +562,6 @@ class ControlPlane:
     def logs_tail(self, lines: int = 20) -> str:
         return "\n".join(f"--- {p.name} ({p.log}):\n{p.tail(lines)}" for p in self.processes.values() if p.log.exists())
 
-    def __enter__(self) -> ControlPlane:
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None) -> None:
-        self.stop()
 
 
 def main() -> None:

@@ -48,12 +48,11 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
 
 import yaml
 
 from controlplane import components, image
-from controlplane.cluster import ControlPlane, ControlPlaneError, Process, listen_port, write_kubeconfig
+from controlplane.cluster import ControlPlane, ControlPlaneError, Process, Started, listen_port, write_kubeconfig
 from unbroken.plumbing.waiting import WaitTimeout, wait_until
 
 RUNC = "/usr/sbin/runc"
@@ -105,7 +104,7 @@ def missing_prerequisites() -> list[str]:
     return missing
 
 
-class RealNode:
+class RealNode(Started):
     def __init__(self, plane: ControlPlane, name: str, index: int, workdir: Path,
                  images: tuple[image.Image, ...] = (), gpus: int = 0, dns: ClusterDNS | None = None) -> None:
         """``gpus``: fake ``nvidia.com/gpu`` devices offered through the kubelet's device-plugin API
@@ -320,18 +319,9 @@ state = "{state}/state"
                 self.processes.pop(name).stop()
         clean_leftovers(self.name, self.index, self.dir)
 
-    def __enter__(self) -> RealNode:
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None) -> None:
-        self.stop()
 
 
-class ClusterDNS:
+class ClusterDNS(Started):
     """The cluster's DNS, as CoreDNS serves it on a cluster (its kubernetes plugin, zone ``cluster.local``):
     Services, a headless Service's pods and a pod's ``hostname.subdomain`` resolve to pod IPs. It runs as a
     process of this machine answering at ``CLUSTER_DNS_IP`` (the address of a link of its own: every node's pods
@@ -384,18 +374,9 @@ class ClusterDNS:
             self.process.stop()
         _run("ip", "link", "del", self.LINK, check=False)
 
-    def __enter__(self) -> ClusterDNS:
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None) -> None:
-        self.stop()
 
 
-class ServiceProxy:
+class ServiceProxy(Started):
     """kube-proxy (iptables mode), one for this machine: every node's pods route through this machine's network
     namespace, where its rules turn a ClusterIP Service's address into one of its pods'. A cluster runs one per
     node, each in that node's network namespace; here they would all write the same tables. Its rules are
@@ -428,15 +409,6 @@ class ServiceProxy:
             self.process.stop()
         _run(str(components.KUBELET.binary("kube-proxy")), "--cleanup", "--proxy-mode=iptables", check=False)
 
-    def __enter__(self) -> ServiceProxy:
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None) -> None:
-        self.stop()
 
 
 def _hierarchies() -> list[Path]:
