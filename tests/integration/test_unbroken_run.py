@@ -147,9 +147,11 @@ def test_an_elastic_job_goes_on_smaller_after_a_pod_is_lost_and_grows_back_when_
         assert "round 2: 3 pods (node ranks [0, 1, 2])" in master.text()
         assert "round 2: this spare pod takes group rank 2 of 3" in back.text()
         assert "live peer (rank 0)" in back.text(), back.text()[-3000:]  # (rank 2: resumed at step N from ...; lines may interleave)
-        # the grow was asked of ranks that were training well: they left when asked, holding their last step
-        assert re.search(r"rank 1 asked to leave its process group \(spare pod \(node rank 2\) is warm", first.text()), \
-            first.text()[-3000:]
+        # the grow was asked of ranks that were training well, holding their last step: the first rank to read the
+        # request ends its side of the group, and the other may fail on that before it reads its own (held the same
+        # way; seen in CI: rank 0 asked, rank 1's collective closed by it)
+        both = master.text() + first.text()
+        assert re.search(r"rank \d asked to leave its process group \(spare pod \(node rank 2\) is warm", both), both[-3000:]
     finally:
         stop(pods)
 
