@@ -30,8 +30,8 @@ from controlplane import components
 
 DEBIAN_SUITE = "bookworm"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
-BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates", "procps")
-"""Python 3.11 (bookworm's, the ABI unbroken's venv is built for), and ``ps``/``kill`` for the tests' probes."""
+BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates")
+"""Python 3.11 (bookworm's, the ABI unbroken's venv is built for)."""
 NONROOT_UID = 65532
 """The operator's user in deploy/ (``runAsUser: 65532``): the image names it, as distroless images do."""
 PAUSE_REF = "unbroken.test/pause:1"

@@ -46,7 +46,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import yaml
@@ -237,7 +237,7 @@ state = "{state}/state"
             "failCgroupV1": False, "cgroupDriver": "cgroupfs", "cgroupRoot": f"/{self.cgroup}",
             "containerRuntimeEndpoint": f"unix://{self.socket}",
             "address": self.ip, "port": self.kubelet_port, "healthzBindAddress": "127.0.0.1",
-            "healthzPort": self.kubelet_port + 8, "readOnlyPort": 0,
+            "healthzPort": listen_port(), "readOnlyPort": 0,
             "tlsCertFile": str(serving.cert), "tlsPrivateKeyFile": str(serving.key),
             "authentication": {"anonymous": {"enabled": False}, "webhook": {"enabled": False},
                                "x509": {"clientCAFile": str(self.plane.ca.cert)}},
@@ -269,14 +269,8 @@ state = "{state}/state"
         process.start()
 
     def _wait(self, what: str, ready: Callable[[], bool]) -> None:
-        def probe() -> bool:
-            for process in self.processes.values():
-                if process.popen is not None and process.popen.poll() is not None:
-                    raise NodeError(f"{self.name}: {process.name} exited with {process.popen.returncode} while waiting "
-                                    f"for {what}; its log ends:\n{process.tail()}")
-            return ready()
         try:
-            wait_until(probe, START_TIMEOUT_S, what)
+            wait_until(_while_running(self.processes.values(), f"{self.name}: {what}", ready), START_TIMEOUT_S, what)
         except WaitTimeout:
             raise NodeError(f"{self.name}: {what} not within {START_TIMEOUT_S:.0f} s; logs:\n"
                             + "\n".join(f"--- {p.name}\n{p.tail()}" for p in self.processes.values())) from None
@@ -299,9 +293,6 @@ state = "{state}/state"
         node = json.loads(self.plane.kubectl("get", "node", self.name, "-o", "json").stdout)
         return dict(node["status"].get("allocatable", {}))
 
-    def log(self, name: str) -> str:
-        return self.processes[name].tail(200) if name in self.processes else ""
-
     # ---------------------------------------------------------------- end
 
     def fail(self) -> None:
@@ -320,14 +311,12 @@ state = "{state}/state"
         clean_leftovers(self.name, self.index, self.dir)
 
 
-
 class ClusterDNS(Started):
     """The cluster's DNS, as CoreDNS serves it on a cluster (its kubernetes plugin, zone ``cluster.local``):
     Services, a headless Service's pods and a pod's ``hostname.subdomain`` resolve to pod IPs. It runs as a
     process of this machine answering at ``CLUSTER_DNS_IP`` (the address of a link of its own: every node's pods
-    reach this machine through their bridge), not as a Deployment behind kube-proxy: there is no kube-proxy here
-    (a ClusterIP Service's address does not answer), and unbroken's jobs name their peers by headless Services,
-    which need none. It reads the API with the admin's credentials."""
+    reach this machine through their bridge), not as a Deployment behind a ClusterIP: it then needs neither the
+    image nor kube-proxy to be up first. It reads the API with the admin's credentials."""
 
     LINK = "ubdns"
 
@@ -359,21 +348,16 @@ class ClusterDNS(Started):
         self.process = Process("coredns", [str(components.COREDNS.binary("coredns")), "-conf", str(corefile)],
                                self.dir / "coredns.log", dict(os.environ))
         self.process.start()
-        wait_until(self._answers, START_TIMEOUT_S, f"CoreDNS answering at {CLUSTER_DNS_IP}")
-        return self
-
-    def _answers(self) -> bool:
-        assert self.process is not None and self.process.popen is not None
-        if self.process.popen.poll() is not None:
-            raise NodeError(f"CoreDNS exited with {self.process.popen.returncode}; its log ends:\n{self.process.tail()}")
+        coredns = self.process
         # the banner CoreDNS prints once its servers listen, after its kubernetes plugin synced with the API
-        return "CoreDNS-" in self.process.tail()
+        what = f"CoreDNS answering at {CLUSTER_DNS_IP}"
+        wait_until(_while_running([coredns], what, lambda: "CoreDNS-" in coredns.tail()), START_TIMEOUT_S, what)
+        return self
 
     def stop(self) -> None:
         if self.process is not None:
             self.process.stop()
         _run("ip", "link", "del", self.LINK, check=False)
-
 
 
 class ServiceProxy(Started):
@@ -388,27 +372,33 @@ class ServiceProxy(Started):
 
     def start(self) -> ServiceProxy:
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.healthz = listen_port()
         self.process = Process("kube-proxy", [
             str(components.KUBELET.binary("kube-proxy")), f"--kubeconfig={self.plane.kubeconfig}",
             "--proxy-mode=iptables", f"--cluster-cidr={POD_CIDRS}", f"--hostname-override={self.node}",
-            f"--healthz-bind-address=127.0.0.1:{self.healthz}", f"--metrics-bind-address=127.0.0.1:{listen_port()}",
+            f"--healthz-bind-address=127.0.0.1:{listen_port()}", f"--metrics-bind-address=127.0.0.1:{listen_port()}",
             "--conntrack-max-per-core=0"], self.dir / "kube-proxy.log", dict(os.environ))
         self.process.start()
-        wait_until(self._synced, START_TIMEOUT_S, "kube-proxy's first sync of the Services")
+        what = "kube-proxy's first sync of the Services"
+        synced = _while_running([self.process], what,
+                                lambda: "KUBE-SERVICES" in _run("iptables-save", "-t", "nat", check=False).stdout)
+        wait_until(synced, START_TIMEOUT_S, what)
         return self
-
-    def _synced(self) -> bool:
-        assert self.process is not None and self.process.popen is not None
-        if self.process.popen.poll() is not None:
-            raise NodeError(f"kube-proxy exited with {self.process.popen.returncode}; its log ends:\n{self.process.tail()}")
-        return "KUBE-SERVICES" in _run("iptables-save", "-t", "nat", check=False).stdout
 
     def stop(self) -> None:
         if self.process is not None:
             self.process.stop()
         _run(str(components.KUBELET.binary("kube-proxy")), "--cleanup", "--proxy-mode=iptables", check=False)
 
+
+def _while_running(processes: Iterable[Process], what: str, ready: Callable[[], bool]) -> Callable[[], bool]:
+    """``ready``, polled, failing at once with the log's tail if one of ``processes`` exits meanwhile."""
+    def probe() -> bool:
+        for process in processes:
+            if process.popen is not None and process.popen.poll() is not None:
+                raise NodeError(f"{process.name} exited with {process.popen.returncode} while waiting for {what}; "
+                                f"its log ends:\n{process.tail()}")
+        return ready()
+    return probe
 
 
 def _hierarchies() -> list[Path]:
