@@ -152,6 +152,7 @@ def test_an_elastic_job_goes_on_smaller_after_a_pod_is_lost_and_grows_back_when_
         # way; seen in CI: rank 0 asked, rank 1's collective closed by it)
         both = master.text() + first.text()
         assert re.search(r"rank \d asked to leave its process group \(spare pod \(node rank 2\) is warm", both), both[-3000:]
+        assert "rank 1 rejoins as attempt 0 (round 2)" in first.text(), first.text()[-3000:]  # held, not restarted
     finally:
         stop(pods)
 
