@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import IO
 
 from unbroken.plumbing import procs
-from unbroken.supervision import warm_spare
+from unbroken.supervision import standby_rank, warm_spare
 from unbroken.config.job import JobSpec
 
 log = logging.getLogger("unbroken.supervision.spare_pool")
@@ -81,6 +81,7 @@ class SparePool:
     def _start(self, spec: JobSpec, env: dict[str, str]) -> Spare:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         extra = {warm_spare.WARM_IMPORTS: ",".join(spec.resilience.warm_imports)} if spec.resilience.warm_imports else {}
+        extra[standby_rank.LOCAL_RANKS] = str(spec.procs_per_node)
         with open(self.log_dir / f"spares-{spec.name}.log", "ab") as out:
             spare = start_spare(spec.name, self.trampoline, {**os.environ, **env, **extra}, cwd=spec.working_dir, out=out)
         log.info("warm spare started", extra={"node": self.node, "job": spec.name, "pid": spare.process.pid})

@@ -18,6 +18,7 @@ import psutil
 from unbroken.plumbing import procs
 from unbroken.rank import registry as rank_registry, symptoms
 from unbroken.plumbing.ports import free_port
+from unbroken.plumbing.trampoline import TRAMPOLINE  # re-exported: what starts torchrun
 from unbroken.supervision import warm_spare
 from unbroken.supervision.spare_pool import Spare
 from unbroken.config.job import HANG_TIMEOUT_FALLBACK_S, STARTUP_TIMEOUT_FALLBACK_S, JobSpec
@@ -28,15 +29,6 @@ STOP_GRACE_SECONDS = 3.0
 """SIGTERM lets torchrun tear its ranks down cleanly; 3 s is plenty for that and
 short enough that a hung (SIGSTOPped) group does not delay the restart."""
 
-# Sets PDEATHSIG then execs torchrun: if the agent dies (a node losing power),
-# the kernel kills torchrun too. Done in a trampoline instead of preexec_fn
-# because the agent is multi-threaded and preexec_fn is not fork-safe there.
-TRAMPOLINE = (
-    "import ctypes, os, signal, sys; "
-    "ctypes.CDLL('libc.so.6').prctl(1, signal.SIGKILL); "
-    "os.getppid() == 1 and os._exit(137); "
-    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
-)
 
 
 def torchrun_args(spec: JobSpec, worker: Worker, log_dir: Path, local_addr: str | None = None, *, nnodes: int | None = None) -> list[str]:

@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import json
 import os
-import runpy
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from unbroken.rank import registry as rank_registry
+from unbroken.plumbing.trampoline import TRAMPOLINE
+from unbroken.supervision import rank_entry, standby_rank
 
 PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch.distributed.elastic.multiprocessing", "torch._dynamo",
            "unbroken.train")
@@ -82,6 +84,19 @@ def main() -> int:
     multiprocessing.forkserver.ensure_running()
     import torch.distributed.run  # noqa: F401 - the import is the point: torchrun's own startup, done now
 
+    standbys = None
+    if count := standby_rank.wanted(os.environ):
+        folder = Path(tempfile.mkdtemp(prefix="unbroken-standby-"))
+        standbys = standby_rank.Standbys.start(folder, count, TRAMPOLINE, [*PRELOAD, *extra])
+    try:
+        return _serve(started, standbys)
+    finally:
+        if standbys is not None:
+            standbys.close()
+            shutil.rmtree(standbys.directory, ignore_errors=True)
+
+
+def _serve(started: float, standbys: standby_rank.Standbys | None) -> int:
     # The forkserver imports in parallel with us; a spare is ready when both are done. A fork
     # request waits for the preload, so connecting once proves it.
     _wait_for_forkserver()
@@ -101,6 +116,10 @@ def main() -> int:
     os.environ.update(identity.env)
     print(f"unbroken: this torchrun is a warm spare (pid {os.getpid()}), warmed {time.monotonic() - started:.1f} s ago",
           flush=True)
+    if standbys is not None:
+        standbys.end_unclaimed_after(standby_rank.CLAIM_WINDOW_S)
+        identity = Identity(identity.torchrun_args, {**identity.env, standby_rank.DIRECTORY: str(standbys.directory)},
+                            identity.working_dir, identity.log)
     return _torchrun(identity)
 
 
@@ -136,40 +155,15 @@ def _torchrun(identity: Identity) -> int:
 
 
 def run_rank(env_json: str, working_dir: str, *command: str) -> None:
-    """One rank, in a fork of the warm forkserver: become the job's process, then run its script.
+    """One rank, in a fork of the warm forkserver: become the job's process, then run its script, or hand it to a
+    standby rank that has started CUDA already (supervision/standby_rank.py) and stand in for it.
 
     ``command`` is what torchrun would have exec'ed after ``python``: ``-u script.py args``
     or ``-u -m module args``.
     """
     os.environ.update(json.loads(env_json))
-    registry = Path(os.environ[rank_registry.REGISTRY_DIR]) if os.environ.get(rank_registry.REGISTRY_DIR) else None
-    if registry is not None:
-        identity = rank_registry.RankIdentity(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]))
-        rank_registry.register(registry, os.getpid(), identity)
-    os.chdir(working_dir)
-    threads = os.environ.get("OMP_NUM_THREADS")
-    if threads and threads.isdigit():
-        import torch
-
-        torch.set_num_threads(int(threads))  # the forkserver's torch read it at import; the job may differ
-    code = 1  # an exception, unless the script returns or exits
-    try:
-        run_script(list(command[1:] if command and command[0] == "-u" else command))
-        code = 0
-    except SystemExit as exc:
-        code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
-        raise
-    finally:
-        if registry is not None:
-            rank_registry.record_exit(registry, os.getpid(), code)
-
-
-def run_script(args: list[str]) -> None:
-    """Run ``script.py args`` or ``-m module args`` as ``__main__``, with its own argv and folder on the path."""
-    if args[0] == "-m":
-        sys.argv = [args[1], *args[2:]]
-        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = list(args)
-        sys.path.insert(0, str(Path(args[0]).resolve().parent))
-        runpy.run_path(args[0], run_name="__main__")
+    handed = standby_rank.hand_over(working_dir, list(command))
+    if handed is not None:
+        standby_rank.end_as(standby_rank.wait_for(handed))
+        return
+    rank_entry.run_as_rank(working_dir, list(command))

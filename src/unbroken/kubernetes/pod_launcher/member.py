@@ -32,7 +32,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from unbroken.rank import registry as rank_registry, rejoin
-from unbroken.supervision import spare_pool, torchrun, warm_spare
+from unbroken.supervision import spare_pool, standby_rank, torchrun, warm_spare
 from unbroken.supervision.rank_watch import RankDeath, RankWatch
 from unbroken.supervision.spare_pool import Spare
 from unbroken.errors import ConfigError
@@ -353,7 +353,8 @@ class PodLauncher:
             return
         ready_file = self.run_dir / f"spare-{time.monotonic_ns()}.ready"
         self.spare = spare_pool.start_spare(f"pod-{self.run.node_rank}", torchrun.TRAMPOLINE,
-                                            {**self._base_env, warm_spare.READY_FILE: str(ready_file)},
+                                            {**self._base_env, warm_spare.READY_FILE: str(ready_file),
+                                             standby_rank.LOCAL_RANKS: str(self.run.nproc_per_node)},
                                             cwd=os.getcwd(), out=None, ready_file=ready_file)
         log.info("warm spare started: it imports torch, then prints that it is ready", extra={"pid": self.spare.process.pid})
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 
-from unbroken.supervision import warm_spare
+from unbroken.supervision import rank_entry
 from unbroken.rank.env import GroupPlacement
 
 
@@ -24,7 +24,7 @@ def main(argv: list[str]) -> None:
     group = GroupPlacement.from_environ(os.environ)
     if group is not None:
         os.environ.update(group.rank_environ(int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    warm_spare.run_script(argv)
+    rank_entry.run_script(argv)
 
 
 if __name__ == "__main__":
