@@ -73,6 +73,10 @@ class _Progress:
 
     def report(self, job: str, attempt: int) -> WorkerProgress:
         reporting = [r for r in self.ranks.values() if r.ts is not None and r.step is not None]
+        # A rank that said it finished is exiting: its silence since is not the worker's (a peer still winding down, or
+        # still training, is timed by its own reports).
+        training = [r for r in reporting if r.finished_at is None] or reporting
+        finished = [r.finished_at for r in self.ranks.values() if r.finished_at is not None]
         ranks = tuple(sorted((RankInfo(rank=k, local_rank=r.local_rank, pid=r.pid) for k, r in self.ranks.items()),
                              key=lambda info: info.rank))
         return WorkerProgress(
@@ -80,12 +84,13 @@ class _Progress:
             first_step=self.first_step if reporting else None,
             first_progress_at=self.first_progress_at if reporting else None,
             last_step=min(r.step for r in reporting if r.step is not None) if reporting else None,
-            last_progress_at=min(r.ts for r in reporting if r.ts is not None) if reporting else None,
+            last_progress_at=min(r.ts for r in training if r.ts is not None) if training else None,
             restored_step=self.restored_step,
             checkpoint_stall_s=max((r.stalled for r in self.ranks.values()), default=0.0) or None,
             saved_step=_oldest([r.saved for r in self.ranks.values()]),
             step_timing=worker_timing({k: r.clock for k, r in self.ranks.items()}),
             divergence=self.divergence,
+            finished_at=max(finished) if finished and len(finished) == len(self.ranks) else None,
         )
 
 

@@ -381,6 +381,6 @@ def _progress_update(progress: WorkerProgress | None) -> dict[str, Any]:
     if progress is None:
         return {}
     fields = ("ranks", "first_step", "first_progress_at", "last_step", "last_progress_at", "restored_step", "checkpoint_stall_s", "saved_step",
-              "divergence")
+              "divergence", "finished_at")
     return {name: value for name in fields if (value := getattr(progress, name)) is not None}
 

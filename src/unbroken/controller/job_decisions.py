@@ -241,6 +241,11 @@ def detect_failure(now: float, spec: JobSpec, workers: list[Worker], nodes: dict
     for w in workers:
         if w.phase is not WorkerPhase.RUNNING:
             continue
+        if w.finished_at is not None and len(w.ranks) >= spec.procs_per_node:
+            # Every rank said it finished: exiting, not training, however long that takes under load. A rank that never
+            # exits is ended by its agent (agent/workers.py) or its launcher (unbroken run), and the job judged on what
+            # its ranks reported: a restart here would train the finished job again.
+            continue
         if w.last_progress_at is not None:
             # Progress is as fresh as the node's last report: while its agent is silent (paused,
             # restarting, cut off) the ranks' silence is not known to grow, so it is not a hang.

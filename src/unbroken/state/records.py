@@ -233,6 +233,9 @@ class Worker:
     step_timing: StepTiming | None = None
     """Its ranks' recent step and section times: hang timeouts and straggler scores read them."""
     divergence: Divergence | None = None
+    finished_at: float | None = None
+    """When the last of its ranks said it finished training (``ctx.finished()``), once every rank that reported has:
+    it is exiting, and its silence is not a hang."""
     """Its ranks' replicas stopped agreeing (silent data corruption): the controller restarts from the agreed step."""
 
 
@@ -256,6 +259,8 @@ class WorkerProgress:
     """The newest step every rank of the worker has saved (an elastic job grows after one)."""
     step_timing: StepTiming | None = None
     divergence: Divergence | None = None
+    finished_at: float | None = None
+    """When the last of its ranks said it finished, once every rank that reported has (``Worker.finished_at``)."""
 
 
 @dataclass(frozen=True)

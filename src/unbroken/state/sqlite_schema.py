@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sqlite3
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS cluster (
@@ -36,6 +36,7 @@ CREATE TABLE IF NOT EXISTS workers (
     exit_code INTEGER, message TEXT, log_dir TEXT,
     first_step INTEGER, first_progress_at REAL, last_step INTEGER, last_progress_at REAL,
     restored_step INTEGER, ranks TEXT NOT NULL, checkpoint_stall_s REAL, saved_step INTEGER, step_timing TEXT, divergence TEXT,
+    finished_at REAL,
     UNIQUE (job, attempt, node)
 );
 CREATE INDEX IF NOT EXISTS workers_by_node ON workers(node, phase);
@@ -93,6 +94,9 @@ NEW_IN_V5 = (
 NEW_IN_V6 = (
     ("workers", "divergence", "TEXT"),
 )
+NEW_IN_V7 = (
+    ("workers", "finished_at", "REAL"),
+)
 
 
 def upgrade(conn: sqlite3.Connection, version: int) -> None:
@@ -103,7 +107,7 @@ def upgrade(conn: sqlite3.Connection, version: int) -> None:
         for statement in statements(FROM_V2):
             conn.execute(statement)
     if version in (2, 3, 4, 5):  # a column the file already has is skipped
-        for table, column, declaration in (*NEW_IN_V3, *NEW_IN_V4, *NEW_IN_V5, *NEW_IN_V6):
+        for table, column, declaration in (*NEW_IN_V3, *NEW_IN_V4, *NEW_IN_V5, *NEW_IN_V6, *NEW_IN_V7):
             if column not in {row["name"] for row in conn.execute(f"PRAGMA table_info({table})")}:
                 conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
     conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")

@@ -82,3 +82,4 @@ class WorkerUpdate(_Update):
     checkpoint_stall_s: float | None | _Unset = UNSET
     saved_step: int | None | _Unset = UNSET
     divergence: Divergence | None | _Unset = UNSET
+    finished_at: float | None | _Unset = UNSET

@@ -302,7 +302,8 @@ class KubernetesBackend:
                                  first_progress_at=report.first_progress_at, last_step=report.last_step,
                                  last_progress_at=report.last_progress_at, restored_step=report.restored_step,
                                  checkpoint_stall_s=report.checkpoint_stall_s, saved_step=report.saved_step,
-                                 step_timing=report.step_timing, divergence=report.divergence)
+                                 step_timing=report.step_timing, divergence=report.divergence,
+                                 finished_at=report.finished_at)
             workers.append(worker)
         if budget is not None:
             by_attempt: dict[int, list[tuple[Worker, dict[str, Any]]]] = {}

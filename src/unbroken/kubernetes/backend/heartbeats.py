@@ -42,6 +42,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
+from dataclasses import fields as dataclass_fields
 from typing import Any
 
 import kubernetes
@@ -132,6 +133,10 @@ def progress_to_json(progress: WorkerProgress) -> dict[str, Any]:
 
 
 def progress_from_json(entry: dict[str, Any]) -> WorkerProgress:
+    """A report from a beat or a Lease; fields this operator does not know (a newer agent's) are left out, not fatal:
+    agents and the operator are upgraded one after the other."""
+    known = {f.name for f in dataclass_fields(WorkerProgress)}
+    entry = {k: v for k, v in entry.items() if k in known}
     ranks = tuple(RankInfo(**rank) for rank in entry.pop("ranks", None) or ())
     timing = StepTiming.from_json(entry.pop("step_timing", None))
     raw_divergence = entry.pop("divergence", None)
