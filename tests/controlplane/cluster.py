@@ -183,13 +183,16 @@ class ControlPlane(Started):
     """etcd, kube-apiserver, kube-controller-manager, kube-scheduler (and Kubeflow's controllers) on loopback."""
 
     def __init__(self, workdir: Path, *, kubeflow: bool = True, trainer: bool = False, crds: bool = False,
-                 kueue: bool = False, controllers: str = "*") -> None:
+                 kueue: bool = False, controllers: str = "*", address: str = LOOPBACK) -> None:
         """``kubeflow``: training-operator runs; ``trainer``: JobSet and the Trainer too; ``crds``: only the
         Kubeflow CRDs are installed (PyTorchJob, TrainJob and its runtimes, JobSet), no controller: for tests of
         what unbroken writes to those objects. ``kueue``: Kueue's controller manager too, queueing PyTorchJobs (those
         labelled ``kueue.x-k8s.io/queue-name``). ``controllers``: the controller-manager's ``--controllers``
-        (benchmarks/scale.py turns the node lifecycle controller off: its Nodes have no kubelet)."""
+        (benchmarks/scale.py turns the node lifecycle controller off: its Nodes have no kubelet). ``address``: where the
+        API server listens and what it advertises (the ``kubernetes`` Service's endpoint): loopback, unless pods in
+        containers must reach it (node.ApiAddress gives one)."""
         self.controllers = controllers
+        self.address = address
         needed = [components.ETCD, components.KUBERNETES] + [components.TRAINING_OPERATOR] * (kubeflow or trainer or crds) \
             + [components.TRAINER] * (trainer or crds) + [components.KUEUE] * kueue
         missing = [c for c in needed if not c.is_built()]
@@ -207,7 +210,7 @@ class ControlPlane(Started):
         self.ca = pki.Authority(self.pki_dir)
         self.sa_keys = pki.service_account_keys(self.pki_dir)
         self.apiserver_port = listen_port()
-        self.server = f"https://{LOOPBACK}:{self.apiserver_port}"
+        self.server = f"https://{address}:{self.apiserver_port}"
         self.etcd_port, self.etcd_peer_port = listen_port(), listen_port()
         self._issue_certificates()
         self.processes: dict[str, Process] = {}
@@ -219,7 +222,8 @@ class ControlPlane(Started):
 
     def _issue_certificates(self) -> None:
         ca = self.ca
-        self.serving = ca.issue("apiserver", common_name="kube-apiserver", server=True, ips=(LOOPBACK, "10.96.0.1"),
+        self.serving = ca.issue("apiserver", common_name="kube-apiserver", server=True,
+                                ips=tuple(dict.fromkeys((LOOPBACK, self.address, "10.96.0.1"))),
                                 dns=("localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
                                      "kubernetes.default.svc.cluster.local"))
         self.kubelet_client = ca.issue("apiserver-kubelet-client", common_name="kube-apiserver-kubelet-client",
@@ -260,8 +264,8 @@ class ControlPlane(Started):
             "--initial-cluster", f"default={peer}", "--unsafe-no-fsync", "--log-level", "warn"])
         pki_dir = self.pki_dir
         self._process("kube-apiserver", [
-            str(kube.binary("kube-apiserver")), f"--etcd-servers={client}", f"--bind-address={LOOPBACK}",
-            f"--advertise-address={LOOPBACK}", f"--secure-port={self.apiserver_port}", f"--cert-dir={pki_dir}",
+            str(kube.binary("kube-apiserver")), f"--etcd-servers={client}", f"--bind-address={self.address}",
+            f"--advertise-address={self.address}", f"--secure-port={self.apiserver_port}", f"--cert-dir={pki_dir}",
             f"--tls-cert-file={self.serving.cert}", f"--tls-private-key-file={self.serving.key}",
             f"--client-ca-file={self.ca.cert}", "--authorization-mode=Node,RBAC",
             # NodeRestriction, as every managed cluster runs it (on top of the plugins on by default, which
@@ -270,7 +274,8 @@ class ControlPlane(Started):
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={self.sa_keys.cert}",
             f"--service-account-signing-key-file={self.sa_keys.key}", f"--service-cluster-ip-range={SERVICE_CIDR}",
-            "--allow-privileged=true", "--endpoint-reconciler-type=none",
+            # the ``kubernetes`` Service's endpoint is this address; loopback cannot be one
+            "--allow-privileged=true", f"--endpoint-reconciler-type={'none' if self.address == LOOPBACK else 'lease'}",
             f"--kubelet-client-certificate={self.kubelet_client.cert}", f"--kubelet-client-key={self.kubelet_client.key}",
             f"--kubelet-certificate-authority={self.ca.cert}", "--kubelet-preferred-address-types=InternalIP",
             f"--default-not-ready-toleration-seconds={TOLERATION_S}",

@@ -9,6 +9,12 @@ import``). Built once per content and kept outside the clone, as the control pla
 * ``base_image()``: Debian bookworm (``mmdebstrap --variant=minbase``) with Python 3.11 and the venv
   module: what unbroken's own image is built on (the Dockerfile's ``python:3.11-slim``, which no registry here
   can serve). ~20 s and ~230 MB the first time.
+* ``unbroken_image()``: the Dockerfile's layout on that Debian: a venv at ``/opt/unbroken`` with unbroken (a
+  wheel of this checkout) and its dependencies, ``PATH`` through it, no USER and no ENTRYPOINT. One difference:
+  no torch. The operator and the node agent never import it (``import-linter`` holds them to that), and the
+  only torch PyPI has for Linux is the CUDA build, 5 GB with its NVIDIA libraries: an image that size, imported
+  into every node's containerd, does not fit this machine. The Dockerfile's image has it (the GPU checks and
+  the training pods need it). Keyed by the dependencies and the checkout's sources: rebuilt when either changes.
 
 The cache key is the recipe (suite, packages, the tool's version), not the mirror's state on the day: a
 rebuild on another day may hold newer Debian point releases of the same packages, as a Dockerfile's
@@ -21,7 +27,10 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tarfile
+import time
+import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +41,10 @@ DEBIAN_SUITE = "bookworm"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates")
 """Python 3.11 (bookworm's, the ABI unbroken's venv is built for)."""
+REPOSITORY = Path(__file__).resolve().parents[2]
+"""The checkout whose unbroken goes into ``unbroken_image()``."""
+NOT_IN_THE_IMAGE = ("torch",)
+"""unbroken's dependencies the test image leaves out (see the module's docstring)."""
 NONROOT_UID = 65532
 """The operator's user in deploy/ (``runAsUser: 65532``): the image names it, as distroless images do."""
 PAUSE_REF = "unbroken.test/pause:1"
@@ -81,7 +94,20 @@ def _built(name: str, key: str, ref: str, build: Callable[[Path, str], None]) ->
         build(staging, ref)
         shutil.rmtree(target, ignore_errors=True)
         staging.rename(target)
+        _forget_older(name, keep=target)
     return Image(ref, target / "image.tar")
+
+
+STALE_AFTER_S = 3600.0
+"""An image of an older recipe unused this long is deleted when a new one is built (unbroken's changes with every edit
+of the sources: ~200 MB each); younger ones may still be in use by another checkout's run."""
+
+
+def _forget_older(name: str, keep: Path) -> None:
+    for other in cache_root().glob(f"{name}-*"):
+        if other != keep and other.is_dir() and not other.name.endswith(".building") \
+                and time.time() - other.stat().st_mtime > STALE_AFTER_S:
+            shutil.rmtree(other, ignore_errors=True)
 
 
 def pause_image() -> Image:
@@ -96,26 +122,99 @@ def pause_image() -> Image:
     return _built("pause", _key("pause", "/pause"), PAUSE_REF, build)
 
 
+def _debian(rootfs: Path, hooks: tuple[str, ...] = ()) -> None:
+    """``BASE_PACKAGES`` on Debian's minbase, with the ``nonroot`` user, then ``hooks`` (mmdebstrap customize hooks:
+    shell with the root filesystem in ``$1``), written as a tarball at ``rootfs``."""
+    if shutil.which("mmdebstrap") is None:
+        raise ImageError("mmdebstrap is not installed (`make test` installs it: apt-get install mmdebstrap)")
+    nonroot = (f'echo "nonroot:x:{NONROOT_UID}:{NONROOT_UID}:nonroot:/home/nonroot:/usr/sbin/nologin" >> "$1/etc/passwd"'
+               f' && echo "nonroot:x:{NONROOT_UID}:" >> "$1/etc/group"'
+               f' && mkdir -p "$1/home/nonroot" && chown {NONROOT_UID}:{NONROOT_UID} "$1/home/nonroot"')
+    command = ["mmdebstrap", "--quiet", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}",
+               "--customize-hook", nonroot]
+    for hook in hooks:
+        command += ["--customize-hook", hook]
+    command += ["--customize-hook", 'rm -rf "$1"/var/cache/apt/* "$1"/var/lib/apt/lists/*', DEBIAN_SUITE, str(rootfs), DEBIAN_MIRROR]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode:
+        raise ImageError(f"`{' '.join(command)}` failed ({result.returncode}): {result.stderr.strip()[-2000:]}")
+
+
+BASE_ENV = ("PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8")
+
+
 def base_image() -> Image:
     """Debian with Python 3.11 (``BASE_PACKAGES``) and a ``nonroot`` user (65532, as distroless images have), one
     layer."""
     key = _key("base", DEBIAN_SUITE, DEBIAN_MIRROR, *BASE_PACKAGES)
 
     def build(staging: Path, ref: str) -> None:
-        if shutil.which("mmdebstrap") is None:
-            raise ImageError("mmdebstrap is not installed (`make test` installs it: apt-get install mmdebstrap)")
         rootfs = staging / "rootfs.tar"
-        nonroot = (f'echo "nonroot:x:{NONROOT_UID}:{NONROOT_UID}:nonroot:/home/nonroot:/usr/sbin/nologin" >> "$1/etc/passwd"'
-                   f' && echo "nonroot:x:{NONROOT_UID}:" >> "$1/etc/group"'
-                   f' && mkdir -p "$1/home/nonroot" && chown {NONROOT_UID}:{NONROOT_UID} "$1/home/nonroot"')
-        command = ["mmdebstrap", "--quiet", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}",
-                   "--customize-hook", nonroot, "--customize-hook", 'rm -rf "$1"/var/cache/apt/* "$1"/var/lib/apt/lists/*',
-                   DEBIAN_SUITE, str(rootfs), DEBIAN_MIRROR]
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode:
-            raise ImageError(f"`{' '.join(command)}` failed ({result.returncode}): {result.stderr.strip()[-2000:]}")
-        _imagetool([rootfs], ref, staging / "image.tar",
-                   env=("PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8"))
+        _debian(rootfs)
+        _imagetool([rootfs], ref, staging / "image.tar", env=BASE_ENV)
         rootfs.unlink()
 
     return _built("debian-python", key, f"unbroken.test/debian-python:{key}", build)
+
+
+def dependencies() -> list[str]:
+    """unbroken's requirements (pyproject.toml) that go into the test image."""
+    declared = tomllib.loads((REPOSITORY / "pyproject.toml").read_text())["project"]["dependencies"]
+    return sorted(d for d in declared if not any(d.startswith(name) for name in NOT_IN_THE_IMAGE))
+
+
+def _sources_digest() -> str:
+    """What the checkout's unbroken is made of: pyproject.toml and every file under src/unbroken (caches left out)."""
+    digest = hashlib.sha256((REPOSITORY / "pyproject.toml").read_bytes())
+    for path in sorted((REPOSITORY / "src" / "unbroken").rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts:
+            digest.update(str(path.relative_to(REPOSITORY)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def _pip(*args: str) -> None:
+    command = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--quiet", *args]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode:
+        raise ImageError(f"`{' '.join(command)}` failed ({result.returncode}): {result.stderr.strip()[-2000:]}")
+
+
+def _wheelhouse(requirements: list[str]) -> Path:
+    """Wheels of ``requirements`` and everything they need, for CPython 3.11 on Linux, from PyPI once, then cached."""
+    folder = cache_root() / f"wheels-{_key('wheels', *requirements)}"
+    if not (folder / "complete").exists():
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        _pip("download", "--only-binary=:all:", "--python-version", "3.11", "--implementation", "cp", "--platform",
+             "manylinux2014_x86_64", "--platform", "manylinux_2_28_x86_64", "--dest", str(folder), *requirements)
+        (folder / "complete").touch()
+    return folder
+
+
+def unbroken_image() -> Image:
+    """unbroken's image (the Dockerfile's layout, without torch: see the module's docstring), named
+    ``unbroken.test/unbroken:<key>``."""
+    requirements = dependencies()
+    key = _key("unbroken", DEBIAN_SUITE, DEBIAN_MIRROR, *BASE_PACKAGES, *requirements, _sources_digest())
+
+    def build(staging: Path, ref: str) -> None:
+        wheels = staging / "wheels"
+        shutil.copytree(_wheelhouse(requirements), wheels)
+        (wheels / "complete").unlink()
+        _pip("wheel", "--no-deps", "--no-build-isolation", "--wheel-dir", str(wheels), str(REPOSITORY))
+        rootfs = staging / "rootfs.tar"
+        _debian(rootfs, (
+            f'cp -r "{wheels}" "$1/tmp/wheels"',
+            'chroot "$1" python3 -m venv /opt/unbroken',
+            # every wheel is one of the resolved set: no resolver, no index
+            'chroot "$1" sh -c "/opt/unbroken/bin/pip install --quiet --no-index --no-deps /tmp/wheels/*.whl"',
+            'chroot "$1" /opt/unbroken/bin/unbroken --help > /dev/null',
+            'rm -rf "$1/tmp/wheels" "$1/root/.cache"',
+        ))
+        shutil.rmtree(wheels)
+        _imagetool([rootfs], ref, staging / "image.tar",
+                   env=("PATH=/opt/unbroken/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8",
+                        "PYTHONUNBUFFERED=1", "PYTHONDONTWRITEBYTECODE=1"))
+        rootfs.unlink()
+
+    return _built("unbroken", key, f"unbroken.test/unbroken:{key}", build)

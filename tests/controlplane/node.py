@@ -62,6 +62,8 @@ START_TIMEOUT_S = 60.0
 RUN_ROOT = Path("/run/unbroken-nodes")
 POD_CIDRS = "10.88.0.0/16"
 """Every node's pod subnet (10.88.<index>.0/24) is in it."""
+NODE_LOCAL = ("/run/unbroken", "/dev/shm/unbroken", "/var/lib/unbroken")
+"""The host folders deploy/'s agent DaemonSet mounts (``/var/run`` is ``/run``): each node has its own."""
 CLUSTER_DNS_IP = "10.96.0.10"
 """kubeadm's choice: the tenth address of the Service range (cluster.SERVICE_CIDR)."""
 RUNC_OOM_FLOOR = f'''#!{sys.executable}
@@ -106,11 +108,15 @@ def missing_prerequisites() -> list[str]:
 
 class RealNode(Started):
     def __init__(self, plane: ControlPlane, name: str, index: int, workdir: Path,
-                 images: tuple[image.Image, ...] = (), gpus: int = 0, dns: ClusterDNS | None = None) -> None:
+                 images: tuple[image.Image, ...] = (), gpus: int = 0, dns: ClusterDNS | None = None,
+                 instance_type: str = "cpu-dev") -> None:
         """``gpus``: fake ``nvidia.com/gpu`` devices offered through the kubelet's device-plugin API
         (kubernetes/fake-gpu-plugin/main.go), IDs ``GPU-<name>-<i>``. ``dns``: the cluster DNS the kubelet gives
-        its pods (``clusterDNS``)."""
+        its pods (``clusterDNS``). ``instance_type``: the node's ``node.kubernetes.io/instance-type`` label, which a
+        cloud's kubelet sets (unbroken's agent picks its health profile by it; cpu-dev: the checks a CPU node can
+        pass)."""
         self.dns = dns
+        self.instance_type = instance_type
         if not 1 <= index <= 200:
             raise ValueError(f"node index {index}: 1 to 200 (it names the node's subnets)")
         self.plane, self.name, self.index = plane, name, index
@@ -169,18 +175,26 @@ class RealNode(Started):
         and writes its checkpoint at ``/var/lib/kubelet/device-plugins/`` whatever its root directory: two nodes
         would share both), and the containers' root filesystems, the kubelet's volume mounts and the pods'
         network-namespace mounts live and die with it. Mounts of this machine still reach it (``slave``), so
-        hostPath volumes see what the test writes."""
-        own = self.run_dir / "var-lib-kubelet"
-        own.mkdir()
-        Path("/var/lib/kubelet").mkdir(parents=True, exist_ok=True)  # the mount point, empty on this machine
-        script = 'mount --bind "$0" /var/lib/kubelet && echo mounted && exec sleep infinity'
-        holder = Process("mount-namespace", ["unshare", "--mount", "--propagation", "slave", "sh", "-c", script, str(own)],
+        hostPath volumes see what the test writes. The host folders unbroken's DaemonSet mounts (``NODE_LOCAL``) are
+        the node's own too, as on separate machines: ``self.host_path(...)`` is where this machine sees them."""
+        binds = []
+        for target in ("/var/lib/kubelet", *NODE_LOCAL):
+            own = self.host_path(target)
+            own.mkdir(parents=True)
+            Path(target).mkdir(parents=True, exist_ok=True)  # the mount point, empty on this machine
+            binds.append(f'mount --bind "{own}" "{target}"')
+        script = " && ".join([*binds, "echo mounted", "exec sleep infinity"])
+        holder = Process("mount-namespace", ["unshare", "--mount", "--propagation", "slave", "sh", "-c", script],
                          self.dir / "logs" / "mount-namespace.log", dict(os.environ))
         self.processes["mount-namespace"] = holder
         holder.start()
         self._wait("the node's mount namespace", lambda: "mounted" in holder.tail())
         assert holder.popen is not None
         self.enter = ["nsenter", f"--mount=/proc/{holder.popen.pid}/ns/mnt", "--"]
+
+    def host_path(self, path: str) -> Path:
+        """Where this machine sees the node's ``/var/lib/kubelet`` or one of its ``NODE_LOCAL`` folders."""
+        return self.run_dir / "host" / path.strip("/").replace("/", "-")
 
     def _start_containerd(self) -> None:
         wrapper = self.dir / "runc-oom-floor"
@@ -248,14 +262,17 @@ state = "{state}/state"
             # a test machine's disk and memory are shared by every node on it: no eviction, no image GC
             "evictionHard": {}, "imageGCHighThresholdPercent": 100, "imageGCLowThresholdPercent": 99,
             "enforceNodeAllocatable": [], "localStorageCapacityIsolation": False, "makeIPTablesUtilChains": False,
-            "nodeStatusReportFrequency": "10s", "nodeStatusUpdateFrequency": "2s",
+            # the Lease renewed every 2 s (a quarter of its duration): within the control plane's short grace
+            # (cluster.NODE_GRACE_S) on a loaded machine, where the default 10 s would read as a lost node
+            "nodeStatusReportFrequency": "10s", "nodeStatusUpdateFrequency": "2s", "nodeLeaseDurationSeconds": 8,
             "maxPods": 20, "podPidsLimit": -1, "serializeImagePulls": False,
         }
         (kubelet / "config.yaml").write_text(yaml.safe_dump(config))
         self._process("kubelet", [
             str(components.KUBELET.binary("kubelet")), f"--config={kubelet / 'config.yaml'}",
             f"--kubeconfig={kubeconfig}", f"--root-dir={self.run_dir / 'kubelet'}", f"--cert-dir={kubelet / 'pki'}",
-            f"--hostname-override={self.name}", f"--node-ip={self.ip}", "--v=1"])
+            f"--hostname-override={self.name}", f"--node-ip={self.ip}",
+            f"--node-labels=node.kubernetes.io/instance-type={self.instance_type}", "--v=1"])
         self._wait("the kubelet's node Ready", self.ready)
         if self.gpus:
             self._process("fake-gpu-plugin", [
@@ -329,11 +346,7 @@ class ClusterDNS(Started):
         if missing:
             raise NodeError("the cluster DNS needs " + "; ".join(missing))
         self.dir.mkdir(parents=True, exist_ok=True)
-        _run("ip", "link", "del", self.LINK, check=False)  # a killed run's
-        _run("ip", "link", "add", self.LINK, "type", "veth", "peer", "name", f"{self.LINK}p")
-        _run("ip", "addr", "add", f"{CLUSTER_DNS_IP}/32", "dev", self.LINK)
-        _run("ip", "link", "set", self.LINK, "up")
-        _run("ip", "link", "set", f"{self.LINK}p", "up")
+        _address_link(self.LINK, CLUSTER_DNS_IP)
         corefile = self.dir / "Corefile"
         corefile.write_text(f"""cluster.local:53 {{
     bind {CLUSTER_DNS_IP}
@@ -358,6 +371,31 @@ class ClusterDNS(Started):
         if self.process is not None:
             self.process.stop()
         _run("ip", "link", "del", self.LINK, check=False)
+
+
+class ApiAddress(Started):
+    """An address of this machine for the API server that pods in containers reach (``ControlPlane(address=...)``):
+    the ``kubernetes`` Service's endpoint, to which kube-proxy sends in-cluster clients (the operator and the agents
+    in their pods). Loopback is each pod's own. The address of a link of its own, as the cluster DNS's."""
+
+    LINK = "ubapi"
+    ADDRESS = "10.99.255.1"
+
+    def start(self) -> ApiAddress:
+        _address_link(self.LINK, self.ADDRESS)
+        return self
+
+    def stop(self) -> None:
+        _run("ip", "link", "del", self.LINK, check=False)
+
+
+def _address_link(link: str, address: str) -> None:
+    """A veth pair (this kernel has no dummy links) whose first end holds ``address``; a killed run's goes first."""
+    _run("ip", "link", "del", link, check=False)
+    _run("ip", "link", "add", link, "type", "veth", "peer", "name", f"{link}p")
+    _run("ip", "addr", "add", f"{address}/32", "dev", link)
+    _run("ip", "link", "set", link, "up")
+    _run("ip", "link", "set", f"{link}p", "up")
 
 
 class ServiceProxy(Started):
