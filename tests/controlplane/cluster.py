@@ -183,16 +183,19 @@ class ControlPlane(Started):
     """etcd, kube-apiserver, kube-controller-manager, kube-scheduler (and Kubeflow's controllers) on loopback."""
 
     def __init__(self, workdir: Path, *, kubeflow: bool = True, trainer: bool = False, crds: bool = False,
-                 kueue: bool = False, controllers: str = "*", address: str = LOOPBACK) -> None:
+                 kueue: bool = False, controllers: str = "*", address: str = LOOPBACK, init_image: str | None = None) -> None:
         """``kubeflow``: training-operator runs; ``trainer``: JobSet and the Trainer too; ``crds``: only the
         Kubeflow CRDs are installed (PyTorchJob, TrainJob and its runtimes, JobSet), no controller: for tests of
         what unbroken writes to those objects. ``kueue``: Kueue's controller manager too, queueing PyTorchJobs (those
         labelled ``kueue.x-k8s.io/queue-name``). ``controllers``: the controller-manager's ``--controllers``
         (benchmarks/scale.py turns the node lifecycle controller off: its Nodes have no kubelet). ``address``: where the
         API server listens and what it advertises (the ``kubernetes`` Service's endpoint): loopback, unless pods in
-        containers must reach it (node.ApiAddress gives one)."""
+        containers must reach it (node.ApiAddress gives one). ``init_image``: the image of the init container
+        training-operator gives a PyTorchJob's workers (``nslookup`` of the master; its default, alpine:3.10, is on no
+        registry here): for real nodes (image.busybox_image)."""
         self.controllers = controllers
         self.address = address
+        self.init_image = init_image
         needed = [components.ETCD, components.KUBERNETES] + [components.TRAINING_OPERATOR] * (kubeflow or trainer or crds) \
             + [components.TRAINER] * (trainer or crds) + [components.KUEUE] * kueue
         missing = [c for c in needed if not c.is_built()]
@@ -316,6 +319,16 @@ class ControlPlane(Started):
                    f"--metrics-bind-address={LOOPBACK}:{listen_port()}",
                    f"--health-probe-bind-address={LOOPBACK}:{self.training_operator_probe_port}",
                    f"--webhook-server-port={self.training_operator_webhook_port}"]
+        if self.init_image is not None:
+            # training-operator's own template but for how the lookup is judged: busybox's nslookup fails when the name
+            # is not found under one of the search domains, although it resolved under another
+            template = self.workdir / "pytorch-init-container.yaml"
+            template.write_text(
+                "- name: init-pytorch\n  image: {{.InitContainerImage}}\n  imagePullPolicy: IfNotPresent\n"
+                "  command: ['sh', '-c', 'err=1;for i in $(seq 100); do if nslookup {{.MasterAddr}} | grep -q Name:; then err=0 && break; fi;"
+                "echo waiting for master; sleep 2; done; exit $err']\n")
+            command += [f"--pytorch-init-container-image={self.init_image}",
+                        f"--pytorch-init-container-template-file={template}"]
         self._process("training-operator", self._isolated("training-operator", command),
                       {"KUBECONFIG": str(self.admin_kubeconfig), "MY_POD_NAMESPACE": KUBEFLOW_NAMESPACE})
 

@@ -157,6 +157,36 @@ def base_image() -> Image:
     return _built("debian-python", key, f"unbroken.test/debian-python:{key}", build)
 
 
+BUSYBOX_APPLETS = ("sh", "nslookup", "grep", "seq", "echo", "sleep", "cat", "ls")
+"""What training-operator's init container runs (a loop of ``nslookup`` until the master's name resolves), and a few more."""
+
+
+def busybox_image() -> Image:
+    """Debian's static busybox as ``/bin/busybox`` and its ``BUSYBOX_APPLETS``: the image of the init container
+    training-operator puts in a PyTorchJob's worker pods (``ControlPlane(init_image=...)``)."""
+    def build(staging: Path, ref: str) -> None:
+        download = subprocess.run(["apt-get", "download", "busybox-static"], cwd=staging, capture_output=True, text=True)
+        debs = list(staging.glob("busybox-static_*.deb"))
+        if download.returncode or not debs:
+            raise ImageError(f"apt-get download busybox-static failed ({download.returncode}): {download.stderr.strip()}")
+        root = staging / "root"
+        subprocess.run(["dpkg-deb", "-x", str(debs[0]), str(root)], check=True)
+        layer = staging / "layer.tar"
+        with tarfile.open(layer, "w") as tar:
+            tar.add(root / "bin" / "busybox", arcname="bin/busybox")
+            for applet in BUSYBOX_APPLETS:
+                link = tarfile.TarInfo(f"bin/{applet}")
+                link.type, link.linkname = tarfile.SYMTYPE, "busybox"
+                tar.addfile(link)
+        _imagetool([layer], ref, staging / "image.tar", env=BASE_ENV)
+        layer.unlink()
+        debs[0].unlink()
+        shutil.rmtree(root)
+
+    key = _key("busybox", "busybox-static", *BUSYBOX_APPLETS)
+    return _built("busybox", key, f"unbroken.test/busybox:{key}", build)
+
+
 def dependencies() -> list[str]:
     """unbroken's requirements (pyproject.toml) that go into the test image."""
     declared = tomllib.loads((REPOSITORY / "pyproject.toml").read_text())["project"]["dependencies"]
