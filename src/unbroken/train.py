@@ -420,6 +420,7 @@ def init(
     log shippers (Loki, CloudWatch, Fluent Bit) read rank logs without a pattern;
     ``print`` output stays as printed.
     """
+    launcher = os.getppid()  # first: _die_with_parent judges the parent against it
     env = LaunchEnv.from_environ()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if env.group is not None:
@@ -431,7 +432,7 @@ def init(
     if structured_logs:
         _setup_logs(env, rank, local_rank)
     if env.managed:
-        _die_with_parent()
+        _die_with_parent(launcher)
     _record_uncaught_errors()
     sender = RankSender(env.agent_socket)
     directory = Path(checkpoint_dir) if checkpoint_dir else env.checkpoint_dir or Path("checkpoints")
@@ -504,17 +505,20 @@ def _record_uncaught_errors() -> None:
     sys.excepthook = hook
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(launcher: int) -> None:
     """Ask the kernel to SIGKILL this rank when its torchrun dies.
 
     torchrun starts ranks in their own sessions, so a torchrun killed with
     SIGKILL (a node "losing power" under chaos, or an agent stopping a hung
     group) would otherwise leave orphaned ranks holding GPU memory and ports.
+    ``launcher``: the parent as ``init()`` began; a different one now means it died before the request took effect.
+    Not "the parent is PID 1": in a container whose command is torchrun, torchrun *is* PID 1, and that test killed
+    every rank of a PyTorchJob on a real node at its start.
     """
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
         return
-    if os.getppid() == 1:  # parent died before prctl took effect
+    if os.getppid() != launcher:  # reparented: the launcher died before prctl took effect
         os.kill(os.getpid(), signal.SIGKILL)

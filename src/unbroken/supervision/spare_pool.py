@@ -14,12 +14,12 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 from unbroken.plumbing import procs
+from unbroken.plumbing import trampoline as plumbing_trampoline
 from unbroken.supervision import standby_rank, warm_spare
 from unbroken.config.job import JobSpec
 
@@ -92,7 +92,7 @@ def start_spare(job: str, trampoline: str, env: dict[str, str], *, cwd: str | Pa
                 ready_file: Path | None = None) -> Spare:
     """A warm spare (supervision/warm_spare.py) for ``job``, writing to ``out`` (None: our own stdout) until it is given an
     identity; ``ready_file``: the spare's ``warm_spare.READY_FILE`` in ``env``, if set there."""
-    process = subprocess.Popen([sys.executable, "-c", trampoline, *warm_spare.SPARE_ARGV], cwd=cwd, env=env,
+    process = subprocess.Popen(plumbing_trampoline.command(*warm_spare.SPARE_ARGV, code=trampoline), cwd=cwd, env=env,
                                stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     return Spare(job, process, ready_file)
 

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from unbroken.plumbing import trampoline as plumbing_trampoline
 from unbroken.supervision import rank_entry
 
 log = logging.getLogger("unbroken.supervision.standby_rank")
@@ -124,7 +125,7 @@ class Standbys:
             _write(Paths(directory, k).expected, "")
         code = "import sys; from unbroken.supervision.standby_rank import main; sys.exit(main(sys.argv[1:]))"
         processes = {
-            k: subprocess.Popen([sys.executable, "-c", trampoline, "-c", code, str(directory), str(k), ",".join(imports)],
+            k: subprocess.Popen(plumbing_trampoline.command("-c", code, str(directory), str(k), ",".join(imports), code=trampoline),
                                 stdin=subprocess.DEVNULL)
             for k in range(count)
         }

@@ -7,7 +7,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,12 +17,15 @@ import psutil
 from unbroken.plumbing import procs
 from unbroken.rank import registry as rank_registry, symptoms
 from unbroken.plumbing.ports import free_port
-from unbroken.plumbing.trampoline import TRAMPOLINE  # re-exported: what starts torchrun
+from unbroken.plumbing import trampoline
 from unbroken.supervision import warm_spare
 from unbroken.supervision.spare_pool import Spare
 from unbroken.config.job import HANG_TIMEOUT_FALLBACK_S, STARTUP_TIMEOUT_FALLBACK_S, JobSpec
 from unbroken.rank.env import GroupPlacement, LaunchEnv
 from unbroken.state.records import Worker
+
+TRAMPOLINE = trampoline.TRAMPOLINE
+"""What starts torchrun and the warm spares (plumbing/trampoline.py), for those that start them."""
 
 STOP_GRACE_SECONDS = 3.0
 """SIGTERM lets torchrun tear its ranks down cleanly; 3 s is plenty for that and
@@ -179,7 +181,7 @@ def start_torchrun(args: list[str], job_env: dict[str, str], *, working_dir: str
         except BrokenPipeError:
             spare.process.wait()  # it died since it was taken: start cold, as without a spare
     env = {**(os.environ if base_env is None else base_env), **job_env}
-    argv = [sys.executable, "-c", TRAMPOLINE, "-m", "torch.distributed.run", *args]
+    argv = trampoline.command("-m", "torch.distributed.run", *args)
     with open(log, "ab") as out:
         process = subprocess.Popen(
             argv, cwd=working_dir, env=env, stdout=out, stderr=subprocess.STDOUT,

@@ -1,0 +1,47 @@
+"""A launcher that is its PID namespace's init: what a container's command is.
+
+On a real node (tests/integration/test_deploy_on_real_nodes.py's cluster) every rank of a PyTorchJob whose
+container command is torchrun killed itself at ``unbroken.init()``: the rank asked to die with its parent, then
+took "my parent is PID 1" to mean its parent had died, but torchrun, the container's command, *is* PID 1 there.
+The trampoline that starts torchrun under ``unbroken run`` judged the same way, and ``unbroken run`` is a pod's
+PID 1. Here each runs in a new PID namespace (``unshare --pid``, as root), as in a container.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from unbroken.plumbing.trampoline import TRAMPOLINE
+
+RANK = """
+import os, unbroken
+ctx = unbroken.init()
+print(f"rank alive, parent {os.getppid()}", flush=True)
+ctx.finished()
+"""
+
+
+def in_new_pid_namespace(*command: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", *command], capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+def test_the_trampoline_runs_a_child_of_pid_one_and_ends_one_whose_parent_is_gone() -> None:
+    parent = ("import subprocess, sys; from unbroken.plumbing import trampoline; "
+              "sys.exit(subprocess.run(trampoline.command('-c', 'import os; print(\"child of\", os.getppid())')).returncode)")
+    result = in_new_pid_namespace(sys.executable, "-c", parent)
+    assert result.returncode == 0 and "child of 1" in result.stdout, result
+    # a parent that is not ours any more (its pid given, another one now): the child ends before it runs anything
+    orphan = subprocess.run([sys.executable, "-c", TRAMPOLINE, "4194304", "-c", "print('ran')"], capture_output=True, text=True)
+    assert orphan.returncode == 137 and "ran" not in orphan.stdout, orphan
+
+
+def test_a_managed_rank_under_a_torchrun_that_is_pid_one_lives(tmp_path: Path) -> None:
+    (tmp_path / "rank.py").write_text(RANK)
+    env = {**__import__("os").environ, "UNBROKEN_CLUSTER_DIR": str(tmp_path / "cluster"), "UNBROKEN_JOB": "j"}
+    result = in_new_pid_namespace(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                                  str(tmp_path / "rank.py"), env=env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "rank alive, parent 1" in result.stdout, result.stdout[-2000:]
