@@ -13,6 +13,7 @@ own. What stays simulated: no GPU is behind the nodes' ``nvidia.com/gpu`` (docs/
 from __future__ import annotations
 
 import json
+import sysconfig
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from controlplane import image
 from controlplane.cluster import ControlPlane
 from controlplane.node import ApiAddress, ClusterDNS, RealNode, ServiceProxy
 from unbroken.kubernetes.backend import names
+from unbroken.kubernetes.backend.rank_env import with_rank_env
 from unbroken.plumbing.waiting import WaitTimeout, wait_until
 
 pytestmark = pytest.mark.slow
@@ -86,11 +88,11 @@ def overlay(folder: Path, unbroken: image.Image) -> Path:
 @pytest.fixture(scope="module")
 def deployed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployed]:
     work = tmp_path_factory.mktemp("deploy")
-    unbroken = image.unbroken_image()
-    with ApiAddress(), ControlPlane(work / "plane", address=ApiAddress.ADDRESS) as plane, ClusterDNS(plane, work) as dns, \
-            ServiceProxy(plane, work, NODES[0]), \
-            RealNode(plane, NODES[0], 1, work / "nodes", images=(unbroken,), dns=dns) as a, \
-            RealNode(plane, NODES[1], 2, work / "nodes", images=(unbroken,), gpus=2, dns=dns) as b:
+    unbroken, busybox = image.unbroken_image(), image.busybox_image()
+    with ApiAddress(), ControlPlane(work / "plane", address=ApiAddress.ADDRESS, init_image=busybox.ref) as plane, \
+            ClusterDNS(plane, work) as dns, ServiceProxy(plane, work, NODES[0]), \
+            RealNode(plane, NODES[0], 1, work / "nodes", images=(unbroken, busybox), gpus=1, dns=dns) as a, \
+            RealNode(plane, NODES[1], 2, work / "nodes", images=(unbroken, busybox), gpus=1, dns=dns) as b:
         folder = overlay(work / "overlay", unbroken)
         plane.kubectl("apply", "-k", str(folder))
         yield Deployed(plane, {NODES[0]: a, NODES[1]: b}, unbroken, folder)
@@ -137,3 +139,69 @@ def test_a_rolling_update_of_the_agents_loses_no_node(deployed: Deployed) -> Non
     assert set(deployed.node_health().values()) <= {None, "Schedulable"}, deployed.node_health()
     log = deployed.logs(operator)
     assert log.count('"hearing a node"') >= 2 * len(NODES), "the operator hears each node's new agent"
+
+
+HOST_SITE = sysconfig.get_paths()["purelib"]
+"""torch for the training pods: this machine's venv, read-only through a hostPath (the image has no torch: see
+image.py). The image's Python is the same minor version (3.11), so its compiled modules load."""
+KILL_THE_RANK = """
+import os, signal
+for pid in (p for p in os.listdir('/proc') if p.isdigit() and p != '1'):
+    try:
+        command, parent = open(f'/proc/{pid}/cmdline').read(), open(f'/proc/{pid}/stat').read().split()[3]
+    except OSError:
+        continue
+    if 'unbroken.workloads.mlp' in command and 'torch.distributed.run' not in command and parent == '1':
+        os.kill(int(pid), signal.SIGKILL)
+        print('killed', pid)
+"""
+
+
+def training_job(name: str, ref: str, steps: int) -> dict[str, Any]:
+    """A PyTorchJob as a user writes it (Master + Worker, one pod a node, torchrun the container's command, OnFailure),
+    opted in to unbroken's auto-resume and the memory tier (the rank env of kubernetes/backend/rank_env.py)."""
+    tiers = json.dumps({"memory": {"every_steps": 10, "keep": 2, "replicas": 1}})
+    container = {"name": "pytorch", "image": ref, "imagePullPolicy": "IfNotPresent",
+                 "command": ["python", "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                             "-m", "unbroken.workloads.mlp", "--steps", str(steps), "--checkpoint-every", "10",
+                             "--step-time", "0.05"],
+                 "env": [{"name": "PYTHONPATH", "value": "/opt/host-site"}],
+                 "volumeMounts": [{"name": "host-site", "mountPath": "/opt/host-site", "readOnly": True}],
+                 "resources": {"limits": {"nvidia.com/gpu": 1}}}
+    template = {"spec": {"containers": [container],
+                         "volumes": [{"name": "host-site", "hostPath": {"path": HOST_SITE, "type": "Directory"}}]}}
+    template = with_rank_env(template, "training.kubeflow.org/job-name", tiers_json=tiers)
+    replica = {"replicas": 1, "restartPolicy": "OnFailure", "template": template}
+    return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
+            "metadata": {"name": name, "namespace": "default",
+                         "annotations": {names.AUTO_RESUME: "true", names.MAX_RETRY: "2", names.CHECKPOINT_TIERS: tiers}},
+            "spec": {"nprocPerNode": "1", "pytorchReplicaSpecs": {"Master": replica, "Worker": replica}}}
+
+
+def test_a_pytorchjob_survives_a_killed_rank_restoring_from_the_memory_tier_through_the_containerised_agent(
+        deployed: Deployed) -> None:
+    deployed.wait(lambda: len(deployed.ready_pods("agent")) == len(NODES), 120, "an agent pod Ready on every node")
+    deployed.plane.apply([training_job("mlp", deployed.image.ref, steps=600)])
+
+    def log(pod: str) -> str:
+        return deployed.plane.kubectl("logs", pod, "-c", "pytorch", check=False).stdout
+
+    def pods() -> dict[str, str]:
+        return {p["metadata"]["name"]: p["spec"].get("nodeName") for p in deployed.get("pods", "-n", "default")["items"]}
+
+    deployed.wait(lambda: '"step 100 ' in log("mlp-master-0"), 180, "the job past step 100 (saves every 10 steps)")
+    assert sorted(pods().values()) == sorted(NODES), "one pod a node: each GPU is one node's"
+    killed = deployed.plane.kubectl("exec", "mlp-worker-0", "-c", "pytorch", "--", "python", "-c", KILL_THE_RANK).stdout
+    assert killed.startswith("killed"), killed
+
+    def events(reason: str) -> list[str]:
+        return [e["message"] for e in deployed.get("events", "-n", "default", "--field-selector", f"reason={reason}")["items"]]
+    deployed.wait(lambda: events("JobResumed"), 180, "unbroken's operator to restart the job and see it resume")
+    # from the memory tier, which the agent (another container) serves: the node's own shard, or a peer's replica
+    restored = [line for line in log("mlp-master-0").splitlines() if "restored step" in line]
+    assert restored and any(f"from {source}" in restored[-1] for source in ("memory", "replica", "peer")), \
+        log("mlp-master-0")[-3000:]
+    assert any("mlp-worker-0" in m for m in events("JobRestarting")), events("JobRestarting")
+    deployed.wait(lambda: any(c["type"] == "Succeeded" and c["status"] == "True"
+                              for c in deployed.get("pytorchjob", "mlp").get("status", {}).get("conditions", [])),
+                  240, "the PyTorchJob Succeeded")
