@@ -511,14 +511,32 @@ def _die_with_parent(launcher: int) -> None:
     torchrun starts ranks in their own sessions, so a torchrun killed with
     SIGKILL (a node "losing power" under chaos, or an agent stopping a hung
     group) would otherwise leave orphaned ranks holding GPU memory and ports.
-    ``launcher``: the parent as ``init()`` began; a different one now means it died before the request took effect.
-    Not "the parent is PID 1": in a container whose command is torchrun, torchrun *is* PID 1, and that test killed
-    every rank of a PyTorchJob on a real node at its start.
+    ``launcher``: the parent as ``init()`` began.
     """
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
         return
-    if os.getppid() != launcher:  # reparented: the launcher died before prctl took effect
+    if launcher_gone(launcher):  # it died before prctl took effect
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+_LAUNCHERS = (b"torch.distributed.run", b"torchrun", b"unbroken")
+
+
+def launcher_gone(launcher: int) -> bool:
+    """The rank's launcher died: its parent is not ``launcher`` any more (reparented), or is PID 1 running no launcher
+    (reparented before ``init()`` began). PID 1 may be the launcher itself: torchrun as a container's command is; the
+    old test, "the parent is PID 1", killed every rank of a PyTorchJob on a real node in ``init()``. A host's init
+    never launches ranks."""
+    parent = os.getppid()
+    if parent != launcher:
+        return True
+    if parent != 1:
+        return False
+    try:
+        command = Path("/proc/1/cmdline").read_bytes()
+    except OSError:
+        return False  # cannot tell: a rank that may well be fine is not killed for it
+    return not any(word in command for word in _LAUNCHERS)

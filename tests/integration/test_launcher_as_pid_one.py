@@ -45,3 +45,14 @@ def test_a_managed_rank_under_a_torchrun_that_is_pid_one_lives(tmp_path: Path) -
                                   str(tmp_path / "rank.py"), env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "rank alive, parent 1" in result.stdout, result.stdout[-2000:]
+
+
+def test_a_rank_reparented_to_a_hosts_init_before_it_began_knows_its_launcher_is_gone() -> None:
+    from unbroken.train import launcher_gone
+
+    # this machine's PID 1 is its init, which launches no rank: a rank whose parent is PID 1 here was orphaned
+    pid_one = Path("/proc/1/cmdline").read_bytes()
+    assert b"torch" not in pid_one and b"unbroken" not in pid_one, pid_one
+    assert launcher_gone(1) is True
+    assert launcher_gone(__import__("os").getppid()) is False
+    assert launcher_gone(4194304) is True
