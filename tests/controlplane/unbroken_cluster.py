@@ -199,7 +199,8 @@ def unbroken_cluster(workdir: Path, *, trainer: bool = False, kueue: bool = Fals
             print(plane.logs_tail(15))  # shown with the failure
             raise
         # every process of every pod died with the kubelet (a SIGSTOPped rank torchrun left behind once outlived it)
-        wait_until(lambda: not pod_processes(), 10, "every pod process to be gone")
+        # (30 s: on a loaded 2-core machine SIGKILLed ranks holding GiBs of memory took longer than 10 s to be reaped once)
+        wait_until(lambda: not pod_processes(), 30, "every pod process to be gone")
 
 
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
