@@ -115,9 +115,11 @@ def test_deploy_runs_unchanged_from_the_image_and_its_agents_join_the_operator(d
     # got its node's certificate from the operator over HTTPS and beats to the operator's pod IP over UDP
     leases = {lease["metadata"]["name"] for lease in deployed.get("leases", "-n", SYSTEM)["items"]}
     assert {f"{names.LEASE_PREFIX}{n}" for n in NODES} <= leases, leases
-    deployed.wait(lambda: all(f'"node certified", "component": "operator", "node": "{n}"' in deployed.logs(name)
-                              and f'"hearing a node", "component": "operator", "node": "{n}"' in deployed.logs(name) for n in NODES),
-                  60, "the operator to certify and hear every node's agent")
+    def certified_and_heard() -> bool:
+        log = deployed.logs(name)  # once a poll
+        return all(f'"node certified", "component": "operator", "node": "{n}"' in log
+                   and f'"hearing a node", "component": "operator", "node": "{n}"' in log for n in NODES)
+    deployed.wait(certified_and_heard, 60, "the operator to certify and hear every node's agent")
     # each agent's host folders are its node's own: one memory tier and one socket per node
     for node in deployed.nodes.values():
         assert (node.host_path("/run/unbroken") / "agent.sock").is_socket(), node.name

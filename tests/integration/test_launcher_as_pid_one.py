@@ -9,6 +9,7 @@ PID 1. Here each runs in a new PID namespace (``unshare --pid``, as root), as in
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -40,7 +41,7 @@ def test_the_trampoline_runs_a_child_of_pid_one_and_ends_one_whose_parent_is_gon
 
 def test_a_managed_rank_under_a_torchrun_that_is_pid_one_lives(tmp_path: Path) -> None:
     (tmp_path / "rank.py").write_text(RANK)
-    env = {**__import__("os").environ, "UNBROKEN_CLUSTER_DIR": str(tmp_path / "cluster"), "UNBROKEN_JOB": "j"}
+    env = {**os.environ, "UNBROKEN_CLUSTER_DIR": str(tmp_path / "cluster"), "UNBROKEN_JOB": "j"}
     result = in_new_pid_namespace(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                                   str(tmp_path / "rank.py"), env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
@@ -54,5 +55,5 @@ def test_a_rank_reparented_to_a_hosts_init_before_it_began_knows_its_launcher_is
     pid_one = Path("/proc/1/cmdline").read_bytes()
     assert b"torch" not in pid_one and b"unbroken" not in pid_one, pid_one
     assert launcher_gone(1) is True
-    assert launcher_gone(__import__("os").getppid()) is False
+    assert launcher_gone(os.getppid()) is False
     assert launcher_gone(4194304) is True
