@@ -21,7 +21,9 @@ first ``WINDOW_S`` after the slowdown, and in the window ``AFTER_S`` later
 
     .venv/bin/python benchmarks/straggler.py [--json] [--quick] [--factors 1.5,2,3] [--healthy-minutes 20]
 
-``--quick``: the 1.5x case and a 5-minute healthy run only.
+``--quick``: the 1.5x case and a 5-minute healthy run only. ``--trace FILE``: every
+new score of every node of the unbroken runs as JSON lines (``run``, ``ts``, ``attempt``, ``node``, ``score``, ``reported_step``), to replay a detection rule against
+(``tests/unit/test_straggler_traces.py`` replays recorded ones).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from unbroken.controller import jobs
+from unbroken.controller import jobs, stragglers
 from unbroken.plumbing import procs
 from unbroken.runtime import fault_injection
 from unbroken.config.cluster import ClusterConfig
@@ -139,6 +141,45 @@ def measure(system: str, factor: float, log_path: Path, slow: Callable[[], float
 # -- unbroken ------------------------------------------------------------------------------
 
 
+class ScoreTrace:
+    """Samples the scores the controller computes (``stragglers.scores`` of the attempt's workers) every
+    0.1 s and appends each node's new one to a JSON-lines file; ``slowed`` marks the slowdown."""
+
+    def __init__(self, path: Path | None, run: str, runtime: Runtime) -> None:
+        self.path, self.run, self.runtime = path, run, runtime
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        if path is not None:
+            self._thread.start()
+
+    def _write(self, record: dict[str, object]) -> None:
+        assert self.path is not None
+        with self.path.open("a") as out:
+            out.write(json.dumps({"run": self.run, **record}) + "\n")
+
+    def _sample(self) -> None:
+        seen: dict[tuple[int, str], int | None] = {}
+        while not self._done.wait(0.1):
+            job = self.runtime.cluster.get_job("bench")
+            if job is None:
+                continue
+            for node, score in stragglers.scores(self.runtime.backend.observe_attempt("bench", job.attempt)).items():
+                if (job.attempt, node) in seen and seen[(job.attempt, node)] == score.reported_step:
+                    continue
+                seen[(job.attempt, node)] = score.reported_step
+                self._write({"ts": time.time(), "attempt": job.attempt, "node": node, "score": score.score,
+                             "reported_step": score.reported_step})
+
+    def slowed(self, node: str, at: float, step: int | None) -> None:
+        if self.path is not None:
+            self._write({"slowed": node, "ts": at, "step": step})
+
+    def close(self) -> None:
+        self._done.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+
 def event_time(runtime: Runtime, reason: str) -> float | None:
     return next((e.ts for e in runtime.cluster.list_events(object_kind="Job", object_name="bench") if e.reason == reason), None)
 
@@ -157,14 +198,17 @@ def start_unbroken(root: Path, name: str, policy: str, nodes: int) -> tuple[Runt
     return runtime, layout, log_path
 
 
-def run_unbroken(root: Path, policy: str, factor: float) -> Result:
+def run_unbroken(root: Path, policy: str, factor: float, trace_path: Path | None) -> Result:
     system = f"unbroken ({policy})"
     runtime, layout, log_path = start_unbroken(root, f"{policy}-{factor:g}", policy, 3)
+    trace = ScoreTrace(trace_path, f"{policy} x{factor:g}", runtime)
     try:
         def slow() -> float:
             victim = next(w.node for w in runtime.backend.observe_attempt("bench", 0) if w.node_rank == 1)
             fault_injection.slow_node(runtime, victim, factor)
-            return time.time()
+            at = time.time()
+            trace.slowed(victim, at, step_at(steps_log(log_path), at))
+            return at
 
         result = measure(system, factor, log_path, slow, lambda: event_time(runtime, "StragglerDetected"))
         found = next((e.message for e in runtime.cluster.list_events(object_kind="Job", object_name="bench")
@@ -176,14 +220,16 @@ def run_unbroken(root: Path, policy: str, factor: float) -> Result:
             result.note = (result.note + f" replaced; attempt {runtime.cluster.get_job('bench').attempt}").strip()
         return result
     finally:
+        trace.close()
         for node in ("node-1", "node-2", "node-3"):
             fault_injection.stop_slowing(runtime, node, quiet=True)
         local_cluster.down(layout)
 
 
-def run_healthy(root: Path, minutes: float) -> Result:
+def run_healthy(root: Path, minutes: float, trace_path: Path | None) -> Result:
     """The healthy job beside a process that keeps a core busy: every StragglerDetected is false."""
     runtime, layout, log_path = start_unbroken(root, "healthy", "report", 2)
+    trace = ScoreTrace(trace_path, "healthy", runtime)
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         wait(lambda: len(steps_log(log_path)) >= WARMUP_STEPS, 180)
@@ -194,6 +240,7 @@ def run_healthy(root: Path, minutes: float) -> Result:
         return Result("unbroken (report)", 1.0, None, None, len(false), None, rate(log, started, time.time()),
                       note=f"{minutes:g} min healthy beside a CPU hog; " + ("; ".join(e.message for e in false[:3]) or "no Event"))
     finally:
+        trace.close()
         hog.kill()
         hog.wait()
         local_cluster.down(layout)
@@ -249,6 +296,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="the 1.5x case and a 5-minute healthy run only")
     parser.add_argument("--factors", default="1.5,2,3", help="slowdowns to inject")
     parser.add_argument("--healthy-minutes", type=float, default=20.0, help="length of the false-positive run (0: skip it)")
+    parser.add_argument("--trace", type=Path, help="append every node score of the unbroken runs to this JSON-lines file")
     parser.add_argument("--systems", default="replace,report,torchrun", help="which of replace, report, torchrun to run")
     args = parser.parse_args()
     factors = [1.5] if args.quick else [float(f) for f in args.factors.split(",")]
@@ -259,12 +307,12 @@ def main() -> int:
         root = Path(tmp)
         for factor in factors:
             for system in systems:
-                result = run_torchrun(root, factor) if system == "torchrun" else run_unbroken(root, system, factor)
+                result = run_torchrun(root, factor) if system == "torchrun" else run_unbroken(root, system, factor, args.trace)
                 results.append(result)
                 print(f"# {result.system:<18} x{factor:g}: detect {result.detect_steps} steps / {result.detect_s} s, "
                       f"after/healthy {result.throughput_ratio_after} {result.note}", file=sys.stderr, flush=True)
         if minutes > 0:
-            results.append(run_healthy(root, minutes))
+            results.append(run_healthy(root, minutes, args.trace))
             print(f"# healthy: {results[-1].false_positives} false positives", file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps({"matmuls": MATMULS, "healthy_s": HEALTHY_S, "after_s": AFTER_S, "window_s": WINDOW_S,

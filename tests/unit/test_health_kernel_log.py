@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import os
+import termios
 import tomllib
 from pathlib import Path
 
@@ -15,7 +17,7 @@ from unbroken.errors import ConfigError
 from unbroken.health import faults
 from unbroken.health.xid_lines import sxid_line, xid_line
 from unbroken.health.kernel_log import rules
-from unbroken.health.kernel_log.sources import FileSource
+from unbroken.health.kernel_log.sources import FileSource, KmsgSource
 from unbroken.health.kernel_log.sxid import SXidTable
 from unbroken.health.kernel_log.watch import KernelLogWatch
 from unbroken.health.kernel_log.xid import XidTable, recovery_actions
@@ -257,3 +259,22 @@ def test_file_source_starts_at_now_and_follows_appends_truncation_and_rotation(t
     rotated.write_text("new file\n")
     rotated.replace(log)
     assert source.read() == ["new file"]
+
+
+def test_kmsg_source_reads_a_record_a_read_from_a_device_that_cannot_seek():
+    """A character device that passes kernel records on without the ring buffer (a pseudo-terminal here: what the
+    real-node tests bind over each node's /dev/kmsg) cannot seek to "now"; it is read from where it was opened."""
+    writer, terminal = os.openpty()
+    attributes = termios.tcgetattr(terminal)
+    attributes[3] &= ~termios.ECHO
+    termios.tcsetattr(terminal, termios.TCSANOW, attributes)
+    source = KmsgSource(os.ttyname(terminal))
+    try:
+        assert source.read() == []
+        os.write(writer, b"3,1,100,-;NVRM: Xid (PCI:0000:3b:00): 79, pid=1, GPU has fallen off the bus.\n"
+                         b"6,2,200,-;eth0: link up\n")
+        assert source.read() == ["NVRM: Xid (PCI:0000:3b:00): 79, pid=1, GPU has fallen off the bus.", "eth0: link up"]
+    finally:
+        source.close()
+        os.close(writer)
+        os.close(terminal)
