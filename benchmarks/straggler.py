@@ -50,8 +50,11 @@ from unbroken.plumbing.layout import ClusterLayout
 from unbroken.runtime import Runtime, local_cluster
 from unbroken.plumbing.waiting import WaitTimeout, wait_until
 
-MATMULS = 150
-"""~100 ms of CPU work a step on this machine (60 gave 42 ms steps): a short training step."""
+COMPUTE_S = 0.075
+"""CPU work a step, alone on a core: about 100 ms steps with the job's other sections and its all-reduce on this
+2-core machine, a short training step. Detection is counted in steps and comes with the agents' reports (about a
+second apart), so the step's length sets the figure: the benchmark calibrates the work to it (``calibrate``) where it
+once fixed 150 matmuls, which gave ~100 ms steps here on 2026-11-26 and 57 ms on 2026-11-28."""
 HEALTHY_S = 60.0
 """Healthy running before the slowdown: the throughput reference, and the job's age when replace weighs it."""
 WINDOW_S = 20.0
@@ -74,9 +77,31 @@ class Result:
     note: str = ""
 
 
-def workload(progress_log: Path) -> list[str]:
+def calibrate(seconds: float = COMPUTE_S) -> int:
+    """The 256x256 matmuls (``--compute-matmuls``) one core does in ``seconds``, timed here on one thread."""
+    import torch
+
+    from unbroken.workloads.mlp import simulated_compute
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the workload runs
+    try:
+        simulated_compute(20)  # warm
+        best = min(_timed(lambda: simulated_compute(100)) for _ in range(5))
+    finally:
+        torch.set_num_threads(threads)
+    return max(10, round(seconds / (best / 100)))
+
+
+def _timed(work: Callable[[], None]) -> float:
+    started = time.perf_counter()
+    work()
+    return time.perf_counter() - started
+
+
+def workload(progress_log: Path, matmuls: int) -> list[str]:
     return ["-m", "unbroken.workloads.mlp", "--steps", "1000000", "--checkpoint-every", "100", "--step-time", "0",
-            "--compute-matmuls", str(MATMULS), "--progress-log", str(progress_log)]
+            "--compute-matmuls", str(matmuls), "--progress-log", str(progress_log)]
 
 
 def steps_log(path: Path) -> list[tuple[float, int]]:
@@ -143,10 +168,11 @@ def measure(system: str, factor: float, log_path: Path, slow: Callable[[], float
 
 class ScoreTrace:
     """Samples the scores the controller computes (``stragglers.scores`` of the attempt's workers) every
-    0.1 s and appends each node's new one to a JSON-lines file; ``slowed`` marks the slowdown."""
+    0.1 s and appends each node's new one to a JSON-lines file, with rank 0's step then (``step``: what the
+    benchmark counts detection in); ``slowed`` marks the slowdown."""
 
-    def __init__(self, path: Path | None, run: str, runtime: Runtime) -> None:
-        self.path, self.run, self.runtime = path, run, runtime
+    def __init__(self, path: Path | None, run: str, runtime: Runtime, log_path: Path) -> None:
+        self.path, self.run, self.runtime, self.log_path = path, run, runtime, log_path
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         if path is not None:
@@ -167,8 +193,9 @@ class ScoreTrace:
                 if (job.attempt, node) in seen and seen[(job.attempt, node)] == score.reported_step:
                     continue
                 seen[(job.attempt, node)] = score.reported_step
-                self._write({"ts": time.time(), "attempt": job.attempt, "node": node, "score": score.score,
-                             "reported_step": score.reported_step})
+                now = time.time()
+                self._write({"ts": now, "attempt": job.attempt, "node": node, "score": score.score,
+                             "reported_step": score.reported_step, "step": step_at(steps_log(self.log_path), now)})
 
     def slowed(self, node: str, at: float, step: int | None) -> None:
         if self.path is not None:
@@ -184,13 +211,13 @@ def event_time(runtime: Runtime, reason: str) -> float | None:
     return next((e.ts for e in runtime.cluster.list_events(object_kind="Job", object_name="bench") if e.reason == reason), None)
 
 
-def start_unbroken(root: Path, name: str, policy: str, nodes: int) -> tuple[Runtime, ClusterLayout, Path]:
+def start_unbroken(root: Path, name: str, policy: str, nodes: int, matmuls: int) -> tuple[Runtime, ClusterLayout, Path]:
     layout = ClusterLayout.at(Path(tempfile.mkdtemp(prefix=f"straggler-{name}-", dir=root)))
     runtime, _ = local_cluster.up(layout, ClusterConfig.with_nodes(nodes, name="bench"))
     local_cluster.wait_ready(runtime, 120)
     log_path = layout.root / "steps.log"
     spec = JobSpec.model_validate({
-        "name": "bench", "nodes": 2, "procs_per_node": 1, "command": workload(log_path),
+        "name": "bench", "nodes": 2, "procs_per_node": 1, "command": workload(log_path, matmuls),
         "resilience": {"auto_resume": True, "max_retry": 3, "straggler_policy": policy},
         "checkpoint": {"memory": {"keep": 2, "replicas": 1}},
     })
@@ -198,10 +225,10 @@ def start_unbroken(root: Path, name: str, policy: str, nodes: int) -> tuple[Runt
     return runtime, layout, log_path
 
 
-def run_unbroken(root: Path, policy: str, factor: float, trace_path: Path | None) -> Result:
+def run_unbroken(root: Path, policy: str, factor: float, matmuls: int, trace_path: Path | None) -> Result:
     system = f"unbroken ({policy})"
-    runtime, layout, log_path = start_unbroken(root, f"{policy}-{factor:g}", policy, 3)
-    trace = ScoreTrace(trace_path, f"{policy} x{factor:g}", runtime)
+    runtime, layout, log_path = start_unbroken(root, f"{policy}-{factor:g}", policy, 3, matmuls)
+    trace = ScoreTrace(trace_path, f"{policy} x{factor:g}", runtime, log_path)
     try:
         def slow() -> float:
             victim = next(w.node for w in runtime.backend.observe_attempt("bench", 0) if w.node_rank == 1)
@@ -226,10 +253,10 @@ def run_unbroken(root: Path, policy: str, factor: float, trace_path: Path | None
         local_cluster.down(layout)
 
 
-def run_healthy(root: Path, minutes: float, trace_path: Path | None) -> Result:
+def run_healthy(root: Path, minutes: float, matmuls: int, trace_path: Path | None) -> Result:
     """The healthy job beside a process that keeps a core busy: every StragglerDetected is false."""
-    runtime, layout, log_path = start_unbroken(root, "healthy", "report", 2)
-    trace = ScoreTrace(trace_path, "healthy", runtime)
+    runtime, layout, log_path = start_unbroken(root, "healthy", "report", 2, matmuls)
+    trace = ScoreTrace(trace_path, "healthy", runtime, log_path)
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         wait(lambda: len(steps_log(log_path)) >= WARMUP_STEPS, 180)
@@ -249,7 +276,7 @@ def run_healthy(root: Path, minutes: float, trace_path: Path | None) -> Result:
 # -- plain torchrun --------------------------------------------------------------------------
 
 
-def run_torchrun(root: Path, factor: float) -> Result:
+def run_torchrun(root: Path, factor: float, matmuls: int) -> Result:
     work = Path(tempfile.mkdtemp(prefix=f"straggler-torchrun-{factor:g}-", dir=root))
     log_path = work / "steps.log"
     port = _free_port()
@@ -258,7 +285,7 @@ def run_torchrun(root: Path, factor: float) -> Result:
         env = {**os.environ, "UNBROKEN_CHECKPOINT_DIR": str(work / "ckpt"), "UNBROKEN_NODE": f"tr-node-{node_rank}"}
         argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "straggler",
-                "--rdzv-conf", f"is_host={1 if node_rank == 0 else 0}", *workload(log_path)]
+                "--rdzv-conf", f"is_host={1 if node_rank == 0 else 0}", *workload(log_path, matmuls)]
         with open(work / f"node{node_rank}.log", "wb") as out:
             groups.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True))
     done = threading.Event()
@@ -296,26 +323,30 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="the 1.5x case and a 5-minute healthy run only")
     parser.add_argument("--factors", default="1.5,2,3", help="slowdowns to inject")
     parser.add_argument("--healthy-minutes", type=float, default=20.0, help="length of the false-positive run (0: skip it)")
+    parser.add_argument("--compute-matmuls", type=int, default=0,
+                        help="the workload's matmuls a step (default: calibrated to ~75 ms of one core's work)")
     parser.add_argument("--trace", type=Path, help="append every node score of the unbroken runs to this JSON-lines file")
     parser.add_argument("--systems", default="replace,report,torchrun", help="which of replace, report, torchrun to run")
     args = parser.parse_args()
     factors = [1.5] if args.quick else [float(f) for f in args.factors.split(",")]
     minutes = 5.0 if args.quick else args.healthy_minutes
     systems = args.systems.split(",")
+    matmuls = args.compute_matmuls or calibrate()
+    print(f"# {matmuls} matmuls a step (~{COMPUTE_S * 1000:.0f} ms of one core's work)", file=sys.stderr, flush=True)
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="unbroken-straggler-") as tmp:
         root = Path(tmp)
         for factor in factors:
             for system in systems:
-                result = run_torchrun(root, factor) if system == "torchrun" else run_unbroken(root, system, factor, args.trace)
+                result = run_torchrun(root, factor, matmuls) if system == "torchrun" else run_unbroken(root, system, factor, matmuls, args.trace)
                 results.append(result)
                 print(f"# {result.system:<18} x{factor:g}: detect {result.detect_steps} steps / {result.detect_s} s, "
                       f"after/healthy {result.throughput_ratio_after} {result.note}", file=sys.stderr, flush=True)
         if minutes > 0:
-            results.append(run_healthy(root, minutes, args.trace))
+            results.append(run_healthy(root, minutes, matmuls, args.trace))
             print(f"# healthy: {results[-1].false_positives} false positives", file=sys.stderr, flush=True)
     if args.json:
-        print(json.dumps({"matmuls": MATMULS, "healthy_s": HEALTHY_S, "after_s": AFTER_S, "window_s": WINDOW_S,
+        print(json.dumps({"matmuls": matmuls, "healthy_s": HEALTHY_S, "after_s": AFTER_S, "window_s": WINDOW_S,
                           "results": [asdict(r) for r in results]}))
         return 0
     fmt = lambda v: "-" if v is None else str(v)  # noqa: E731

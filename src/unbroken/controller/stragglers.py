@@ -14,12 +14,15 @@ time of the ranks on the job's *other* nodes over its own, capped at 1:
 - Each rank's work time is already a median over its last 20 steps
   (``supervision/step_clock.py``): a noisy step moves nothing.
 
-A node's score is its worst rank's. A node is a **straggler** once its score
-has stayed under the threshold, report after report, for ``CONFIRM_STEPS`` job
-steps and ``CONFIRM_REPORTS`` reports, and its shortfall summed over them has
-reached ``EVIDENCE`` (a CUSUM: a deep dip is flagged fast, a shallow one only if
-it lasts); it stops being one after its score has stayed above
-``threshold + RECOVER_MARGIN`` as long. With no
+A node's score is its worst rank's. A node is a **straggler** once the evidence
+against it has reached ``EVIDENCE`` over at least ``CONFIRM_REPORTS`` of its own
+reports and ``CONFIRM_STEPS`` job steps. The evidence is a one-sided CUSUM of
+its shortfall: each report adds ``threshold - score`` (a report above the line
+takes away as much as it is above, down to 0), so a deep dip is flagged fast, a
+shallow one only if it lasts, and a slow node's one report that looks healthy
+(the medians of a shared machine) delays its flag by that report's worth, not
+from the start. It stops being one after its score has stayed above
+``threshold + RECOVER_MARGIN`` for ``CONFIRM_STEPS`` and ``CONFIRM_REPORTS``. With no
 sections reported there is nothing to score (a step's wall time cannot tell a
 straggler from its waiting peers), and nothing is ever flagged.
 """
@@ -32,15 +35,18 @@ from unbroken.state.records import StepTiming, Worker
 
 CONFIRM_STEPS = 5
 """Job steps a score must stay under the threshold (or above it plus the margin) to flag (or clear) a node."""
-CONFIRM_REPORTS = 2
-"""The node's *own* reports in a row (its agent's, about a second apart) a score must stay under the threshold, or
-above it plus the margin, to flag or clear a node. Its own: the other nodes' reports move its reference too, but
-two observations a tenth of a second apart, one from each agent, are one measurement, not two."""
+CONFIRM_REPORTS = 3
+"""The node's *own* reports (its agent's, about a second apart) since its evidence last stood at 0 that a flag
+needs, and the reports in a row above the threshold plus the margin that clear it. Its own: the other nodes'
+reports move its reference too, but two observations a tenth of a second apart, one from each agent, are one
+measurement, not two. Three, not two: on this 2-core machine a healthy node's score dipped to 0.63-0.67 for two
+reports in a row while a CPU hog and three agents shared the cores (tests/fixtures/straggler-traces), and two such
+reports flagged it."""
 EVIDENCE = 0.15
-"""How far under the threshold, summed over the reports in a row, flags a node (a CUSUM): a node at
-half speed (0.5 against 0.75) is flagged on its second report, one at 1.5x (0.67) on its second, one
-that hovers just under the line (0.74) only after 15 s of it. A CPU scheduler's imbalance on a
-shared machine dips a score a little for a second or two; a slow GPU or a noisy neighbour stays."""
+"""The shortfall (a CUSUM of ``threshold - score``) that flags a node: a node at half speed (0.5 against
+0.75) or at 1.5x (0.67) is flagged on its third report, one that hovers just under the line (0.74) only
+after 15 s of it. A CPU scheduler's imbalance on a shared machine dips a score for a second or two and is
+paid back by the healthy reports after it; a slow GPU or a noisy neighbour stays."""
 RECOVER_MARGIN = 0.1
 MIN_MEASURED_STEPS = 5
 """A worker's timing counts once its ranks have measured this many steps after their warm-up."""
@@ -126,11 +132,11 @@ def leave_one_out_medians(values: list[float]) -> list[float]:
 @dataclass
 class _Track:
     low_since: int | None = None
-    """The job step at which the score went (and stayed) under the threshold."""
+    """The job step at which the evidence last rose from 0."""
     low_reports: int = 0
-    """Reports in a row under the threshold."""
+    """The node's reports since then."""
     evidence: float = 0.0
-    """How far under the threshold those reports were, summed."""
+    """The CUSUM of ``threshold - score`` over those reports (never under 0)."""
     high_since: int | None = None
     high_reports: int = 0
     seen_at: int | None = None
@@ -168,13 +174,13 @@ class StragglerWatch:
             if measured == track.seen_at:
                 continue  # no new report of this node since the last pass
             track.seen_at = measured
-            # Enter only while continuously below the threshold; leave only while continuously above it
-            # plus the margin. A score between the two keeps the state and resets both clocks.
+            # Enter once the evidence (a CUSUM of the shortfall) is enough; leave only while continuously above
+            # the threshold plus the margin.
             low = score.score < threshold
             high = score.score >= min(0.99, threshold + RECOVER_MARGIN)
+            track.evidence = max(0.0, track.evidence + threshold - score.score)
             track.low_since, track.low_reports = (track.low_since if track.low_since is not None else step,
-                                                  track.low_reports + 1) if low else (None, 0)
-            track.evidence = track.evidence + (threshold - score.score) if low else 0.0
+                                                  track.low_reports + 1) if track.evidence > 0 else (None, 0)
             track.high_since, track.high_reports = (track.high_since if track.high_since is not None else step,
                                                     track.high_reports + 1) if high else (None, 0)
             if (low and not track.flagged and step - (track.low_since or step) >= CONFIRM_STEPS and track.low_reports >= CONFIRM_REPORTS
