@@ -46,6 +46,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import termios
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -133,6 +135,8 @@ class RealNode(Started):
         self.socket = self.run_dir / "containerd.sock"
         self.processes: dict[str, Process] = {}
         self.enter: list[str] = []
+        self.kernel_log: KernelLog | None = None
+        """The node's own ``/dev/kmsg`` (``write_kernel_log``), from its start."""
 
     # ---------------------------------------------------------------- start
 
@@ -151,7 +155,15 @@ class RealNode(Started):
         for each in (image.pause_image(), *self.images):
             self.ctr("images", "import", "--local", str(each.archive))
         self._start_kubelet()
+        self._own_kernel_log()
         return self
+
+    def _own_kernel_log(self) -> None:
+        """The node's own ``/dev/kmsg`` from now on, for what opens it later (the agents' pods). Not before the
+        kubelet: its OOM watcher reads ``/dev/kmsg`` too, and a pseudo-terminal gives each line to one reader, where
+        the kernel's gives every record to every reader; the kubelet keeps the machine's."""
+        self.kernel_log = KernelLog()
+        _run(*self.enter, "mount", "--bind", self.kernel_log.path, "/dev/kmsg")
 
     def _network(self) -> None:
         _run("ip", "link", "add", self.link, "type", "veth", "peer", "name", f"{self.link}p")
@@ -176,7 +188,8 @@ class RealNode(Started):
         would share both), and the containers' root filesystems, the kubelet's volume mounts and the pods'
         network-namespace mounts live and die with it. Mounts of this machine still reach it (``slave``), so
         hostPath volumes see what the test writes. The host folders unbroken's DaemonSet mounts (``NODE_LOCAL``) are
-        the node's own too, as on separate machines: ``self.host_path(...)`` is where this machine sees them."""
+        the node's own too, as on separate machines: ``self.host_path(...)`` is where this machine sees them. So is
+        its ``/dev/kmsg`` (``KernelLog``): an Xid written there is this node's alone."""
         binds = []
         for target in ("/var/lib/kubelet", *NODE_LOCAL):
             own = self.host_path(target)
@@ -272,12 +285,17 @@ state = "{state}/state"
             str(components.KUBELET.binary("kubelet")), f"--config={kubelet / 'config.yaml'}",
             f"--kubeconfig={kubeconfig}", f"--root-dir={self.run_dir / 'kubelet'}", f"--cert-dir={kubelet / 'pki'}",
             f"--hostname-override={self.name}", f"--node-ip={self.ip}",
-            f"--node-labels=node.kubernetes.io/instance-type={self.instance_type}", "--v=1"])
+            f"--node-labels={','.join(f'{k}={v}' for k, v in self.labels().items())}", "--v=1"])
         self._wait("the kubelet's node Ready", self.ready)
         if self.gpus:
             self._process("fake-gpu-plugin", [
                 str(components.KUBELET.binary("fake-gpu-plugin")), f"--count={self.gpus}", f"--id-prefix=GPU-{self.name}"])
             self._wait(f"{self.gpus} nvidia.com/gpu allocatable", lambda: self.allocatable().get("nvidia.com/gpu") == str(self.gpus))
+
+    def labels(self) -> dict[str, str]:
+        """What a cloud's kubelet and NVIDIA's GPU feature discovery label a node with (deploy/overlays/gpu selects
+        ``nvidia.com/gpu.present``)."""
+        return {"node.kubernetes.io/instance-type": self.instance_type, **({"nvidia.com/gpu.present": "true"} if self.gpus else {})}
 
     def _process(self, name: str, command: list[str], env: dict[str, str] | None = None) -> None:
         """``command`` started in the node's mount namespace."""
@@ -293,6 +311,11 @@ state = "{state}/state"
                             + "\n".join(f"--- {p.name}\n{p.tail()}" for p in self.processes.values())) from None
 
     # ---------------------------------------------------------------- use
+
+    def write_kernel_log(self, message: str) -> None:
+        """A kernel message in this node's ``/dev/kmsg`` (what the GPU driver writes for an Xid)."""
+        assert self.kernel_log is not None, "the node has not started"
+        self.kernel_log.write(message)
 
     def ctr(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         """``ctr`` against this node's containerd, in the CRI's namespace (``k8s.io``)."""
@@ -325,7 +348,34 @@ state = "{state}/state"
         for name in ("fake-gpu-plugin", "kubelet", "containerd", "mount-namespace"):
             if name in self.processes:
                 self.processes.pop(name).stop()
+        if self.kernel_log is not None:
+            self.kernel_log.close()
+            self.kernel_log = None
         clean_leftovers(self.name, self.index, self.dir)
+
+
+class KernelLog:
+    """A node's own kernel log: a pseudo-terminal whose terminal end is bound over ``/dev/kmsg`` in the node's mount
+    namespace, so that the agent's hostPath ``/dev/kmsg`` (deploy/overlays/gpu: ``type: CharDevice``) is a character
+    device that gives one record a read, ``pri,seq,ts,flags;message``, as the kernel's does. Every node on this
+    machine shares one kernel, whose real ring buffer would tell an Xid to every node's agent at once. Unlike the
+    kernel's, it cannot seek (the agent reads it from where it opens it) and holds no history."""
+
+    def __init__(self) -> None:
+        self.writer, self._terminal = os.openpty()
+        attributes = termios.tcgetattr(self._terminal)
+        attributes[3] &= ~(termios.ECHO | termios.ECHONL)  # lflag: nothing echoed back; ICANON kept: a line a read
+        termios.tcsetattr(self._terminal, termios.TCSANOW, attributes)
+        self.path = os.ttyname(self._terminal)
+        self._sequence = 0
+
+    def write(self, message: str, priority: int = 3) -> None:
+        self._sequence += 1
+        os.write(self.writer, f"{priority},{self._sequence},{time.monotonic_ns() // 1000},-;{message}\n".encode())
+
+    def close(self) -> None:
+        os.close(self.writer)
+        os.close(self._terminal)
 
 
 class ClusterDNS(Started):

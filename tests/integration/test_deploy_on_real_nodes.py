@@ -21,11 +21,14 @@ from typing import Any
 import pytest
 
 from controlplane import image
+from helpers import run_cli
 from controlplane.cluster import ControlPlane
 from controlplane.node import ApiAddress, ClusterDNS, RealNode, ServiceProxy
+from unbroken.health.xid_lines import xid_line
 from unbroken.kubernetes.backend import names
 from unbroken.kubernetes.backend.rank_env import with_rank_env
 from unbroken.plumbing.waiting import WaitTimeout, wait_until
+from unbroken.state.phases import NodeState
 
 pytestmark = pytest.mark.slow
 
@@ -74,13 +77,13 @@ class Deployed:
         return "\n".join(parts)
 
 
-def overlay(folder: Path, unbroken: image.Image) -> Path:
-    """The overlay a platform engineer writes: deploy/ as it is, the image named."""
+def overlay(folder: Path, unbroken: image.Image, base: Path = REPOSITORY / "deploy") -> Path:
+    """The overlay a platform engineer writes: ``base`` (deploy/ or one of its overlays) as it is, the image named."""
     folder.mkdir(parents=True)
     name, tag = unbroken.ref.rsplit(":", 1)
     (folder / "kustomization.yaml").write_text(json.dumps({
         "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-        "resources": [str(Path("..") / Path(*[".."] * (len(folder.parts) - 1)) / REPOSITORY.relative_to("/") / "deploy")],
+        "resources": [str(Path("..") / Path(*[".."] * (len(folder.parts) - 1)) / base.relative_to("/"))],
         "images": [{"name": "ghcr.io/unbroken-dev/unbroken", "newName": name, "newTag": tag}]}, indent=1))
     return folder
 
@@ -204,6 +207,35 @@ def test_a_pytorchjob_survives_a_killed_rank_restoring_from_the_memory_tier_thro
     assert restored and any(f"from {source}" in restored[-1] for source in ("memory", "replica", "peer")), \
         log("mlp-master-0")[-3000:]
     assert any("mlp-worker-0" in m for m in events("JobRestarting")), events("JobRestarting")
+    # unbroken job logs: each pod's container output, from the real kubelets (containerd's log files) through the API
+    logs = run_cli("--kubeconfig", str(deployed.plane.admin_kubeconfig), "job", "logs", "default/mlp").stdout.splitlines()
+    assert any(line.startswith("[mlp-master-0] ") and "restored step" in line for line in logs), logs[-40:]
+    assert any(line.startswith("[mlp-worker-0] ") for line in logs), logs[-40:]
     deployed.wait(lambda: any(c["type"] == "Succeeded" and c["status"] == "True"
                               for c in deployed.get("pytorchjob", "mlp").get("status", {}).get("conditions", [])),
                   240, "the PyTorchJob Succeeded")
+
+
+def test_the_gpu_overlay_s_agent_reads_its_node_s_kernel_log_and_an_xid_takes_that_node_out(deployed: Deployed) -> None:
+    """deploy/overlays/gpu as a GPU cluster applies it: the agents, privileged now, read their node's /dev/kmsg
+    through the overlay's hostPath. Each node's is its own (``KernelLog``); an Xid 79 in node-b's takes node-b out
+    and leaves node-a as it was. Last in the module: it leaves node-b out."""
+    deployed.wait(lambda: len(deployed.ready_pods("agent")) == len(NODES), 120, "the base's agent pod Ready on every node")
+    gpu = overlay(deployed.overlay.parent / "overlay-gpu", deployed.image, REPOSITORY / "deploy" / "overlays" / "gpu")
+    deployed.plane.kubectl("apply", "-k", str(gpu))
+
+    def privileged_agents_reading_kmsg() -> list[dict[str, Any]]:
+        ready = deployed.ready_pods("agent")
+        reading = [p for p in ready if p["spec"]["containers"][0].get("securityContext", {}).get("privileged")
+                   and '"kernel_log": "/dev/kmsg"' in deployed.logs(p["metadata"]["name"])]
+        return reading if len(reading) == len(NODES) and len(deployed.pods("agent")) == len(NODES) else []
+    agents = deployed.wait(privileged_agents_reading_kmsg, 180, "the gpu overlay's agents Ready on every node, reading /dev/kmsg")
+    assert {a["spec"]["nodeName"] for a in agents} == set(NODES)
+    assert set(deployed.node_health().values()) <= {None, "Schedulable"}, deployed.node_health()
+
+    deployed.nodes[NODES[1]].write_kernel_log(xid_line(79))
+    deployed.wait(lambda: deployed.node_health()[NODES[1]] == NodeState.PENDING_REPLACEMENT.value, 60,
+                  f"{NODES[1]} {NodeState.PENDING_REPLACEMENT.value} after an Xid 79 in its kernel log")
+    taints = {t["key"] for t in deployed.get("node", NODES[1])["spec"].get("taints", [])}
+    assert names.NODE_HEALTH_STATUS in taints, taints
+    assert deployed.node_health()[NODES[0]] in (None, "Schedulable"), "the other node's kernel log said nothing"
