@@ -9,12 +9,17 @@ PID 1. Here each runs in a new PID namespace (``unshare --pid``, as root), as in
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from unbroken.plumbing.trampoline import TRAMPOLINE
+from unbroken.plumbing.waiting import wait_until
 
 RANK = """
 import os, unbroken
@@ -57,3 +62,42 @@ def test_a_rank_reparented_to_a_hosts_init_before_it_began_knows_its_launcher_is
     assert launcher_gone(1) is True
     assert launcher_gone(os.getppid()) is False
     assert launcher_gone(4194304) is True
+
+
+def test_the_kubernetes_agent_as_pid_one_ends_on_a_sigterm_while_it_starts(tmp_path: Path) -> None:
+    """A DaemonSet's agent is its container's PID 1, which never gets a signal it has no handler for. Its start (the
+    watch caches) can take seconds; a SIGTERM then (a rolling update right after the pod began) was lost, the pod
+    ran out its 30 s grace, beating, and was SIGKILLed without its "leaving" beat. Here the API server accepts the
+    connection and never answers, so the start never ends: the agent must still end on SIGTERM."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # connections complete in the kernel's backlog; nothing ever answers them
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": f"https://127.0.0.1:{silent.getsockname()[1]}",
+                                               "insecure-skip-tls-verify": True}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}], "users": [{"name": "u", "user": {"token": "t"}}]}))
+    launcher = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-m", "unbroken", "agent",
+                                "--kubernetes", "--node", "n", "--kubeconfig", str(kubeconfig), "--state-dir", str(tmp_path / "state"),
+                                "--socket-dir", str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    agent: list[int] = []  # its pid here, once it runs
+    try:
+        def agent_catches_sigterm() -> bool:
+            if not agent:
+                agent.extend(int(pid) for pid in Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split())
+                return False
+            status = Path(f"/proc/{agent[0]}/status").read_text()
+            caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+            return bool(caught & (1 << (signal.SIGTERM - 1)))
+        wait_until(agent_catches_sigterm, 60, "the agent (PID 1 of its namespace) to handle SIGTERM in its start")
+        os.kill(agent[0], signal.SIGTERM)
+        launcher.wait(timeout=10)
+    finally:
+        for pid in agent:  # PID 1 of its namespace: SIGKILLed, it takes the namespace with it
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        launcher.kill()
+        output = launcher.communicate(timeout=30)[0].decode(errors="replace")
+        silent.close()
+    assert launcher.returncode == 128 + signal.SIGTERM, output[-3000:]

@@ -235,7 +235,17 @@ class KubernetesAgent:
         return sorted({w.job for w in self.runtime.backend.active_workers() if w.node == node})
 
 
+def _end_the_start(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    # First of all: the agent is its container's PID 1, and PID 1 never gets a signal it has no handler for. A SIGTERM
+    # while it started (opening its watch caches takes seconds: a rolling update right after a pod began) was lost:
+    # the pod ran out its grace period, beating, was SIGKILLed without the "leaving" beat, and its node read as lost
+    # while the next agent started (a real node's test, deploy/overlays/gpu applied over a starting install). Until
+    # it runs, the agent holds nothing: a SIGTERM ends it at once.
+    signal.signal(signal.SIGTERM, _end_the_start)
     parser = argparse.ArgumentParser(prog="unbroken agent", description="the unbroken node agent on Kubernetes (DaemonSet)")
     parser.add_argument("--kubernetes", action="store_true", required=True, help="run against the Kubernetes API")
     parser.add_argument("--node", default=os.environ.get("NODE_NAME"), help="this node's name (downward API: spec.nodeName)")
