@@ -11,7 +11,7 @@ time of the ranks on the job's *other* nodes over its own, capped at 1:
 - The reference is the median over the job's other nodes of each node's median
   rank: it leaves out the rank's own node, so a node whose eight ranks all slow
   down together does not raise its own reference, and a two-node job still has one.
-- Each rank's work time is already a median over its last 20 steps
+- Each rank's work time is already a median over its last 9 steps
   (``supervision/step_clock.py``): a noisy step moves nothing.
 
 A node's score is its worst rank's. A node is a **straggler** once the evidence
