@@ -236,7 +236,9 @@ class KubernetesAgent:
 
 
 def _end_the_start(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)
+    # what the default action does for any process but PID 1: end now (SystemExit would wait for the threads the
+    # watch caches have started by then)
+    os._exit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> int:
