@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -318,20 +318,37 @@ def running_with_a_checkpoint(cluster: Cluster, body: dict[str, Any], checkpoint
     return name
 
 
+def job_state(cluster: Cluster, name: str) -> str:
+    """What a wait that timed out needs said: the job's pods (node, phase, attempt, container states), its Events,
+    the last lines of its ranks' logs, of the operator's and of training-operator's."""
+    pods = [(p.metadata.name, p.spec.node_name, p.status.phase, (p.metadata.annotations or {}).get(names.ATTEMPT),
+             "deleting" if p.metadata.deletion_timestamp else "",
+             [(c.state.to_dict(), c.restart_count) for c in p.status.container_statuses or []]) for p in cluster.pods(name)]
+    tails = {pod: rank_log(cluster, f"{name}-{pod}")[-1200:] for pod in ("master-0", "worker-0")}
+    operator = cluster.operator_log()[-2500:] if (cluster.workdir / "operator.log").exists() else ""
+    training_operator = cluster.plane.processes.get("training-operator")
+    return (f"pods {pods}; events {cluster.events(name)[-8:]}; logs {tails}; operator {operator}; "
+            f"training-operator {training_operator.tail(15) if training_operator else None}")
+
+
+def wait_for_job(cluster: Cluster, name: str, predicate: Callable[[], object], timeout: float, what: str) -> None:
+    """``wait_until``, and on a timeout an AssertionError with the job's state (``job_state``): a restart that never
+    comes is hard to read from a timeout alone."""
+    try:
+        wait_until(predicate, timeout, what)
+    except WaitTimeout as exc:
+        raise AssertionError(f"{exc}; {job_state(cluster, name)}") from None
+
+
 def wait_resumed_off(cluster: Cluster, name: str, node: str) -> None:
     """Attempt 1 runs on two nodes other than ``node`` and has resumed from the checkpoint."""
     def moved() -> bool:
         pods = cluster.pods(name)
         return len(pods) == 2 and all(p.spec.node_name and p.spec.node_name != node for p in pods) \
             and all((p.metadata.annotations or {}).get(names.ATTEMPT) == "1" for p in pods)
-    wait_until(moved, 60, f"attempt 1 on nodes other than {node}")
-    try:
-        wait_until(lambda: "resumed at step" in rank_log(cluster, f"{name}-master-0"), 120, "the resume from the checkpoint")
-    except WaitTimeout:  # say what the pods were doing: a resume that never comes is hard to read from a timeout
-        pods = [(p.metadata.name, p.spec.node_name, p.status.phase,
-                 [e.value for c in p.spec.containers for e in c.env or [] if e.name == "MASTER_PORT"]) for p in cluster.pods(name)]
-        tails = {pod: rank_log(cluster, f"{name}-{pod}")[-1500:] for pod in ("master-0", "worker-0")}
-        raise AssertionError(f"no resume within 120 s; pods {pods}; logs {tails}; operator {cluster.operator_log()[-1500:]}") from None
+    wait_for_job(cluster, name, moved, 60, f"attempt 1 on nodes other than {node}")
+    wait_for_job(cluster, name, lambda: "resumed at step" in rank_log(cluster, f"{name}-master-0"), 120,
+                 "the resume from the checkpoint")
 
 
 def start_agent(cluster: Cluster, node: str, *, kernel_log: str | None = None) -> subprocess.Popen[bytes]:

@@ -40,7 +40,7 @@ import yaml
 from controlplane.unbroken_cluster import (
     JOBS, NODES, SYSTEM, UNBROKENS, Agents, Cluster, auto_resume, checkpoint_steps, cluster_file, node_shm, pytorchjob,
     one_pod_per_node, rank_log, rank_process, running_with_a_checkpoint, start_agent, start_agents, submit, unbroken_cluster,
-    wait_resumed_off, without_gpus,
+    wait_for_job, wait_resumed_off, without_gpus,
 )
 from helpers import run_cli
 from processes import stop_process
@@ -127,7 +127,7 @@ def test_a_restart_beside_another_opted_in_jobs_pods_on_shared_nodes_waits_for_n
     wait_until(lambda: cluster.annotations(name).get(names.RESTART_COUNT) == "1", 30, "the restart")
 
     # 180 s: the bystander's three ranks train on the same two cores all along (CI once took over 90 s to resume)
-    wait_until(lambda: resumed_as(cluster, name, 1), 180, "attempt 1 to resume beside the bystander's pods")
+    wait_for_job(cluster, name, lambda: resumed_as(cluster, name, 1), 180, "attempt 1 to resume beside the bystander's pods")
     assert cluster.annotations(bystander).get(names.JOB_PHASE) == "Running"
     assert cluster.annotations(bystander).get(names.RESTART_COUNT, "0") == "0", "the bystander was never touched"
     cluster.assert_clean()
@@ -1294,7 +1294,7 @@ def test_a_job_kueue_holds_is_left_held_and_once_admitted_restarts_without_leavi
     assert workload is not None
     rank_process(cluster, f"{name}-worker-0").send_signal(signal.SIGKILL)
     wait_until(lambda: cluster.annotations(name).get(names.RESTART_COUNT) == "1", 30, "unbroken's restart")
-    wait_until(lambda: resumed_as(cluster, name, 1), 120, "attempt 1 to resume")
+    wait_for_job(cluster, name, lambda: resumed_as(cluster, name, 1), 120, "attempt 1 to resume")
     after = kueue_workload(cluster, name)
     assert after is not None and after["metadata"]["uid"] == workload["metadata"]["uid"] and admitted(after), \
         "the job kept its admission: it never went back to wait in the queue"
