@@ -30,6 +30,7 @@ from unbroken.plumbing.waiting import wait_until
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 STEPS = 300
+ELASTIC_STEPS = 1800
 
 
 @pytest.fixture
@@ -158,13 +159,15 @@ def test_a_lost_nodes_pod_is_replaced_by_the_spare_pod_without_a_restart(cluster
     assert final.keys() == reference.keys() and all(torch.equal(final[k], reference[k]) for k in final)
 
 
+@pytest.mark.timeout(420)  # its waits allow more than 300 s; under CI's load it once took 290 s
 def test_an_elastic_pytorchjob_shrinks_after_a_node_loss_and_grows_back_when_a_node_joins(cluster: Cluster, tmp_path: Path) -> None:
     """elasticPolicy min 2, max 3: Master + 2 Workers. A Worker's node fails: the two pods left go on at once (no
     restart); the lost pod is deleted and recreated by training-operator, Pending until a fourth node joins; there it
     stands by warm and the job grows back to three, again in place."""
     cluster.start_operator()
     progress = tmp_path / "progress.log"
-    body = pytorchjob("elastic", tmp_path / "ckpt", steps=2400, annotations=auto_resume(2), launcher=LAUNCHER, nodes=3,
+    # 1800 steps: the job grew back by step 908 on an idle 2-core machine (it was 2400, 2x the margin needed)
+    body = pytorchjob("elastic", tmp_path / "ckpt", steps=ELASTIC_STEPS, annotations=auto_resume(2), launcher=LAUNCHER, nodes=3,
                       elastic=(2, 3), workload_args=("--progress-log", str(progress)))
     name = submit(cluster, body)
     master, lost = f"{name}-master-0", f"{name}-worker-1"
@@ -188,4 +191,4 @@ def test_an_elastic_pytorchjob_shrinks_after_a_node_loss_and_grows_back_when_a_n
     assert {n: u for n, u in pod_uids(cluster, name).items() if n != lost} == {n: u for n, u in uids.items() if n != lost}
     # no step lost or trained twice: rank 0 (held through both rounds) took every step once, from its own memory
     steps = progress_steps(progress)
-    assert steps == list(range(1, 2401)), (steps[:5], steps[-5:], len(steps))
+    assert steps == list(range(1, ELASTIC_STEPS + 1)), (steps[:5], steps[-5:], len(steps))
