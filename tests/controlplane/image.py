@@ -10,11 +10,12 @@ import``). Built once per content and kept outside the clone, as the control pla
   module: what unbroken's own image is built on (the Dockerfile's ``python:3.11-slim``, which no registry here
   can serve). ~20 s and ~230 MB the first time.
 * ``unbroken_image()``: the Dockerfile's layout on that Debian: a venv at ``/opt/unbroken`` with unbroken (a
-  wheel of this checkout) and its dependencies, ``PATH`` through it, no USER and no ENTRYPOINT. One difference:
+  wheel of this checkout) and its dependencies (two layers: Debian and the dependencies, then unbroken), ``PATH`` through it, no USER and no ENTRYPOINT. One difference:
   no torch. The operator and the node agent never import it (``import-linter`` holds them to that), and the
   only torch PyPI has for Linux is the CUDA build, 5 GB with its NVIDIA libraries: an image that size, imported
   into every node's containerd, does not fit this machine. The Dockerfile's image has it (the GPU checks and
-  the training pods need it). Keyed by the dependencies and the checkout's sources: rebuilt when either changes.
+  the training pods need it). Keyed by the dependencies and the checkout's sources: rebuilt when either changes,
+  but only its second layer when only the sources did.
 
 The cache key is the recipe (suite, packages, the tool's version), not the mirror's state on the day: a
 rebuild on another day may hold newer Debian point releases of the same packages, as a Dockerfile's
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -84,18 +86,23 @@ def _imagetool(layers: list[Path], ref: str, out: Path, *, env: tuple[str, ...] 
 
 
 def _built(name: str, key: str, ref: str, build: Callable[[Path, str], None]) -> Image:
-    """The cached image ``name`` at ``key``, built first by ``build(staging, ref)`` if absent, in a staging folder
-    renamed into place with ``image.tar`` in it: a build killed half-way leaves nothing that looks built."""
+    """The cached image ``name`` at ``key``, built first by ``build(staging, ref)`` if absent (``_cached``)."""
+    return Image(ref, _cached(name, key, lambda staging: build(staging, ref), "image.tar"))
+
+
+def _cached(name: str, key: str, build: Callable[[Path], None], product: str) -> Path:
+    """``name-key/product`` in the cache, built first by ``build(staging)`` if absent, in a staging folder renamed
+    into place with ``product`` in it: a build killed half-way leaves nothing that looks built."""
     target = cache_root() / f"{name}-{key}"
-    if not (target / "image.tar").exists():
+    if not (target / product).exists():
         staging = target.with_name(target.name + ".building")
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-        build(staging, ref)
+        build(staging)
         shutil.rmtree(target, ignore_errors=True)
         staging.rename(target)
         _forget_older(name, keep=target)
-    return Image(ref, target / "image.tar")
+    return target / product
 
 
 STALE_AFTER_S = 3600.0
@@ -105,7 +112,8 @@ of the sources: ~200 MB each); younger ones may still be in use by another check
 
 def _forget_older(name: str, keep: Path) -> None:
     for other in cache_root().glob(f"{name}-*"):
-        if other != keep and other.is_dir() and not other.name.endswith(".building") \
+        # ``name-<key>`` exactly: "unbroken-*" also matches the cache of "unbroken-dependencies"
+        if other != keep and other.is_dir() and re.fullmatch(rf"{re.escape(name)}-[0-9a-f]{{12}}", other.name) \
                 and time.time() - other.stat().st_mtime > STALE_AFTER_S:
             shutil.rmtree(other, ignore_errors=True)
 
@@ -221,30 +229,79 @@ def _wheelhouse(requirements: list[str]) -> Path:
     return folder
 
 
-def unbroken_image() -> Image:
-    """unbroken's image (the Dockerfile's layout, without torch: see the module's docstring), named
-    ``unbroken.test/unbroken:<key>``."""
-    requirements = dependencies()
-    key = _key("unbroken", DEBIAN_SUITE, DEBIAN_MIRROR, *BASE_PACKAGES, *requirements, _sources_digest())
+VENV = "/opt/unbroken"
+"""Where the Dockerfile's venv is, in the image."""
 
-    def build(staging: Path, ref: str) -> None:
+
+def _dependencies_layer(requirements: list[str]) -> Path:
+    """The first of unbroken's image's two layers: Debian (``_debian``) with a venv at ``VENV`` holding
+    ``requirements`` and nothing of this checkout, as one gzipped tarball (~200 MB). Keyed by the recipe and the requirements alone, so
+    an edit of the sources reuses it (it is the ~70 s of the build)."""
+    key = _key("unbroken-dependencies", DEBIAN_SUITE, DEBIAN_MIRROR, *BASE_PACKAGES, *requirements)
+
+    def build(staging: Path) -> None:
         wheels = staging / "wheels"
         shutil.copytree(_wheelhouse(requirements), wheels)
         (wheels / "complete").unlink()
-        _pip("wheel", "--no-deps", "--no-build-isolation", "--wheel-dir", str(wheels), str(REPOSITORY))
-        rootfs = staging / "rootfs.tar"
-        _debian(rootfs, (
+        _debian(staging / "rootfs.tar", (
             f'cp -r "{wheels}" "$1/tmp/wheels"',
-            'chroot "$1" python3 -m venv /opt/unbroken',
+            f'chroot "$1" python3 -m venv {VENV}',
             # every wheel is one of the resolved set: no resolver, no index
-            'chroot "$1" sh -c "/opt/unbroken/bin/pip install --quiet --no-index --no-deps /tmp/wheels/*.whl"',
-            'chroot "$1" /opt/unbroken/bin/unbroken --help > /dev/null',
+            f'chroot "$1" sh -c "{VENV}/bin/pip install --quiet --no-index --no-deps /tmp/wheels/*.whl"',
             'rm -rf "$1/tmp/wheels" "$1/root/.cache"',
         ))
         shutil.rmtree(wheels)
-        _imagetool([rootfs], ref, staging / "image.tar",
-                   env=("PATH=/opt/unbroken/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8",
+        # compressed once here, not by every image built on it (imagetool takes a gzipped layer as it is)
+        _run(["gzip", "-1", "-n", str(staging / "rootfs.tar")])
+
+    return _cached("unbroken-dependencies", key, build, "rootfs.tar.gz")
+
+
+def _installed_files(root: Path, distribution: str) -> list[str]:
+    """The paths (relative to ``root``, parents first) of what pip installed of ``distribution`` into the venv, from
+    its RECORD: the layer that adds them to the layer under it."""
+    site = next((root / VENV.lstrip("/") / "lib").glob("python3*/site-packages"))
+    record = next(site.glob(f"{distribution}-*.dist-info")) / "RECORD"
+    files = {(site / line.split(",")[0]).resolve() for line in record.read_text().splitlines() if line.strip()}
+    paths = set()
+    for path in files:
+        paths.add(path)
+        parent = path.parent
+        while parent != site and site in parent.parents:  # the package's own folders, with their modes
+            paths.add(parent)
+            parent = parent.parent
+    return sorted(str(p.relative_to(root)) for p in paths)
+
+
+def unbroken_image() -> Image:
+    """unbroken's image (the Dockerfile's layout, without torch: see the module's docstring), named
+    ``unbroken.test/unbroken:<key>``, in two layers: Debian and the venv with unbroken's dependencies
+    (``_dependencies_layer``, cached on its own), then unbroken itself (a wheel of this checkout) installed into
+    that venv, which is all an edit of the sources rebuilds (~10 s)."""
+    requirements = dependencies()
+    key = _key("unbroken", "two layers", DEBIAN_SUITE, DEBIAN_MIRROR, *BASE_PACKAGES, *requirements, _sources_digest())
+
+    def build(staging: Path, ref: str) -> None:
+        dependencies_layer = _dependencies_layer(requirements)
+        root = staging / "root"
+        root.mkdir()
+        _run(["tar", "-xzf", str(dependencies_layer), "-C", str(root), "--numeric-owner"])
+        _pip("wheel", "--no-deps", "--no-build-isolation", "--wheel-dir", str(root / "tmp"), str(REPOSITORY))
+        _run(["chroot", str(root), "sh", "-c", f"{VENV}/bin/pip install --quiet --no-index --no-deps /tmp/unbroken-*.whl"])
+        _run(["chroot", str(root), f"{VENV}/bin/unbroken", "--help"])
+        layer = staging / "unbroken.tar"
+        _run(["tar", "-cf", str(layer), "-C", str(root), "--numeric-owner", "--no-recursion", "--",
+              *_installed_files(root, "unbroken")])
+        shutil.rmtree(root)
+        _imagetool([dependencies_layer, layer], ref, staging / "image.tar",
+                   env=(f"PATH={VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8",
                         "PYTHONUNBUFFERED=1", "PYTHONDONTWRITEBYTECODE=1"))
-        rootfs.unlink()
+        layer.unlink()
 
     return _built("unbroken", key, f"unbroken.test/unbroken:{key}", build)
+
+
+def _run(command: list[str]) -> None:
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode:
+        raise ImageError(f"`{' '.join(command)}` failed ({result.returncode}): {result.stderr.strip()[-2000:]}")
