@@ -12,7 +12,9 @@ own. What stays simulated: no GPU is behind the nodes' ``nvidia.com/gpu`` (docs/
 
 from __future__ import annotations
 
+import copy
 import json
+import re
 import sysconfig
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -38,8 +40,11 @@ NODES = ("node-a", "node-b")
 
 
 class Deployed:
-    def __init__(self, plane: ControlPlane, nodes: dict[str, RealNode], unbroken: image.Image, overlay: Path) -> None:
+    def __init__(self, plane: ControlPlane, nodes: dict[str, RealNode], unbroken: image.Image, overlay: Path,
+                 dns: ClusterDNS, images: tuple[image.Image, ...]) -> None:
         self.plane, self.nodes, self.image, self.overlay = plane, nodes, unbroken, overlay
+        self.dns, self.images = dns, images
+        """What a node a test starts of its own needs: the cluster DNS, and the images to import."""
 
     def get(self, *args: str) -> Any:
         return json.loads(self.plane.kubectl("get", *args, "-o", "json").stdout)
@@ -51,6 +56,11 @@ class Deployed:
     def ready_pods(self, component: str) -> list[dict[str, Any]]:
         return [p for p in self.pods(component) if p["metadata"].get("deletionTimestamp") is None
                 and any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))]
+
+    def pod_nodes(self, job: str) -> dict[str, str | None]:
+        """The nodes of the job's pods in namespace default, by pod name (None: not placed)."""
+        pods = self.get("pods", "-n", "default", "-l", f"training.kubeflow.org/job-name={job}")["items"]
+        return {p["metadata"]["name"]: p["spec"].get("nodeName") for p in pods}
 
     def node_health(self) -> dict[str, str | None]:
         return {n: self.get("node", n)["metadata"]["labels"].get(names.NODE_HEALTH_STATUS) for n in NODES}
@@ -67,8 +77,14 @@ class Deployed:
 
     def diagnosis(self) -> str:
         kubectl = self.plane.kubectl
-        parts = [kubectl("get", "pods,daemonsets,deployments", "-n", SYSTEM, "-o", "wide", check=False).stdout,
-                 kubectl("get", "events", "-n", SYSTEM, "--sort-by=.lastTimestamp", check=False).stdout[-4000:]]
+        parts = [kubectl("get", "nodes", "-L", names.NODE_HEALTH_STATUS, check=False).stdout,
+                 kubectl("get", "pods,daemonsets,deployments", "-n", SYSTEM, "-o", "wide", check=False).stdout,
+                 kubectl("get", "events", "-n", SYSTEM, "--sort-by=.lastTimestamp", check=False).stdout[-4000:],
+                 kubectl("get", "pods", "-n", "default", "-o", "wide", check=False).stdout,  # a training job's
+                 kubectl("get", "events", "-n", "default", "--sort-by=.lastTimestamp", check=False).stdout[-3000:]]
+        for pod in self.get("pods", "-n", "default")["items"]:  # a training job's
+            name = pod["metadata"]["name"]
+            parts.append(f"--- logs {name}\n" + kubectl("logs", "-n", "default", name, "--all-containers", check=False).stdout[-2500:])
         for pod in self.pods("operator") + self.pods("agent"):
             name = pod["metadata"]["name"]
             for previous in ((), ("--previous",)):
@@ -98,7 +114,7 @@ def deployed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployed]:
             RealNode(plane, NODES[1], 2, work / "nodes", images=(unbroken, busybox), gpus=1, dns=dns) as b:
         folder = overlay(work / "overlay", unbroken)
         plane.kubectl("apply", "-k", str(folder))
-        yield Deployed(plane, {NODES[0]: a, NODES[1]: b}, unbroken, folder)
+        yield Deployed(plane, {NODES[0]: a, NODES[1]: b}, unbroken, folder, dns, (unbroken, busybox))
 
 
 def test_deploy_runs_unchanged_from_the_image_and_its_agents_join_the_operator(deployed: Deployed) -> None:
@@ -162,13 +178,16 @@ for pid in (p for p in os.listdir('/proc') if p.isdigit() and p != '1'):
 """
 
 
-def training_job(name: str, ref: str, steps: int) -> dict[str, Any]:
+def training_job(name: str, ref: str, steps: int, *, spare_pods: int = 0) -> dict[str, Any]:
     """A PyTorchJob as a user writes it (Master + Worker, one pod a node, torchrun the container's command, OnFailure),
-    opted in to unbroken's auto-resume and the memory tier (the rank env of kubernetes/backend/rank_env.py)."""
+    opted in to unbroken's auto-resume and the memory tier (the rank env of kubernetes/backend/rank_env.py). With
+    ``spare_pods``, ``unbroken run --spare-pods`` is the command in torchrun's place, and that many more Workers
+    stand by."""
     tiers = json.dumps({"memory": {"every_steps": 10, "keep": 2, "replicas": 1}})
+    launcher = (["unbroken", "run", "--spare-pods", str(spare_pods)] if spare_pods
+                else ["python", "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"])
     container = {"name": "pytorch", "image": ref, "imagePullPolicy": "IfNotPresent",
-                 "command": ["python", "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-                             "-m", "unbroken.workloads.mlp", "--steps", str(steps), "--checkpoint-every", "10",
+                 "command": [*launcher, "-m", "unbroken.workloads.mlp", "--steps", str(steps), "--checkpoint-every", "10",
                              "--step-time", "0.05"],
                  "env": [{"name": "PYTHONPATH", "value": "/opt/host-site"}],
                  "volumeMounts": [{"name": "host-site", "mountPath": "/opt/host-site", "readOnly": True}],
@@ -177,10 +196,13 @@ def training_job(name: str, ref: str, steps: int) -> dict[str, Any]:
                          "volumes": [{"name": "host-site", "hostPath": {"path": HOST_SITE, "type": "Directory"}}]}}
     template = with_rank_env(template, "training.kubeflow.org/job-name", tiers_json=tiers)
     replica = {"replicas": 1, "restartPolicy": "OnFailure", "template": template}
+    annotations = {names.AUTO_RESUME: "true", names.MAX_RETRY: "2", names.CHECKPOINT_TIERS: tiers}
+    if spare_pods:
+        annotations[names.SPARE_PODS] = str(spare_pods)
     return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
-            "metadata": {"name": name, "namespace": "default",
-                         "annotations": {names.AUTO_RESUME: "true", names.MAX_RETRY: "2", names.CHECKPOINT_TIERS: tiers}},
-            "spec": {"nprocPerNode": "1", "pytorchReplicaSpecs": {"Master": replica, "Worker": replica}}}
+            "metadata": {"name": name, "namespace": "default", "annotations": annotations},
+            "spec": {"nprocPerNode": "1", "pytorchReplicaSpecs": {"Master": copy.deepcopy(replica),
+                                                                  "Worker": {**replica, "replicas": 1 + spare_pods}}}}
 
 
 def test_a_pytorchjob_survives_a_killed_rank_restoring_from_the_memory_tier_through_the_containerised_agent(
@@ -214,6 +236,56 @@ def test_a_pytorchjob_survives_a_killed_rank_restoring_from_the_memory_tier_thro
     deployed.wait(lambda: any(c["type"] == "Succeeded" and c["status"] == "True"
                               for c in deployed.get("pytorchjob", "mlp").get("status", {}).get("conditions", [])),
                   240, "the PyTorchJob Succeeded")
+
+
+POOL = "unbroken.test/pool"
+"""A label of the two nodes a test starts of its own, which its Workers select."""
+
+
+@pytest.mark.timeout(480)  # two nodes of its own to start (~25 s each) and a job of three pods
+def test_unbroken_run_in_the_pods_replaces_a_lost_nodes_pod_with_its_spare_pod_without_a_restart(
+        deployed: Deployed, tmp_path: Path) -> None:
+    """``unbroken run --spare-pods 1`` as the containers' command (their PID 1), on real nodes: the Master on node-a, the
+    two Workers (the active one and the spare) on two nodes started for this test. The active Worker's node fails at
+    once (kubelet, containerd and its containers SIGKILLed, its link down): the spare pod, warm, takes the lost pod's
+    group rank from the Master's memory across the pod network; the operator restarts nothing, the two other pods keep
+    their uids, and the job Succeeds. (Two nodes of its own: the scheduler places the two Workers in either order.)"""
+    deployed.wait(lambda: len(deployed.ready_pods("agent")) == len(NODES), 120, "an agent pod Ready on every node")
+    with RealNode(deployed.plane, "node-c", 3, tmp_path / "nodes", images=deployed.images, gpus=1, dns=deployed.dns) as c, \
+            RealNode(deployed.plane, "node-d", 4, tmp_path / "nodes", images=deployed.images, gpus=1, dns=deployed.dns) as d:
+        pool = {c.name: c, d.name: d}
+        for name in pool:
+            deployed.plane.kubectl("label", "node", name, f"{POOL}=spare-test")
+        deployed.wait(lambda: len(deployed.ready_pods("agent")) == len(NODES) + 2, 120, "an agent pod Ready on node-c and node-d")
+        body = training_job("spare", deployed.image.ref, steps=600, spare_pods=1)  # ~10 steps/s; the spare takes over by ~140
+        specs = body["spec"]["pytorchReplicaSpecs"]
+        specs["Master"]["template"]["spec"]["nodeSelector"] = {"kubernetes.io/hostname": NODES[0]}
+        specs["Worker"]["template"]["spec"]["nodeSelector"] = {POOL: "spare-test"}
+        deployed.plane.apply([body])
+
+        def log(pod: str) -> str:
+            return deployed.plane.kubectl("logs", pod, "-c", "pytorch", check=False).stdout
+        deployed.wait(lambda: "spare pod (node rank 2) is warm and stands by" in log("spare-master-0")
+                      and '"step 100 ' in log("spare-master-0"), 150, "training past step 100 with the spare pod warm")
+        placed = deployed.pod_nodes("spare")
+        assert placed["spare-master-0"] == NODES[0] and {placed["spare-worker-0"], placed["spare-worker-1"]} == set(pool), placed
+        uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in deployed.get("pods", "-n", "default")["items"]}
+        pool[placed["spare-worker-0"]].fail()
+
+        deployed.wait(lambda: re.search(r"round \d+: this spare pod takes group rank 1 of 2", log("spare-worker-1")), 60,
+                      "the spare pod in the lost pod's place")
+        deployed.wait(lambda: any(c["type"] == "Succeeded" and c["status"] == "True"
+                                  for c in deployed.get("pytorchjob", "spare").get("status", {}).get("conditions", [])),
+                      240, "the PyTorchJob Succeeded")
+        restarts = deployed.get("events", "-n", "default", "--field-selector", "reason=JobRestarting")["items"]
+        assert not [e for e in restarts if e["involvedObject"]["name"] == "spare"], restarts
+        kept = {p["metadata"]["name"]: p["metadata"]["uid"] for p in deployed.get("pods", "-n", "default")["items"]}
+        assert all(kept.get(name) == uids[name] for name in ("spare-master-0", "spare-worker-1")), (uids, kept)
+        assert re.search(r"rank 1: resumed at step \d+ from live peer", log("spare-worker-1")), log("spare-worker-1")[-3000:]
+        deployed.plane.kubectl("delete", "pytorchjob", "spare")
+    # the two nodes are gone for good: their Nodes go too, and with them their pods (the agents'), as a cloud's would
+    deployed.plane.kubectl("delete", "node", "node-c", "node-d")
+    deployed.wait(lambda: len(deployed.pods("agent")) == len(NODES), 120, "the agent pods of node-c and node-d gone with their Nodes")
 
 
 def test_the_gpu_overlay_s_agent_reads_its_node_s_kernel_log_and_an_xid_takes_that_node_out(deployed: Deployed) -> None:
