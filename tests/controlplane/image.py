@@ -10,10 +10,10 @@ import``). Built once per content and kept outside the clone, as the control pla
   module: what unbroken's own image is built on (the Dockerfile's ``python:3.11-slim``, which no registry here
   can serve). ~20 s and ~230 MB the first time.
 * ``unbroken_image()``: the Dockerfile's layout on that Debian: a venv at ``/opt/unbroken`` with unbroken (a
-  wheel of this checkout) and its dependencies (two layers: Debian and the dependencies, then unbroken), ``PATH`` through it, no USER and no ENTRYPOINT. One difference:
-  no torch. The operator and the node agent never import it (``import-linter`` holds them to that), and the
-  only torch PyPI has for Linux is the CUDA build, 5 GB with its NVIDIA libraries: an image that size, imported
-  into every node's containerd, does not fit this machine. The Dockerfile's image has it (the GPU checks and
+  wheel of this checkout) and its dependencies (two layers: Debian and the dependencies, then unbroken), ``PATH``
+  through it, no USER and no ENTRYPOINT. One difference: no torch. The operator and the node agent never import
+  it (``import-linter`` holds them to that), and the only torch PyPI has for Linux is the CUDA build, 5 GB with its
+  NVIDIA libraries: an image that size, imported into every node's containerd, does not fit this machine. The Dockerfile's image has it (the GPU checks and
   the training pods need it). Keyed by the dependencies and the checkout's sources: rebuilt when either changes,
   but only its second layer when only the sources did.
 
@@ -68,6 +68,13 @@ class Image:
 def cache_root() -> Path:
     configured = os.environ.get("UNBROKEN_IMAGE_CACHE")
     return Path(configured) if configured else Path.home() / ".cache" / "unbroken" / "images"
+
+
+def _run(command: list[str]) -> None:
+    """``command``, or an ImageError with its exit status and the end of its stderr."""
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode:
+        raise ImageError(f"`{' '.join(command)}` failed ({result.returncode}): {result.stderr.strip()[-2000:]}")
 
 
 def _key(*parts: str) -> str:
@@ -143,9 +150,7 @@ def _debian(rootfs: Path, hooks: tuple[str, ...] = ()) -> None:
     for hook in hooks:
         command += ["--customize-hook", hook]
     command += ["--customize-hook", 'rm -rf "$1"/var/cache/apt/* "$1"/var/lib/apt/lists/*', DEBIAN_SUITE, str(rootfs), DEBIAN_MIRROR]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode:
-        raise ImageError(f"`{' '.join(command)}` failed ({result.returncode}): {result.stderr.strip()[-2000:]}")
+    _run(command)
 
 
 BASE_ENV = ("PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8")
@@ -211,10 +216,7 @@ def _sources_digest() -> str:
 
 
 def _pip(*args: str) -> None:
-    command = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--quiet", *args]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode:
-        raise ImageError(f"`{' '.join(command)}` failed ({result.returncode}): {result.stderr.strip()[-2000:]}")
+    _run([sys.executable, "-m", "pip", "--disable-pip-version-check", "--quiet", *args])
 
 
 def _wheelhouse(requirements: list[str]) -> Path:
@@ -235,8 +237,8 @@ VENV = "/opt/unbroken"
 
 def _dependencies_layer(requirements: list[str]) -> Path:
     """The first of unbroken's image's two layers: Debian (``_debian``) with a venv at ``VENV`` holding
-    ``requirements`` and nothing of this checkout, as one gzipped tarball (~200 MB). Keyed by the recipe and the requirements alone, so
-    an edit of the sources reuses it (it is the ~70 s of the build)."""
+    ``requirements`` and nothing of this checkout, as one gzipped tarball (~195 MB). Keyed by the recipe and the
+    requirements alone, so an edit of the sources reuses it (it is ~60 s of the ~85 s first build)."""
     key = _key("unbroken-dependencies", DEBIAN_SUITE, DEBIAN_MIRROR, *BASE_PACKAGES, *requirements)
 
     def build(staging: Path) -> None:
@@ -277,7 +279,7 @@ def unbroken_image() -> Image:
     """unbroken's image (the Dockerfile's layout, without torch: see the module's docstring), named
     ``unbroken.test/unbroken:<key>``, in two layers: Debian and the venv with unbroken's dependencies
     (``_dependencies_layer``, cached on its own), then unbroken itself (a wheel of this checkout) installed into
-    that venv, which is all an edit of the sources rebuilds (~10 s)."""
+    that venv, which is all an edit of the sources rebuilds (~25 s)."""
     requirements = dependencies()
     key = _key("unbroken", "two layers", DEBIAN_SUITE, DEBIAN_MIRROR, *BASE_PACKAGES, *requirements, _sources_digest())
 
@@ -299,9 +301,3 @@ def unbroken_image() -> Image:
         layer.unlink()
 
     return _built("unbroken", key, f"unbroken.test/unbroken:{key}", build)
-
-
-def _run(command: list[str]) -> None:
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode:
-        raise ImageError(f"`{' '.join(command)}` failed ({result.returncode}): {result.stderr.strip()[-2000:]}")

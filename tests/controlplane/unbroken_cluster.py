@@ -319,10 +319,11 @@ def running_with_a_checkpoint(cluster: Cluster, body: dict[str, Any], checkpoint
 
 
 def job_state(cluster: Cluster, name: str) -> str:
-    """What a wait that timed out needs said: the job's pods (node, phase, attempt, container states), its Events,
+    """What a wait that timed out needs said: the job's pods (node, phase, attempt, MASTER_PORT, container states), its Events,
     the last lines of its ranks' logs, of the operator's and of training-operator's."""
     pods = [(p.metadata.name, p.spec.node_name, p.status.phase, (p.metadata.annotations or {}).get(names.ATTEMPT),
              "deleting" if p.metadata.deletion_timestamp else "",
+             [e.value for c in p.spec.containers for e in c.env or [] if e.name == "MASTER_PORT"],
              [(c.state.to_dict(), c.restart_count) for c in p.status.container_statuses or []]) for p in cluster.pods(name)]
     tails = {pod: rank_log(cluster, f"{name}-{pod}")[-1200:] for pod in ("master-0", "worker-0")}
     operator = cluster.operator_log()[-2500:] if (cluster.workdir / "operator.log").exists() else ""
