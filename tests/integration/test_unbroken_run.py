@@ -12,7 +12,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +22,7 @@ import pytest
 from helpers import STEPS, assert_same_parameters
 from unbroken.plumbing import procs
 from unbroken.plumbing.ports import free_port
-from unbroken.plumbing.waiting import wait_until
+from unbroken.plumbing.waiting import WaitTimeout, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -46,7 +46,9 @@ def start_pod(tmp_path: Path, node_rank: int, port: int, *, nnodes: str = "2", n
     node rank 0 listens at ``port``."""
     name = name or f"pod-{node_rank}"
     run_dir, log = tmp_path / f"run-{name}", tmp_path / f"{name}.log"
-    env = {**os.environ, "PET_NNODES": nnodes, "PET_NPROC_PER_NODE": str(nproc), "PET_NODE_RANK": str(node_rank),
+    # without PYTHONUNBUFFERED, as a user's image may be: the launcher must still get its ranks' lines into the log
+    # as they come (before it set it for its torchrun, they came when the torchrun exited, after the job)
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}, "PET_NNODES": nnodes, "PET_NPROC_PER_NODE": str(nproc), "PET_NODE_RANK": str(node_rank),
            "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port), "UNBROKEN_RUN_DIR": str(run_dir),
            "UNBROKEN_CHECKPOINT_DIR": str(tmp_path / "ckpt")}
     # append mode, as the process kubelet opens a pod's log: the ranks' torchrun appends to the same file through
@@ -57,6 +59,23 @@ def start_pod(tmp_path: Path, node_rank: int, port: int, *, nnodes: str = "2", n
              "--checkpoint-every", "10", "--step-time", "0.4", "--output", str(tmp_path / "final.pt")],
             cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     return Pod(process, log, run_dir)
+
+
+def tails(pods: list[Pod]) -> str:
+    return "\n".join(f"--- {pod.log.name} (exit code {pod.process.poll()}):\n{pod.text()[-3000:]}" for pod in pods)
+
+
+def wait_while_up(pods: list[Pod], predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    """``wait_until`` for something that must happen while every one of ``pods`` runs: fails at once if one of them
+    exits first, and with each pod's log if it times out."""
+    def up_and(predicate: Callable[[], bool]) -> bool:
+        if any(pod.process.poll() is not None for pod in pods):
+            raise AssertionError(f"a pod exited before: {what}\n{tails(pods)}")
+        return predicate()
+    try:
+        wait_until(lambda: up_and(predicate), timeout, what)
+    except WaitTimeout as timeout_error:
+        raise AssertionError(f"{timeout_error}\n{tails(pods)}") from None
 
 
 def stop(pods: list[Pod]) -> None:
@@ -77,8 +96,8 @@ def test_a_rank_killed_is_replaced_in_place_from_the_warm_spare_and_the_model_en
         pods: list[Pod], reference: Path, tmp_path: Path) -> None:
     master, worker = pods
     # training (both pods' ranks past their first step), the spares warm: the fault this test is about
-    wait_until(lambda: all("warm spare ready" in pod.text() and "first step" in pod.text() for pod in pods), 90,
-               "both pods training with their warm spares ready")
+    wait_while_up(pods, lambda: all("warm spare ready" in pod.text() and "first step" in pod.text() for pod in pods), 90,
+                  "both pods training with their warm spares ready")
     victim = worker.rank_pids(0)[0]
     psutil.Process(victim).kill()
 
@@ -93,7 +112,7 @@ def test_a_rank_killed_is_replaced_in_place_from_the_warm_spare_and_the_model_en
 
 def test_a_pod_lost_whole_makes_the_other_launcher_give_up_and_exit_1(pods: list[Pod]) -> None:
     master, worker = pods
-    wait_until(lambda: len(worker.rank_pids(0)) == 2 and "first step" in master.text(), 90, "both pods training")
+    wait_while_up(pods, lambda: len(worker.rank_pids(0)) == 2 and "first step" in master.text(), 90, "both pods training")
     procs.kill_now(procs.tree(worker.process.pid))  # the node lost: the launcher and everything it started, as a cgroup kill
 
     assert master.process.wait(timeout=60) == 1
@@ -110,9 +129,9 @@ def test_a_lost_pods_place_is_taken_by_the_spare_pod_and_the_model_ends_as_unint
     pods = [start_pod(tmp_path, node_rank, port, nnodes="3", options=("--spare-pods", "1")) for node_rank in range(3)]
     try:
         master, worker, spare = pods
-        wait_until(lambda: "spare pod (node rank 2) is warm and stands by" in master.text()
-                   and "first step" in master.text() and "first step" in worker.text(), 120,
-                   "the job training on two pods with the spare pod warm")
+        wait_while_up(pods, lambda: "spare pod (node rank 2) is warm and stands by" in master.text()
+                      and "first step" in master.text() and "first step" in worker.text(), 120,
+                      "the job training on two pods with the spare pod warm")
         procs.kill_now(procs.tree(worker.process.pid))  # the node lost
 
         assert master.process.wait(timeout=120) == 0, master.text()[-3000:]
@@ -133,7 +152,7 @@ def test_an_elastic_job_goes_on_smaller_after_a_pod_is_lost_and_grows_back_when_
     pods = [start_pod(tmp_path, node_rank, port, nnodes="2:3", nproc=1, steps=90) for node_rank in range(3)]
     try:
         master, first, lost = pods
-        wait_until(lambda: all("first step" in pod.text() for pod in pods), 120, "three pods training")
+        wait_while_up(pods, lambda: all("first step" in pod.text() for pod in pods), 120, "three pods training")
         procs.kill_now(procs.tree(lost.process.pid))
         wait_until(lambda: "round 1: 2 pods (node ranks [0, 1])" in master.text(), 60, "the job on two pods")
         wait_until(lambda: "rejoins as attempt 0 (round 1)" in first.text() and "first step" in first.text().split("round 1")[-1],
@@ -188,7 +207,7 @@ def test_sigterm_stops_the_pods_ranks_and_the_launcher_exits_143(pods: list[Pod]
     """What the kubelet sends when the operator deletes a pod: the launcher takes its ranks down with it, not leaving
     them to the container runtime's SIGKILL."""
     master, worker = pods
-    wait_until(lambda: len(worker.rank_pids(0)) == 2 and "first step" in worker.text(), 90, "the worker pod training")
+    wait_while_up(pods, lambda: len(worker.rank_pids(0)) == 2 and "first step" in worker.text(), 90, "the worker pod training")
     ranks = worker.rank_pids(0)
     worker.process.terminate()
 

@@ -106,8 +106,11 @@ class PodLauncher:
         self.relay = relay
         self._deaths: queue.Queue[RankDeath] = queue.Queue()
         self._watch = RankWatch(self._deaths.put)
-        # torchrun reads PET_* as its defaults; each pod's torchrun runs alone (the ranks meet at the rounds' stores)
-        self._base_env = {k: v for k, v in os.environ.items() if not k.startswith("PET_")}
+        # torchrun reads PET_* as its defaults; each pod's torchrun runs alone (the ranks meet at the rounds' stores).
+        # PYTHONUNBUFFERED unless the pod says otherwise: torchrun copies its ranks' output to its stdout (the pod's
+        # log) without flushing, so in an image that does not set it `kubectl logs` showed no rank's line until the
+        # torchrun exited (tests/integration/test_unbroken_run.py runs its pods without it).
+        self._base_env = {"PYTHONUNBUFFERED": "1", **{k: v for k, v in os.environ.items() if not k.startswith("PET_")}}
 
     def main(self) -> int:
         try:
