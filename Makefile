@@ -41,7 +41,7 @@ test: $(STAMP) system-packages control-plane
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q -n 2 -m "not slow" tests
-	$(BIN)/python -m pytest -q --durations=15 -m slow tests
+	$(BIN)/python -m pytest -q --durations=40 -m slow tests
 
 install: $(STAMP)
 
