@@ -236,6 +236,10 @@ def test_a_pytorchjob_survives_a_killed_rank_restoring_from_the_memory_tier_thro
     deployed.wait(lambda: any(c["type"] == "Succeeded" and c["status"] == "True"
                               for c in deployed.get("pytorchjob", "mlp").get("status", {}).get("conditions", [])),
                   240, "the PyTorchJob Succeeded")
+    # one fault, one restart: attempt 0's Worker, its container restarted in place by the kubelet as the restart
+    # deleted it, once joined attempt 1 and broke it when its grace period ended (backend.py, _worker_phase)
+    restarts = events("JobRestarting")
+    assert len(restarts) == 1, restarts
 
 
 POOL = "unbroken.test/pool"

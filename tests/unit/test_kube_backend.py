@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from unbroken.controller.job_decisions import is_peer_lost
-from unbroken.kubernetes.backend.backend import _pod_phase, _what_failed
-from unbroken.state.phases import WorkerPhase
-from unbroken.state.records import Desired, Worker
+from unbroken.config.job import JobSpec
+from unbroken.controller.job_decisions import Action, decide, is_peer_lost
+from unbroken.kubernetes.backend.backend import _pod_phase, _what_failed, _worker_phase
+from unbroken.state.phases import DeepHealthStatus, JobPhase, NodeState, WorkerPhase
+from unbroken.state.records import Desired, Job, Node, Worker
 
 TORCHRUN_KILLED = """\
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
@@ -42,6 +43,31 @@ def test_a_container_restarted_in_place_after_a_failure_is_a_failed_worker() -> 
     assert (phase, code) == (WorkerPhase.FAILED, 1)
     assert message == "exited with code 1: Signal 9 (SIGKILL) received by PID 812"
     assert ended is not None
+
+
+def test_a_pod_being_deleted_whose_container_runs_again_holds_a_restart_until_it_is_gone() -> None:
+    """Attempt 0's Worker, its rank killed: the kubelet restarts the container in place (OnFailure) while the restart
+    deletes the pod. Until the container is gone it can join attempt 1's rendezvous (seen on real nodes: it trained
+    beside attempt 1's Master for 30 s, then its SIGKILL cost a second restart), so the restart waits for it."""
+    failed_before = status({"exitCode": 1, "message": TORCHRUN_KILLED, "finishedAt": "2026-11-24T10:00:00Z"})
+    deleting = {"metadata": {"name": "mlp-worker-0", "deletionTimestamp": "2026-11-24T10:00:02Z"}, "status": failed_before}
+    assert _worker_phase(deleting) == (WorkerPhase.RUNNING, None, None, None)
+    assert _worker_phase({**deleting, "metadata": {"name": "mlp-worker-0"}})[:2] == (WorkerPhase.FAILED, 1), \
+        "not being deleted: the failure, which restarts the job"
+    gone_by_now = {**deleting, "status": status({"exitCode": 137}, where="state", phase="Failed")}
+    assert _worker_phase(gone_by_now)[0] is WorkerPhase.FAILED, "being deleted with nothing running: stopped"
+
+    def restarting(pod: dict) -> Action:
+        phase, code, message, ended = _worker_phase(pod)
+        worker = Worker(job="ns/mlp", attempt=0, node="node-b", node_rank=1, desired=Desired.STOP, phase=phase,
+                        rdzv_endpoint="", exit_code=code, message=message, ended_at=ended)
+        nodes = {name: Node(name=name, group="workers", instance_type="gpu", state=NodeState.SCHEDULABLE,
+                            deep_health=DeepHealthStatus.PASSED, heartbeat_at=999.8) for name in ("node-a", "node-b")}
+        spec = JobSpec.model_validate({"name": "mlp", "nodes": 2, "command": ["-m", "x"], "resilience": {"auto_resume": True}})
+        return decide(1000.0, Job(name="ns/mlp", spec_json="{}", phase=JobPhase.RESTARTING, created_at=0.0), spec,
+                      [worker], nodes, ["node-a", "node-b"]).action
+    assert restarting(deleting) is Action.WAIT
+    assert restarting(gone_by_now) is Action.SCHEDULE
 
 
 def test_a_signal_exit_code_reads_as_the_signal() -> None:

@@ -314,7 +314,7 @@ class KubernetesBackend:
 
     def _worker(self, kind: WorkloadKind, job: str, pod: dict[str, Any], masterless: bool) -> Worker:
         meta, spec, status = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
-        phase, exit_code, message, ended = _pod_phase(status)
+        phase, exit_code, message, ended = _worker_phase(pod)
         return Worker(
             job=job, attempt=_attempt(pod), node=spec["nodeName"], node_rank=kind.node_rank(pod, masterless=masterless),
             desired=Desired.STOP if meta.get("deletionTimestamp") else Desired.RUN, phase=phase,
@@ -400,6 +400,21 @@ def _what_failed(log_tail: str) -> str:
         if (found := _ROOT_CAUSE.search(line)) is not None:
             return found.group(0)[:300]
     return " | ".join(lines[-2:])[:300]
+
+
+def _worker_phase(pod: dict[str, Any]) -> tuple[WorkerPhase, int | None, str | None, float | None]:
+    """``_pod_phase``, except that a pod being deleted whose container runs is running until it is gone.
+
+    With ``restartPolicy: OnFailure`` the kubelet restarts a failed container in place, before or even after the pod
+    is deleted, and a delete's grace period (a container's PID 1 drops a SIGTERM it has no handler for yet) can keep
+    the new one running for 30 s. Read as failed (its ``lastState``), it let a restart go on as if it had stopped: on
+    real nodes, attempt 0's Worker, restarted so, joined attempt 1's Master, trained beside it, and its SIGKILL at the
+    end of the grace period broke attempt 1, a second restart for one fault. Running, the restart waits for it."""
+    status = pod.get("status") or {}
+    if pod["metadata"].get("deletionTimestamp") and any(
+            "running" in (c.get("state") or {}) for c in status.get("containerStatuses") or []):
+        return WorkerPhase.RUNNING, None, None, None
+    return _pod_phase(status)
 
 
 def _pod_phase(status: dict[str, Any]) -> tuple[WorkerPhase, int | None, str | None, float | None]:
