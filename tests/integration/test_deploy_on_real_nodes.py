@@ -84,7 +84,9 @@ class Deployed:
                  kubectl("get", "events", "-n", "default", "--sort-by=.lastTimestamp", check=False).stdout[-3000:]]
         for pod in self.get("pods", "-n", "default")["items"]:  # a training job's
             name = pod["metadata"]["name"]
-            parts.append(f"--- logs {name}\n" + kubectl("logs", "-n", "default", name, "--all-containers", check=False).stdout[-2500:])
+            for previous in ((), ("--previous",)):  # a container the kubelet restarted in place: why it ended
+                parts.append(f"--- logs {name} {' '.join(previous)}\n"
+                             + kubectl("logs", "-n", "default", name, "--all-containers", *previous, check=False).stdout[-2500:])
         for pod in self.pods("operator") + self.pods("agent"):
             name = pod["metadata"]["name"]
             for previous in ((), ("--previous",)):
@@ -115,6 +117,15 @@ def deployed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployed]:
         folder = overlay(work / "overlay", unbroken)
         plane.kubectl("apply", "-k", str(folder))
         yield Deployed(plane, {NODES[0]: a, NODES[1]: b}, unbroken, folder, dns, (unbroken, busybox))
+
+
+@pytest.fixture(autouse=True)
+def no_training_job_left(deployed: Deployed) -> Iterator[None]:
+    """A test that fails leaves its PyTorchJob behind, holding the nodes' GPUs: the tests after it would fail on
+    that too. Each test's jobs go when it ends, and their pods with them."""
+    yield
+    deployed.plane.kubectl("delete", "pytorchjobs", "--all", "-n", "default", "--wait=false", check=False)
+    deployed.wait(lambda: not deployed.get("pods", "-n", "default")["items"], 120, "the training pods of the test gone")
 
 
 def test_deploy_runs_unchanged_from_the_image_and_its_agents_join_the_operator(deployed: Deployed) -> None:
@@ -239,7 +250,7 @@ def test_a_pytorchjob_survives_a_killed_rank_restoring_from_the_memory_tier_thro
     # one fault, one restart: attempt 0's Worker, its container restarted in place by the kubelet as the restart
     # deleted it, once joined attempt 1 and broke it when its grace period ended (backend.py, _worker_phase)
     restarts = events("JobRestarting")
-    assert len(restarts) == 1, restarts
+    assert len(restarts) == 1, f"{restarts}\n{deployed.diagnosis()}"
 
 
 POOL = "unbroken.test/pool"
