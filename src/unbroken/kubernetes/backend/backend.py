@@ -403,17 +403,19 @@ def _what_failed(log_tail: str) -> str:
 
 
 def _worker_phase(pod: dict[str, Any]) -> tuple[WorkerPhase, int | None, str | None, float | None]:
-    """``_pod_phase``, except that a pod being deleted whose container runs is running until it is gone.
+    """``_pod_phase``, except that a pod being deleted has not stopped until it is gone or its phase is final.
 
-    With ``restartPolicy: OnFailure`` the kubelet restarts a failed container in place, before or even after the pod
-    is deleted, and a delete's grace period (a container's PID 1 drops a SIGTERM it has no handler for yet) can keep
-    the new one running for 30 s. Read as failed (its ``lastState``), it let a restart go on as if it had stopped: on
-    real nodes, attempt 0's Worker, restarted so, joined attempt 1's Master, trained beside it, and its SIGKILL at the
-    end of the grace period broke attempt 1, a second restart for one fault. Running, the restart waits for it."""
+    With ``restartPolicy: OnFailure`` the kubelet restarts a failed container in place, and it may do so after the pod
+    was deleted; a container's PID 1 drops a SIGTERM it has no handler for yet, so the new one can run out the 30 s
+    grace period. Read as failed (its ``lastState``), such a pod let a restart go on as if it had stopped: on real
+    nodes attempt 0's Worker, restarted so, joined attempt 1's Master, trained beside it, and its SIGKILL at the end of
+    the grace period broke attempt 1: a second restart for one fault. Until the kubelet has removed it (it does once
+    every container has ended), a pod being deleted reads as running (a container runs) or pending (one may start), and
+    a restart waits for it as for any pod still running; a pod whose phase is Succeeded or Failed starts nothing more."""
     status = pod.get("status") or {}
-    if pod["metadata"].get("deletionTimestamp") and any(
-            "running" in (c.get("state") or {}) for c in status.get("containerStatuses") or []):
-        return WorkerPhase.RUNNING, None, None, None
+    if pod["metadata"].get("deletionTimestamp") and status.get("phase") not in ("Succeeded", "Failed"):
+        running = any("running" in (c.get("state") or {}) for c in status.get("containerStatuses") or [])
+        return (WorkerPhase.RUNNING if running else WorkerPhase.PENDING), None, None, None
     return _pod_phase(status)
 
 
