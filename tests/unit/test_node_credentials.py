@@ -20,7 +20,7 @@ import pytest
 from helpers import tls_handshake as handshake
 from unbroken.checkpoint.node import credentials
 from unbroken.checkpoint.node.credentials import Authority
-from unbroken.errors import NotFoundError, StoreUnavailable
+from unbroken.errors import CheckpointError, NotFoundError, StoreUnavailable
 from unbroken.kubernetes.backend import heartbeats, names, node_credentials
 from unbroken.kubernetes.backend.client import api_client
 from unbroken.kubernetes.operator.credential_issuer import CredentialIssuer, IssuerServer
@@ -150,3 +150,20 @@ def api_client_with_token(token: str) -> kubernetes.client.ApiClient:
     configuration.host = "https://127.0.0.1:1"  # never dialled here
     configuration.api_key = {"authorization": f"Bearer {token}"}
     return kubernetes.client.ApiClient(configuration)
+
+
+def test_a_rank_waits_for_its_nodes_credentials_written_after_it_started(tmp_path: Path) -> None:
+    """On Kubernetes a pod may start before its node's agent is certified: the rank waits for the files, not fails."""
+    folder = tmp_path / "cluster"
+    writer = threading.Timer(0.3, lambda: credentials.create(folder, "test"))
+    writer.start()
+    try:
+        loaded = credentials.load_when_written(folder, timeout=30)
+    finally:
+        writer.join()
+    assert loaded == credentials.at(folder) and loaded.key.is_file()
+
+
+def test_a_rank_whose_nodes_credentials_never_come_fails_naming_what_is_missing_and_how_long_it_waited(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"credentials are missing \(cluster-ca.crt, cluster.crt, cluster.key\).*waited 0.3 s"):
+        credentials.load_when_written(tmp_path / "cluster", timeout=0.3)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from unbroken.errors import CheckpointError
+from unbroken.plumbing.waiting import WaitTimeout, wait_until
 
 CA_FILE = "cluster-ca.crt"
 CERT_FILE = "cluster.crt"
@@ -88,6 +89,27 @@ def load(directory: Path) -> Credentials:
         raise CheckpointError(f"{directory}: the cluster's TLS credentials are missing ({', '.join(missing)}); "
                               "they are made by 'unbroken cluster up'")
     return credentials
+
+
+NODE_CERTIFIED_WITHIN_S = 60.0
+"""How long a rank waits for its node's credentials (``load_when_written``): on Kubernetes the node's agent writes
+them once the operator has certified it, and a pod may start first on a node that just joined or whose agent is
+restarting (seen in CI: a rank 1.4 s ahead of its agent failed the job's first attempt)."""
+
+
+def load_when_written(directory: Path, timeout: float = NODE_CERTIFIED_WITHIN_S) -> Credentials:
+    """``load``, waiting up to ``timeout`` seconds for the files to appear first (a clear error after that)."""
+    credentials = at(directory)
+    try:
+        wait_until(lambda: all(p.is_file() for p in (credentials.ca, credentials.cert, credentials.key)), timeout,
+                   f"the cluster's TLS credentials in {directory}", interval=0.2)
+    except WaitTimeout:
+        pass  # load names what is missing
+    try:
+        return load(directory)
+    except CheckpointError as missing:
+        raise CheckpointError(f"{missing} (waited {timeout:g} s: on Kubernetes the node's agent writes them once the "
+                              "operator has certified it)") from None
 
 
 def create(directory: Path, cluster: str) -> Credentials:

@@ -484,6 +484,6 @@ def from_environment(env: Any, rank: int, world_size: int, policy: TierPolicy, o
     return TieredCheckpointer(
         job=env.job, attempt=env.attempt, rank=rank, world_size=world_size, node=env.node,
         shm_root=shm.node_root(env.cluster_dir, env.node), policy=policy, endpoint=env.advertised_endpoint,
-        credentials=credentials.load(ClusterLayout.at(env.cluster_dir).root), observer=observer,
+        credentials=credentials.load_when_written(ClusterLayout.at(env.cluster_dir).root), observer=observer,
     )
 
