@@ -207,7 +207,9 @@ def training_job(name: str, ref: str, steps: int, *, spare_pods: int = 0) -> dic
                          "volumes": [{"name": "host-site", "hostPath": {"path": HOST_SITE, "type": "Directory"}}]}}
     template = with_rank_env(template, "training.kubeflow.org/job-name", tiers_json=tiers)
     replica = {"replicas": 1, "restartPolicy": "OnFailure", "template": template}
-    annotations = {names.AUTO_RESUME: "true", names.MAX_RETRY: "2", names.CHECKPOINT_TIERS: tiers}
+    # a hang timeout of its own: the automatic one (3 s here, from 0.12 s steps) took a 3.6 s stall of the Master
+    # for a hang while two more nodes started beside it on 2 cores, a restart these tests are not about
+    annotations = {names.AUTO_RESUME: "true", names.MAX_RETRY: "2", names.CHECKPOINT_TIERS: tiers, names.HANG_TIMEOUT: "30"}
     if spare_pods:
         annotations[names.SPARE_PODS] = str(spare_pods)
     return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
