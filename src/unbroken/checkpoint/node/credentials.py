@@ -84,11 +84,14 @@ def at(directory: Path) -> Credentials:
 def load(directory: Path) -> Credentials:
     """The credentials in ``directory``; a clear error if they are missing."""
     credentials = at(directory)
-    missing = [p.name for p in (credentials.ca, credentials.cert, credentials.key) if not p.is_file()]
-    if missing:
+    if missing := _missing(credentials):
         raise CheckpointError(f"{directory}: the cluster's TLS credentials are missing ({', '.join(missing)}); "
                               "they are made by 'unbroken cluster up'")
     return credentials
+
+
+def _missing(credentials: Credentials) -> list[str]:
+    return [p.name for p in (credentials.ca, credentials.cert, credentials.key) if not p.is_file()]
 
 
 NODE_CERTIFIED_WITHIN_S = 60.0
@@ -101,8 +104,7 @@ def load_when_written(directory: Path, timeout: float = NODE_CERTIFIED_WITHIN_S)
     """``load``, waiting up to ``timeout`` seconds for the files to appear first (a clear error after that)."""
     credentials = at(directory)
     try:
-        wait_until(lambda: all(p.is_file() for p in (credentials.ca, credentials.cert, credentials.key)), timeout,
-                   f"the cluster's TLS credentials in {directory}", interval=0.2)
+        wait_until(lambda: not _missing(credentials), timeout, f"the cluster's TLS credentials in {directory}", interval=0.2)
     except WaitTimeout:
         pass  # load names what is missing
     try:
