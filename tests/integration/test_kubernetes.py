@@ -23,7 +23,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 import uuid
@@ -43,8 +42,7 @@ from controlplane.unbroken_cluster import (
     wait_for_job, wait_resumed_off, without_gpus,
 )
 from helpers import run_cli
-from processes import stop_process
-from unbroken.plumbing import procs
+from processes import slowed, stop_process
 from unbroken.checkpoint.node import credentials
 from unbroken.kubernetes.backend import heartbeats, names, node_credentials, rank_env
 from unbroken.kubernetes.backend.rank_env import AGENT_DIR
@@ -663,19 +661,13 @@ def test_a_straggler_node_is_named_on_the_workload_then_taken_out_labelled_and_c
                60, "the job running")
     pod_pid = cluster.kubelet.pid_of(JOBS, f"{name}-worker-0")
     assert pod_pid is not None
-    done = threading.Event()
-    slower = threading.Thread(target=procs.duty_cycle, args=(lambda: [p.pid for p in procs.tree(pod_pid)], 3.0, 0.05, done))
-    slower.start()
-    try:
+    with slowed(pod_pid, 3.0, 0.05):
         detected = wait_until(lambda: next((m for _, r, m in cluster.events(name) if r == "StragglerDetected"), None), 90,
                               "a StragglerDetected Event on the PyTorchJob")
         assert f"node {victim} is a straggler" in detected and "'compute'" in detected, detected
         replaced = wait_until(lambda: next((m for _, r, m in cluster.events(name) if r == "StragglerReplaced"), None), 60,
                               "the straggler taken out")
         assert f"node {victim} taken out" in replaced, replaced
-    finally:
-        done.set()
-        slower.join()
     node = cluster.core.read_node(victim)
     assert node.metadata.labels[names.NODE_HEALTH_STATUS] == "UnschedulablePendingReplacement"
     assert node.metadata.labels[names.FAULT_TYPES] == "Straggler"
@@ -757,7 +749,7 @@ def test_a_hung_rank_restarts_the_job_after_its_hang_timeout(cluster: Cluster, a
         lease = leases.read_namespaced_lease(f"{names.LEASE_PREFIX}{node}", SYSTEM)
         reports = json.loads((lease.metadata.annotations or {}).get(names.LEASE_PROGRESS) or "[]")
         mine = [r for r in reports if r["job"] == f"{JOBS}/{name}" and r["attempt"] == 0]
-        return mine[0]["last_step"] if mine else None
+        return mine[0].get("last_step") if mine else None  # absent until a rank has reported a step
 
     worker_node = cluster.core.read_namespaced_pod(f"{name}-worker-0", JOBS).spec.node_name
     wait_until(lambda: (reported_step(worker_node) or 0) >= 10, 30, "the ranks' progress in the agent's Lease")
