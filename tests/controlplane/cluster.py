@@ -183,7 +183,8 @@ class ControlPlane(Started):
     """etcd, kube-apiserver, kube-controller-manager, kube-scheduler (and Kubeflow's controllers) on loopback."""
 
     def __init__(self, workdir: Path, *, kubeflow: bool = True, trainer: bool = False, crds: bool = False,
-                 kueue: bool = False, controllers: str = "*", address: str = LOOPBACK, init_image: str | None = None) -> None:
+                 kueue: bool = False, controllers: str = "*", address: str = LOOPBACK, init_image: str | None = None,
+                 while_starting: Callable[[ControlPlane], None] | None = None) -> None:
         """``kubeflow``: training-operator runs; ``trainer``: JobSet and the Trainer too; ``crds``: only the
         Kubeflow CRDs are installed (PyTorchJob, TrainJob and its runtimes, JobSet), no controller: for tests of
         what unbroken writes to those objects. ``kueue``: Kueue's controller manager too, queueing PyTorchJobs (those
@@ -192,8 +193,11 @@ class ControlPlane(Started):
         API server listens and what it advertises (the ``kubernetes`` Service's endpoint): loopback, unless pods in
         containers must reach it (node.ApiAddress gives one). ``init_image``: the image of the init container
         training-operator gives a PyTorchJob's workers (``nslookup`` of the master; its default, alpine:3.10, is on no
-        registry here): for real nodes (image.busybox_image)."""
+        registry here): for real nodes (image.busybox_image). ``while_starting``: called once the API server answers
+        and every component has been launched, before their readiness is waited for (it must not create the
+        objects their webhooks validate: PyTorchJobs, TrainJobs)."""
         self.controllers = controllers
+        self.while_starting = while_starting
         self.address = address
         self.init_image = init_image
         needed = [components.ETCD, components.KUBERNETES] + [components.TRAINING_OPERATOR] * (kubeflow or trainer or crds) \
@@ -336,20 +340,27 @@ class ControlPlane(Started):
         started = time.monotonic()
         self._start("etcd", lambda: self._get(f"http://{LOOPBACK}:{self.etcd_port}/health", tls=False))
         self._start("kube-apiserver", lambda: self._get(f"{self.server}/readyz"))
+        # What only needs the API is done while the controller-manager, the scheduler and training-operator come up
+        # (2-3 s of every cluster's start, and the end-to-end tests start dozens): their readiness is waited for last.
         self._start("kube-controller-manager", None)
         self._start("kube-scheduler", None)
-        self._wait("the controller-manager and the scheduler", lambda: self._healthy("kube-controller-manager")
-                   and self._healthy("kube-scheduler"))
+        last: list[tuple[str, Callable[[], bool]]] = [
+            ("the controller-manager and the scheduler",
+             lambda: self._healthy("kube-controller-manager") and self._healthy("kube-scheduler"))]
         if self.crds:
             self.install_crds()
         if self.kubeflow:
-            self._start_training_operator()
+            last.append(("training-operator", self._start_training_operator()))
         if self.trainer:
             if not self.crds:
                 self.install_crds()
             self._start_trainer()
         if self.kueue:
             self._start_kueue()
+        if self.while_starting is not None:
+            self.while_starting(self)
+        for what, ready in last:
+            self._wait(what, ready)
         self.ready_seconds = time.monotonic() - started
         return self
 
@@ -448,7 +459,8 @@ class ControlPlane(Started):
                    lambda: self.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode == 0)
         return name
 
-    def _start_training_operator(self) -> None:
+    def _start_training_operator(self) -> Callable[[], bool]:
+        """Started; returns its readiness probe."""
         if not self.crds:
             directory = components.TRAINING_OPERATOR.directory / "crds"
             self.kubectl("apply", "--server-side", "-f", str(directory / "kubeflow.org_pytorchjobs.yaml"))
@@ -459,8 +471,8 @@ class ControlPlane(Started):
             {components.TRAINING_OPERATOR.directory / "webhook" / "manifests.yaml":
              {"validating-webhook-configuration": "validator.training-operator.kubeflow.org"}},
             keep=lambda hook: "pytorchjob" in hook["name"]))  # only the PyTorchJob scheme runs
-        self._start("training-operator", lambda: self._get(
-            f"http://{LOOPBACK}:{self.training_operator_probe_port}/readyz", tls=False))
+        self._start("training-operator", None)
+        return lambda: self._get(f"http://{LOOPBACK}:{self.training_operator_probe_port}/readyz", tls=False)
 
     def _define_trainer(self) -> None:
         """JobSet and the Trainer, each from a configuration file of its own (their only way to be configured)."""

@@ -174,14 +174,14 @@ def service_account_kubeconfig(plane: ControlPlane, core: kubernetes.client.Core
 def unbroken_cluster(workdir: Path, *, trainer: bool = False, kueue: bool = False) -> Iterator[Cluster]:
     """The control plane (with JobSet and the Trainer if ``trainer``, Kueue if ``kueue``), deploy/ installed, three GPU
     nodes of the process kubelet; the operator stopped when it ends, and then no pod process left."""
+    remediations = workdir / "remediations.log"
+    remediations.touch()
     # A short directory: a node's hostPath /var/run/unbroken/agent.sock must fit in a socket address (107 bytes).
     with tempfile.TemporaryDirectory(prefix="k8s-", dir="/tmp") as nodes_root, \
-            ControlPlane(workdir / "plane", trainer=trainer, kueue=kueue) as plane:
+            ControlPlane(workdir / "plane", trainer=trainer, kueue=kueue,
+                         while_starting=lambda plane: install_unbroken(plane, remediations)) as plane:
         api = api_client(plane.kubeconfig)
         core = kubernetes.client.CoreV1Api(api)
-        remediations = workdir / "remediations.log"
-        remediations.touch()
-        install_unbroken(plane, remediations)
         plane.create_namespace(JOBS)
         operator = service_account_kubeconfig(plane, core, "unbroken-operator", workdir / "operator.kubeconfig")
         try:
