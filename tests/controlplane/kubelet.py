@@ -90,6 +90,8 @@ LOG_TAIL_BYTES = 2048
 CAPACITY = {"cpu": "32", "memory": "128Gi", "pods": "110", "ephemeral-storage": "100Gi"}
 POD_MARKER = "UNBROKEN_TEST_KUBELET_POD"
 """In every container's environment: its pod's uid, the stand-in for the pod's cgroup."""
+KUBELET_MARKER = "UNBROKEN_TEST_KUBELET"
+"""In every container's environment: its kubelet's directory (tests side by side each have their own)."""
 
 
 def _now() -> str:
@@ -132,12 +134,16 @@ def _arch() -> str:
     return {"x86_64": "amd64", "aarch64": "arm64"}.get(machine, machine)
 
 
-def pod_processes(uid: str | None = None) -> list[psutil.Process]:
-    """The live processes of the pod ``uid`` (None: of any pod a process kubelet started)."""
+def pod_processes(uid: str | None = None, *, kubelet: Path | None = None) -> list[psutil.Process]:
+    """The live processes of the pod ``uid`` (None: of any pod of the process kubelet in directory ``kubelet``, or of
+    any process kubelet's if None)."""
     found = []
     for process in psutil.process_iter(["environ", "status"]):
-        marker = (process.info.get("environ") or {}).get(POD_MARKER)
-        if marker is not None and (uid is None or marker == uid) and process.info.get("status") != psutil.STATUS_ZOMBIE:
+        environ = process.info.get("environ") or {}
+        marker = environ.get(POD_MARKER)
+        if marker is None or process.info.get("status") == psutil.STATUS_ZOMBIE:
+            continue
+        if (uid is None or marker == uid) and (kubelet is None or environ.get(KUBELET_MARKER) == str(kubelet)):
             found.append(process)
     return found
 
@@ -489,7 +495,8 @@ class ProcessKubelet:
             raise _CannotStart("CreateContainerError", "the process kubelet runs a container's command and args; this one "
                                                        "has none (an image's entrypoint cannot run here)")
         path = os.pathsep.join((str(self.workdir / "bin"), str(Path(sys.executable).parent), os.environ.get("PATH", "")))
-        env = {**os.environ, "PATH": path, **{k: _rewrite(v, mounts) for k, v in own.items()}, POD_MARKER: _meta(pod)["uid"]}
+        env = {**os.environ, "PATH": path, **{k: _rewrite(v, mounts) for k, v in own.items()}, POD_MARKER: _meta(pod)["uid"],
+               KUBELET_MARKER: str(self.workdir)}
         working = spec.get("workingDir")
         cwd = Path(_rewrite(working, mounts)) if working else None
         return argv, env, cwd if cwd is not None and cwd.is_dir() else self.node_dir(node)

@@ -198,9 +198,9 @@ def unbroken_cluster(workdir: Path, *, trainer: bool = False, kueue: bool = Fals
         except BaseException:
             print(plane.logs_tail(15))  # shown with the failure
             raise
-        # every process of every pod died with the kubelet (a SIGSTOPped rank torchrun left behind once outlived it)
+        # every process of every pod died with this kubelet (a SIGSTOPped rank torchrun left behind once outlived it)
         # (30 s: CI once saw a pod process outlive 10 s on a loaded machine; it was gone when the test ran alone)
-        wait_until(lambda: not pod_processes(), 30, "every pod process to be gone")
+        wait_until(lambda: not pod_processes(kubelet=Path(nodes_root)), 30, "every pod process to be gone")
 
 
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run")

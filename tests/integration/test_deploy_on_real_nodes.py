@@ -32,7 +32,8 @@ from unbroken.kubernetes.backend.rank_env import with_rank_env
 from unbroken.plumbing.waiting import WaitTimeout, wait_until
 from unbroken.state.phases import NodeState
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("real-nodes")]
+"""One pytest worker runs every real-node test: the nodes' links, subnets and /run/unbroken-nodes are the machine's."""
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 SYSTEM = "unbroken-system"

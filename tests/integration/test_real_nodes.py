@@ -28,7 +28,8 @@ from controlplane.cluster import NODE_GRACE_S, TOLERATION_S, ControlPlane
 from controlplane.node import ClusterDNS, RealNode, ServiceProxy
 from unbroken.plumbing.waiting import wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("real-nodes")]
+"""One pytest worker runs every real-node test: the nodes' links, subnets and /run/unbroken-nodes are the machine's."""
 
 
 class Cluster:
