@@ -221,6 +221,8 @@ class ControlPlane(Started):
         self.etcd_port, self.etcd_peer_port = listen_port(), listen_port()
         self._issue_certificates()
         self.processes: dict[str, Process] = {}
+        self.restarted: tuple[float, float] | None = None
+        """Wall-clock seconds the last ``start_apiserver`` began and saw the server ready."""
         self.secure_ports = {"kube-controller-manager": listen_port(), "kube-scheduler": listen_port()}
         """Where the controller-manager and the scheduler serve /healthz."""
         self._define_processes()
@@ -370,8 +372,10 @@ class ControlPlane(Started):
         self.processes["kube-apiserver"].stop(signal.SIGKILL)
 
     def start_apiserver(self) -> None:
-        """The API server back on its port, from the same etcd, waited for (``/readyz``)."""
+        """The API server back on its port, from the same etcd, waited for (``/readyz``); ``restarted`` says when."""
+        started = time.time()
         self._start("kube-apiserver", lambda: self._get(f"{self.server}/readyz"))
+        self.restarted = (started, time.time())
 
     def _start(self, name: str, ready: Callable[[], bool] | None) -> None:
         self.processes[name].start()

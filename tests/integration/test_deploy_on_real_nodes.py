@@ -269,6 +269,16 @@ def test_unbroken_run_in_the_pods_replaces_a_lost_nodes_pod_with_its_spare_pod_w
     group rank from the Master's memory across the pod network; the operator restarts nothing, the two other pods keep
     their uids, and the job Succeeds. (Two nodes of its own: the scheduler places the two Workers in either order.)"""
     deployed.wait(lambda: len(deployed.ready_pods("agent")) == len(NODES), 120, "an agent pod Ready on every node")
+    try:
+        the_spare_pod_scenario_on_two_nodes_of_its_own(deployed, tmp_path)
+    finally:
+        # the two nodes are gone for good: their Nodes go too, and with them their pods (the agents', and a failed
+        # test's training pods, which would otherwise wait on a dead kubelet), as a cloud's would
+        deployed.plane.kubectl("delete", "node", "node-c", "node-d", "--ignore-not-found", "--wait=false")
+    deployed.wait(lambda: len(deployed.pods("agent")) == len(NODES), 120, "the agent pods of node-c and node-d gone with their Nodes")
+
+
+def the_spare_pod_scenario_on_two_nodes_of_its_own(deployed: Deployed, tmp_path: Path) -> None:
     with RealNode(deployed.plane, "node-c", 3, tmp_path / "nodes", images=deployed.images, gpus=1, dns=deployed.dns) as c, \
             RealNode(deployed.plane, "node-d", 4, tmp_path / "nodes", images=deployed.images, gpus=1, dns=deployed.dns) as d:
         pool = {c.name: c, d.name: d}
@@ -301,9 +311,6 @@ def test_unbroken_run_in_the_pods_replaces_a_lost_nodes_pod_with_its_spare_pod_w
         assert all(kept.get(name) == uids[name] for name in ("spare-master-0", "spare-worker-1")), (uids, kept)
         assert re.search(r"rank 1: resumed at step \d+ from live peer", log("spare-worker-1")), log("spare-worker-1")[-3000:]
         deployed.plane.kubectl("delete", "pytorchjob", "spare")
-    # the two nodes are gone for good: their Nodes go too, and with them their pods (the agents'), as a cloud's would
-    deployed.plane.kubectl("delete", "node", "node-c", "node-d")
-    deployed.wait(lambda: len(deployed.pods("agent")) == len(NODES), 120, "the agent pods of node-c and node-d gone with their Nodes")
 
 
 def test_the_gpu_overlay_s_agent_reads_its_node_s_kernel_log_and_an_xid_takes_that_node_out(deployed: Deployed) -> None:

@@ -12,6 +12,7 @@ deploy/; the agent's writes go through unbroken's own KubernetesStore and Kubern
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +23,7 @@ import pytest
 
 from controlplane.cluster import ControlPlane
 from controlplane.unbroken_cluster import SYSTEM, install_unbroken, service_account_kubeconfig
+from unbroken.kubernetes import node_agent
 from unbroken.kubernetes.backend import names
 from unbroken.kubernetes.backend.catalog import KubernetesCatalog
 from unbroken.kubernetes.backend.client import api_client
@@ -161,6 +163,20 @@ def test_a_token_bound_to_no_node_may_change_nothing(installed: ControlPlane, ad
     unbound = api_client(service_account_kubeconfig(installed, admin, "unbroken-agent", tmp_path / "kubeconfig"))
     why = refusal(lambda: kubernetes.client.CoordinationV1Api(unbound).create_namespaced_lease(SYSTEM, lease(names.LEASE_PREFIX + OWN)))
     assert why is not None and "names no node" in why, why
+
+
+def test_a_refused_lease_renewal_is_logged_and_retried_not_the_agents_end(
+        installed: ControlPlane, admin: kubernetes.client.CoreV1Api, agent: kubernetes.client.ApiClient, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The agent's renewal step on a real refusal (a token bound to no node: 403 even for its own Lease, as every
+    request is for a moment after an API server restarts): False and a warning naming the status, no exception (one
+    ended the agent in CI, and its node was lost). With the node's own token the same step renews."""
+    unbound = api_client(service_account_kubeconfig(installed, admin, "unbroken-agent", tmp_path / "kubeconfig"))
+    with caplog.at_level(logging.WARNING, logger="unbroken"):
+        assert node_agent.renew_lease(KubernetesStore(unbound, SYSTEM), OWN, ()) is False
+    refused = [r for r in caplog.records if r.getMessage().startswith("lease renewal refused")]
+    assert refused and getattr(refused[0], "status", None) == 403, caplog.text
+    assert node_agent.renew_lease(KubernetesStore(agent, SYSTEM), OWN, ()) is True
 
 
 def test_the_agents_own_work_passes(agent: kubernetes.client.ApiClient, admin: kubernetes.client.CoreV1Api) -> None:

@@ -36,6 +36,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from unbroken.plumbing import logs, metrics
@@ -53,10 +54,12 @@ from unbroken.health import suspect
 from unbroken.kubernetes.backend import heartbeats, names, node_credentials, node_repair, rank_env
 from unbroken.checkpoint.node.credentials import Credentials
 from unbroken.rank.env import ENDPOINT_FILE
+from unbroken.kubernetes.backend.api import RequestRefused
 from unbroken.kubernetes.backend.client import api_client
+from unbroken.kubernetes.backend.store import KubernetesStore
 from unbroken.plumbing.metrics import AgentMetrics
 from unbroken.runtime import KubernetesRuntime, open_kubernetes
-from unbroken.state.records import EventType
+from unbroken.state.records import EventType, WorkerProgress
 
 log = logging.getLogger("unbroken.kubernetes.node_agent")
 
@@ -131,14 +134,15 @@ class KubernetesAgent:
                 now = time.monotonic()
                 if now >= next_renewal:
                     next_renewal = max(next_renewal + renew_every, now)
-                    try:
-                        self.store.renew_lease(self.node, at=time.time(), progress=self.book.current())
-                        if self.sender is not None:
-                            self.sender.address = self._leader_address()
-                        if self_reboot:
-                            self._reboot_if_asked()
-                    except StoreUnavailable:
-                        log.exception("lease renewal failed; retrying", extra={"node": self.node})
+                    if renew_lease(self.store, self.node, self.book.current()):
+                        try:
+                            if self.sender is not None:
+                                self.sender.address = self._leader_address()
+                            if self_reboot:
+                                self._reboot_if_asked()
+                        except StoreUnavailable:
+                            log.exception("reading the leader's address or a reboot request failed; retrying",
+                                          extra={"node": self.node})
         finally:
             receiver.close()
             if self.sender is not None:
@@ -233,6 +237,25 @@ class KubernetesAgent:
     def _jobs_on(self, node: str) -> list[str]:
         """Jobs with pods on this node (named in fault Events)."""
         return sorted({w.job for w in self.runtime.backend.active_workers() if w.node == node})
+
+
+def renew_lease(store: KubernetesStore, node: str, progress: Sequence[WorkerProgress]) -> bool:
+    """One renewal of ``node``'s Lease with its ranks' progress; False, logged, if it failed. A failed renewal never
+    ends the agent: the next one tries again, and its datagrams vouch for the node meanwhile. A refusal too: an API
+    server just restarted answers 403 until its authorizer's caches have loaded, and an agent that exited on that
+    (CI saw it, after the 30 s outage of tests/integration/test_kubernetes.py) left its node silent: lost, its job
+    restarted. A refusal that lasts is logged at every renewal, naming what to check."""
+    try:
+        store.renew_lease(node, at=time.time(), progress=progress)
+    except StoreUnavailable:
+        log.exception("lease renewal failed; retrying", extra={"node": node})
+        return False
+    except RequestRefused as exc:
+        log.warning("lease renewal refused; retrying at the next renewal (right after an API server restart this "
+                    "passes; if it lasts, check deploy/'s RBAC for the agent's ServiceAccount): %s", exc,
+                    extra={"node": node, "status": exc.status})
+        return False
+    return True
 
 
 def _end_the_start(signum: int, _frame: object) -> None:
