@@ -427,3 +427,19 @@ def test_the_hang_watch_times_a_hang_at_half_the_operators_timeout_and_a_leave_i
     assert clock.silent_for(2010.0) == pytest.approx(7.5)
     clock.finished(1, 2002.8)
     assert clock.silent_for(2010.0) is None
+
+
+def test_the_hang_watch_says_when_the_last_of_the_pods_ranks_finished_this_round() -> None:
+    """What ``unbroken run`` times a finished pod's lingering teardown from (member.py ``_lingering``): None until every
+    local rank said it finished in this round; a finish from before the round does not count."""
+    from unbroken.kubernetes.pod_launcher.hang import HangWatch
+
+    clock = HangWatch()
+    clock.new_round(1000.0)
+    clock.finished(0, 999.0)  # the last round's
+    clock.finished(1, 1010.0)
+    assert clock.all_finished_at(2) is None
+    clock.finished(0, 1012.5)
+    assert clock.all_finished_at(2) == 1012.5 and clock.all_finished_at(3) is None
+    clock.new_round(2000.0)
+    assert clock.all_finished_at(2) is None

@@ -30,6 +30,7 @@ from unbroken.supervision import torchrun
 from unbroken.agent.progress import ProgressBook
 from unbroken.supervision.rank_watch import RankDeath, RankWatch
 from unbroken.supervision.spare_pool import SparePool
+from unbroken.config.hang_policy import FINISHED_EXIT_GRACE_S
 from unbroken.config.job import JobSpec
 from unbroken.errors import NotFoundError
 from unbroken.rank.env import LaunchEnv
@@ -42,9 +43,7 @@ from unbroken.state.worker_table import WorkerTable
 
 log = logging.getLogger("unbroken.agent.workers")
 
-FINISHED_EXIT_GRACE_SECONDS = 30.0
-"""How long ranks that said they finished may take to exit before their agent ends them: a rank's exit
-(output, ``destroy_process_group``, CUDA's teardown) takes seconds, not tens of them."""
+FINISHED_EXIT_GRACE_SECONDS = FINISHED_EXIT_GRACE_S
 
 
 def finished_exit_grace(spec: JobSpec | None) -> float:

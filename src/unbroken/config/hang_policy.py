@@ -17,6 +17,9 @@ MIN_STEPS = 10
 FALLBACK_S = HANG_TIMEOUT_FALLBACK_S
 """Until then."""
 STARTUP_FLOOR_S = 60.0
+FINISHED_EXIT_GRACE_S = 30.0
+"""How long ranks that said they finished may take to exit before their agent, or ``unbroken run`` in a pod, ends
+them: a rank's exit (output, ``destroy_process_group``, CUDA's teardown) takes seconds, not tens of them."""
 STARTUP_MULTIPLE = 3.0
 
 

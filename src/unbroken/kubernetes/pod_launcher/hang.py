@@ -40,8 +40,8 @@ class HangWatch:
 
     def __init__(self) -> None:
         self._last: dict[int, float] = {}
-        self._finished: set[int] = set()
-        """Local ranks whose training returned in this round (``MessageKind.FINISHED``): exiting, not hung."""
+        self._finished: dict[int, float] = {}
+        """Local ranks whose training returned in this round (``MessageKind.FINISHED``), with when: exiting, not hung."""
         self._round_steps = 0
         self._intervals = StepIntervals(window=200)
         """Across rounds: a pause seen in one round (a checkpoint) is still the job's in the next."""
@@ -80,7 +80,11 @@ class HangWatch:
 
     def finished(self, local_rank: int, at: float) -> None:
         if at > self._since:
-            self._finished.add(local_rank)
+            self._finished[local_rank] = at
+
+    def all_finished_at(self, ranks: int) -> float | None:
+        """When the last of the pod's ``ranks`` local ranks said it finished in this round; None until all have."""
+        return max(self._finished.values()) if len(self._finished) >= ranks else None
 
     def silent_for(self, now: float) -> float | None:
         """Seconds since any of the pod's ranks still training stepped in this round (None: none has, or every rank

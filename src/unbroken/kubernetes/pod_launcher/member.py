@@ -35,6 +35,7 @@ from unbroken.rank import registry as rank_registry, rejoin
 from unbroken.supervision import spare_pool, standby_rank, torchrun, warm_spare
 from unbroken.supervision.rank_watch import RankDeath, RankWatch
 from unbroken.supervision.spare_pool import Spare
+from unbroken.config.hang_policy import FINISHED_EXIT_GRACE_S
 from unbroken.errors import ConfigError
 from unbroken.rank.env import AGENT_SOCKET, ATTEMPT, JOB, GroupPlacement
 from unbroken.kubernetes.pod_launcher.arguments import PodRun
@@ -162,6 +163,10 @@ class PodLauncher:
             self.ranks.kill()
             self._leave(why, fault=True)
             return False
+        if (lingering := self._lingering()) is not None:
+            log.warning("round %d: %s: ending them; this pod is done", self.round, lingering, extra={"round": self.round})
+            self.ranks.kill()
+            return True
         left = self._left()
         if left:
             self._leave(left[min(left)], fault=False)
@@ -174,6 +179,18 @@ class PodLauncher:
             log.warning("round %d: %s", self.round, hung, extra={"round": self.round})
             self._leave(hung, fault=False)
         return False
+
+    def _lingering(self) -> str | None:
+        """Why this pod counts as done though its torchrun tree is still there, or None: every rank said it finished
+        (``ctx.finished``) longer ago than the grace, and something of theirs has not exited. A teardown stuck in a
+        library: on a real node, a rank that kept its process across rounds held a process group with a peer whose
+        node was gone, its packets dropped, not refused, and its exit waited on that peer for minutes (CI saw the
+        Master pod of a finished job stay Running). The node agent ends such ranks the same way (agent/workers.py)."""
+        finished = self.relay.clock.all_finished_at(self.run.nproc_per_node)
+        grace = FINISHED_EXIT_GRACE_S if not self.run.hang_timeout else min(FINISHED_EXIT_GRACE_S, self.run.hang_timeout / 2)
+        if finished is None or time.time() - finished <= grace:
+            return None
+        return f"every rank of this pod said it finished {time.time() - finished:.0f} s ago and its torchrun tree has not exited"
 
     def _hung(self) -> str | None:
         """Why this pod's ranks are hung (silent past the hang timeout, hang.py), or None."""
