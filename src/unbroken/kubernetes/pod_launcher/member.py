@@ -182,10 +182,11 @@ class PodLauncher:
 
     def _lingering(self) -> str | None:
         """Why this pod counts as done though its torchrun tree is still there, or None: every rank said it finished
-        (``ctx.finished``) longer ago than the grace, and something of theirs has not exited. A teardown stuck in a
-        library: on a real node, a rank that kept its process across rounds held a process group with a peer whose
-        node was gone, its packets dropped, not refused, and its exit waited on that peer for minutes (CI saw the
-        Master pod of a finished job stay Running). The node agent ends such ranks the same way (agent/workers.py)."""
+        (``ctx.finished``) longer ago than the grace, and something of theirs has not exited: a teardown stuck in a
+        library. CI saw the Master pod of a finished job stay Running for minutes on real nodes after a spare pod took
+        a lost node's place (most likely a rank that kept its process across rounds, its exit waiting on the lost
+        node's peer, whose packets a dead link drops rather than refuses). The node agent ends such ranks the same
+        way (agent/workers.py)."""
         finished = self.relay.clock.all_finished_at(self.run.nproc_per_node)
         grace = FINISHED_EXIT_GRACE_S if not self.run.hang_timeout else min(FINISHED_EXIT_GRACE_S, self.run.hang_timeout / 2)
         if finished is None or time.time() - finished <= grace:
