@@ -30,7 +30,7 @@ from unbroken.supervision import torchrun
 from unbroken.agent.progress import ProgressBook
 from unbroken.supervision.rank_watch import RankDeath, RankWatch
 from unbroken.supervision.spare_pool import SparePool
-from unbroken.config.hang_policy import FINISHED_EXIT_GRACE_S
+from unbroken.config import hang_policy
 from unbroken.config.job import JobSpec
 from unbroken.errors import NotFoundError
 from unbroken.rank.env import LaunchEnv
@@ -43,14 +43,9 @@ from unbroken.state.worker_table import WorkerTable
 
 log = logging.getLogger("unbroken.agent.workers")
 
-FINISHED_EXIT_GRACE_SECONDS = FINISHED_EXIT_GRACE_S
-
-
 def finished_exit_grace(spec: JobSpec | None) -> float:
-    """The grace, at most half the job's hang timeout: the controller must not read a finished worker's
-    silence as a hang first (two layers of silence detection never share a floor)."""
-    hang = spec.resilience.hang_timeout if spec is not None else None
-    return FINISHED_EXIT_GRACE_SECONDS if hang is None else min(FINISHED_EXIT_GRACE_SECONDS, hang / 2)
+    """hang_policy's grace for the job's hang timeout."""
+    return hang_policy.finished_exit_grace(spec.resilience.hang_timeout if spec is not None else None)
 
 
 JOBS_READ_SECONDS = 2.0

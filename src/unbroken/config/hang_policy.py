@@ -17,10 +17,16 @@ MIN_STEPS = 10
 FALLBACK_S = HANG_TIMEOUT_FALLBACK_S
 """Until then."""
 STARTUP_FLOOR_S = 60.0
+STARTUP_MULTIPLE = 3.0
 FINISHED_EXIT_GRACE_S = 30.0
 """How long ranks that said they finished may take to exit before their agent, or ``unbroken run`` in a pod, ends
 them: a rank's exit (output, ``destroy_process_group``, CUDA's teardown) takes seconds, not tens of them."""
-STARTUP_MULTIPLE = 3.0
+
+
+def finished_exit_grace(hang_timeout: float | None) -> float:
+    """The grace, at most half the job's hang timeout: a hang watch must not read a finished rank's silence as a hang
+    first (two layers of silence detection never share a floor)."""
+    return FINISHED_EXIT_GRACE_S if not hang_timeout else min(FINISHED_EXIT_GRACE_S, hang_timeout / 2)
 
 
 def from_step_times(median_s: float, longest_s: float) -> float:

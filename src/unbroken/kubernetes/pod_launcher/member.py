@@ -35,7 +35,7 @@ from unbroken.rank import registry as rank_registry, rejoin
 from unbroken.supervision import spare_pool, standby_rank, torchrun, warm_spare
 from unbroken.supervision.rank_watch import RankDeath, RankWatch
 from unbroken.supervision.spare_pool import Spare
-from unbroken.config.hang_policy import FINISHED_EXIT_GRACE_S
+from unbroken.config import hang_policy
 from unbroken.errors import ConfigError
 from unbroken.rank.env import AGENT_SOCKET, ATTEMPT, JOB, GroupPlacement
 from unbroken.kubernetes.pod_launcher.arguments import PodRun
@@ -188,7 +188,7 @@ class PodLauncher:
         node's peer, whose packets a dead link drops rather than refuses). The node agent ends such ranks the same
         way (agent/workers.py)."""
         finished = self.relay.clock.all_finished_at(self.run.nproc_per_node)
-        grace = FINISHED_EXIT_GRACE_S if not self.run.hang_timeout else min(FINISHED_EXIT_GRACE_S, self.run.hang_timeout / 2)
+        grace = hang_policy.finished_exit_grace(self.run.hang_timeout)
         if finished is None or time.time() - finished <= grace:
             return None
         return f"every rank of this pod said it finished {time.time() - finished:.0f} s ago and its torchrun tree has not exited"
