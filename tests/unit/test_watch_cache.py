@@ -3,6 +3,7 @@ the store's every-pass reads served from memory (counted by the API server's own
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,11 +12,14 @@ import kubernetes
 import pytest
 
 from controlplane.cluster import ControlPlane
+from unbroken.kubernetes.backend import names
+from unbroken.kubernetes.backend.backend import ConditionRemediator, KubernetesBackend
 from unbroken.kubernetes.backend.client import api_client
 from unbroken.kubernetes.backend.store import KubernetesStore
 from unbroken.kubernetes.backend.watch_cache import WatchCache
 from unbroken.kubernetes.backend.workloads import PYTORCHJOB
-from unbroken.state.phases import NodeState
+from unbroken.state.phases import NodeState, WorkerPhase
+from unbroken.state.records import Desired
 from unbroken.state.updates import NodeUpdate
 from unbroken.plumbing.waiting import wait_until
 
@@ -42,6 +46,18 @@ def make_node(api: kubernetes.client.ApiClient) -> str:
         "metadata": {"name": name},
         "status": {"conditions": [{"type": "Ready", "status": "True"}]},
     })
+    return name
+
+
+def make_annotated_job(api: kubernetes.client.ApiClient, namespace: str) -> str:
+    """A PyTorchJob opted in to unbroken (its pods are made by the test: no training-operator runs here)."""
+    name = f"train-{uuid.uuid4().hex[:6]}"
+    replica = {"replicas": 1, "restartPolicy": "OnFailure",
+               "template": {"spec": {"containers": [{"name": "pytorch", "image": "img"}]}}}
+    kubernetes.client.CustomObjectsApi(api).create_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", {
+        "apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
+        "metadata": {"name": name, "annotations": {names.AUTO_RESUME: "true", names.MAX_RETRY: "2"}},
+        "spec": {"pytorchReplicaSpecs": {"Master": replica, "Worker": replica}}})
     return name
 
 
@@ -99,6 +115,57 @@ def test_an_older_version_never_replaces_a_newer_one(api: kubernetes.client.ApiC
     cache.observe({"metadata": {"name": "n", "resourceVersion": "20", "labels": {"v": "new"}}})
     cache.observe({"metadata": {"name": "n", "resourceVersion": "19", "labels": {"v": "old"}}})
     assert cache.get("", "n")["metadata"]["labels"]["v"] == "new"
+
+
+def test_a_write_answer_for_an_object_deleted_since_never_brings_it_back(api: kubernetes.client.ApiClient) -> None:
+    """The operator's delete of a pod the kubelet removes at once: its DELETED event can come before the delete's
+    answer is put into the copy. Put back, the pod would stay in the copy for good (no event removes it again)
+    and hold every restart that waits for it."""
+    core = kubernetes.client.CoreV1Api(api)
+    name = f"node-{uuid.uuid4().hex[:6]}"
+    created = json.loads(core.create_node({"metadata": {"name": name}}, _preload_content=False).data)
+    cache = WatchCache("nodes", kubernetes.client.CoreV1Api(api_client_copy(api)).list_node, kind="Node", api_version="v1")
+    cache.start()
+    try:
+        assert cache.wait_synced(20)
+        wait_until(lambda: cache.get("", name) is not None, 10, "the node in the copy")
+        core.delete_node(name)
+        wait_until(lambda: cache.get("", name) is None, 10, "the DELETED event")
+        cache.observe(created)  # the answer of a write older than the delete
+        assert cache.get("", name) is None, "a deleted object came back from an older write's answer"
+
+        cache.stop()  # no watch: only the answer of a write the copy has not read yet can bring this one
+        later = f"node-{uuid.uuid4().hex[:6]}"
+        cache.observe(json.loads(core.create_node({"metadata": {"name": later}}, _preload_content=False).data))
+        assert cache.get("", later) is not None, "a write newer than anything the copy has read is taken"
+    finally:
+        cache.stop()
+
+
+def test_the_operators_pod_delete_is_read_back_at_once_so_a_restart_waits_for_that_pod(
+        api: kubernetes.client.ApiClient, watched: KubernetesStore, namespace: str) -> None:
+    """A restart deletes the attempt's pods and waits until they have stopped. A pod whose container failed and that
+    the kubelet restarts in place (OnFailure) reads as stopped when it is not being deleted; read as it was before
+    the delete (the watch not there yet), the next pass launched the next attempt beside the old container."""
+    job = make_annotated_job(api, namespace)
+    pod = f"{job}-worker-0"
+    core = kubernetes.client.CoreV1Api(api)
+    core.create_namespaced_pod(namespace, {
+        "metadata": {"name": pod, "labels": {PYTORCHJOB.pod_label: job, PYTORCHJOB.replica_type_label: "worker"},
+                     "annotations": {names.ATTEMPT: "0"}},
+        "spec": {"nodeName": make_node(api), "containers": [{"name": "pytorch", "image": "img"}]}})
+    core.patch_namespaced_pod_status(pod, namespace, {"status": {"phase": "Running", "containerStatuses": [{
+        "name": "pytorch", "image": "img", "imageID": "", "ready": False, "restartCount": 1,
+        "state": {"waiting": {"reason": "ContainerCreating"}},
+        "lastState": {"terminated": {"exitCode": 1, "reason": "Error"}}}]}})
+    backend = KubernetesBackend(watched, ConditionRemediator(watched))
+    wait_until(lambda: [w.phase for w in backend.observe_attempt(f"{namespace}/{job}", 0)] == [WorkerPhase.FAILED], 10,
+               "the failed worker in the copy")
+
+    watched.caches.pods[PYTORCHJOB.kind].stop()  # the delete's mark can only come from its own answer
+    backend.stop_attempt(f"{namespace}/{job}", 0)
+    workers = backend.observe_attempt(f"{namespace}/{job}", 0)
+    assert [(w.phase, w.desired) for w in workers] == [(WorkerPhase.PENDING, Desired.STOP)], workers
 
 
 def test_a_resource_whose_crd_is_missing_is_empty_not_an_error(api: kubernetes.client.ApiClient) -> None:

@@ -133,9 +133,9 @@ class KubernetesBackend:
         return None  # capacity comes back through whatever repairs or scales the node group
 
     def _evict(self, node: Node) -> None:
-        for _, pod in self._training_pods(node=node.name):
+        for job, pod in self._training_pods(node=node.name):
             if not pod["metadata"].get("deletionTimestamp"):
-                self._delete(pod, grace=None)
+                self.store.delete_pod(self.store.kind_of(job), pod, grace=None)
 
     # -- attempts -------------------------------------------------------------------------
 
@@ -201,7 +201,7 @@ class KubernetesBackend:
             self._delete_child(namespace, child)
         for pod in self.store.job_pods(job):
             if _attempt(pod) == attempt and not pod["metadata"].get("deletionTimestamp"):
-                self._delete(pod, grace=self.stop_grace)
+                self.store.delete_pod(kind, pod, grace=self.stop_grace)
 
     def _relaunch(self, job: Job, kind: WorkloadKind, obj: dict[str, Any], attempt: int) -> None:
         """The workload unsuspended with its pod templates marked as ``attempt`` (the launch, and its repeats)."""
@@ -244,9 +244,9 @@ class KubernetesBackend:
             meta = pod["metadata"]
             deleting = parse_time(meta.get("deletionTimestamp"))
             if deleting is None:
-                self._delete(pod, grace=None)
+                self.store.delete_pod(self.store.kind_of(job), pod, grace=None)
             elif now - deleting >= self.force_delete_after:
-                self._delete(pod, grace=0)
+                self.store.delete_pod(self.store.kind_of(job), pod, grace=0)
                 self.store.add_event("Job", job, "PodForceDeleted",
                                      f"pod {meta['name']} on {node.name} was Terminating for {now - deleting:.0f} s "
                                      f"(ForceDeleteGraceSeconds {self.force_delete_after:g}); node {reason}",
@@ -269,13 +269,6 @@ class KubernetesBackend:
         try:
             call(lambda: self.store.custom.delete_namespaced_custom_object(
                 child.group, child.version, namespace, child.plural, child.name, propagation_policy="Background"))
-        except NotFoundError:
-            pass
-
-    def _delete(self, pod: dict[str, Any], *, grace: int | None) -> None:
-        meta = pod["metadata"]
-        try:
-            call(lambda: self.store.core.delete_namespaced_pod(meta["name"], meta["namespace"], grace_period_seconds=grace))
         except NotFoundError:
             pass
 
@@ -411,7 +404,8 @@ def _worker_phase(pod: dict[str, Any]) -> tuple[WorkerPhase, int | None, str | N
     nodes attempt 0's Worker, restarted so, joined attempt 1's Master, trained beside it, and its SIGKILL at the end of
     the grace period broke attempt 1: a second restart for one fault. Until the kubelet has removed it (it does once
     every container has ended), a pod being deleted reads as running (a container runs) or pending (one may start), and
-    a restart waits for it as for any pod still running; a pod whose phase is Succeeded or Failed starts nothing more."""
+    a restart waits for it as for any pod still running; a pod whose phase is Succeeded or Failed starts nothing more.
+    The operator's own delete is read from its answer (``store.delete_pod``), not only once the watch brings it."""
     status = pod.get("status") or {}
     if pod["metadata"].get("deletionTimestamp") and status.get("phase") not in ("Succeeded", "Failed"):
         running = any("running" in (c.get("state") or {}) for c in status.get("containerStatuses") or [])

@@ -18,6 +18,13 @@ answer (:meth:`observe`), so the next pass reads what it wrote even before the w
 older version of an object never replaces a newer one (resourceVersions compared as etcd revisions,
 which is what they are on every API server unbroken supports; an opaque one is taken as newer).
 
+The copy also knows how far it has read the server's history (its *horizon*: the list's version, then
+every event's and bookmark's). A write's answer for an object the copy does not hold, at a version the
+horizon has passed, is an object deleted since (its DELETED event came first: a pod the operator
+deleted and the kubelet removed at once); it is not put back, since no event would ever take that ghost
+out again. For the same reason a relist keeps the copies newer than the list (the operator's own
+writes the list predates) rather than going back in time until the watch replays them.
+
 Why not kopf's streams (the operator used them to wake up): kopf offers no "listed everything" signal,
 and a half-filled copy of the Leases would make live nodes look silent.
 """
@@ -67,6 +74,18 @@ def _newer(candidate: str | None, known: str | None) -> bool:
         return True
 
 
+def _revision(version: str | None) -> int | None:
+    """A resourceVersion as the etcd revision it is; None for an opaque one (nothing is judged by it)."""
+    try:
+        return int(version or "")
+    except ValueError:
+        return None
+
+
+def _version(obj: Obj) -> str | None:
+    return (obj.get("metadata") or {}).get("resourceVersion")
+
+
 class WatchCache:
     """One resource, kept in memory by a LIST then a WATCH in a thread of its own.
 
@@ -98,6 +117,8 @@ class WatchCache:
         """The list answered 404: the resource's CRD is not installed (no objects; looked for again)."""
         self.lists = 0
         """LISTs made so far (the first, then one per expiry or resync)."""
+        self._horizon: int | None = None
+        """The revision up to which the copy has read the server's history (the list's, then each event's)."""
 
     # -- reading --------------------------------------------------------------------------
 
@@ -123,8 +144,17 @@ class WatchCache:
             self._objects.pop((namespace, name), None)
 
     def observe(self, obj: Obj) -> None:
-        """Put an object the operator just wrote (the write's answer) into the copy, unless the copy has a newer one."""
-        self._apply("MODIFIED", obj)
+        """Put an object the operator just wrote (the write's answer) into the copy, unless the copy has a newer one,
+        or has read past that version and no longer holds the object (deleted since: it stays deleted)."""
+        key, revision = key_of(obj), _revision(_version(obj))
+        with self._lock:
+            known = self._objects.get(key)
+            if known is not None and not _newer(_version(obj), _version(known)):
+                return
+            if known is None and revision is not None and self._horizon is not None and revision <= self._horizon:
+                return
+            self._objects[key] = obj
+        self._changed()
 
     # -- keeping -------------------------------------------------------------------------
 
@@ -183,14 +213,20 @@ class WatchCache:
             self._synced.set()
             return None
         listing = json.loads(response.data)
+        version = str((listing.get("metadata") or {}).get("resourceVersion") or "") or None
+        listed_at = _revision(version)
         objects = {key_of(obj): self._typed(obj) for obj in listing.get("items") or []}
         with self._lock:
+            if listed_at is not None:  # writes of the operator's own that the list predates: the watch replays them
+                objects.update({key: obj for key, obj in self._objects.items()
+                                if (revision := _revision(_version(obj))) is not None and revision > listed_at})
             self._objects = objects
+            self._horizon = listed_at
         self.absent = False
         self.lists += 1
         self._synced.set()
         self._changed()
-        return str((listing.get("metadata") or {}).get("resourceVersion") or "") or None
+        return version
 
     def _watch(self, version: str, *, deadline: float) -> str:
         """Apply one watch's events until the server ends it (or the resync is due); the last version seen."""
@@ -209,6 +245,7 @@ class WatchCache:
                 version = str((obj.get("metadata") or {}).get("resourceVersion") or version)
                 if kind != "BOOKMARK":
                     self._apply(str(kind), self._typed(obj))
+                self._read_up_to(version)
                 if self._stopping.is_set():
                     break
         finally:
@@ -243,6 +280,12 @@ class WatchCache:
             else:
                 self._objects[key] = obj
         self._changed()
+
+    def _read_up_to(self, version: str) -> None:
+        revision = _revision(version)
+        if revision is not None:
+            with self._lock:
+                self._horizon = max(revision, self._horizon or 0)
 
     def _changed(self) -> None:
         if self.on_change is not None:

@@ -95,6 +95,21 @@ class JobStore(StoreCore):
                    else self._json(self.core.list_pod_for_all_namespaces, **selectors))
         return list(listing["items"])
 
+    def delete_pod(self, kind: WorkloadKind, pod: dict[str, Any], *, grace: int | None) -> None:
+        """Delete a training pod (``grace``: seconds to its SIGKILL; None: the pod's own); already gone is done.
+        The answer (the pod marked for deletion) goes into the watch cache: until the watch brings the mark, the next
+        pass would read the pod as it was, and one whose container had failed as stopped, while the kubelet may have
+        started that container again (a restart then launched beside it; see backend._worker_phase)."""
+        meta = pod["metadata"]
+        try:
+            answer: dict[str, Any] = self._json(self.core.delete_namespaced_pod, meta["name"], meta["namespace"],
+                                                grace_period_seconds=grace)
+        except NotFoundError:
+            return
+        cache = self.caches.pods.get(kind.kind) if self.caches is not None else None
+        if cache is not None and answer.get("kind") == "Pod":  # not a Status: the pod, as marked (or removed) by this delete
+            cache.observe(answer)
+
     def patch_workload(self, name: str, patch: dict[str, Any]) -> dict[str, Any]:
         """Merge-patch the job's workload (strict fields); the answer goes into the watch cache, so the next
         pass reads this write even before the watch brings it."""
