@@ -142,6 +142,26 @@ def test_a_write_answer_for_an_object_deleted_since_never_brings_it_back(api: ku
         cache.stop()
 
 
+def test_a_relist_keeps_the_operators_writes_that_the_list_predates() -> None:
+    """A list at ``resourceVersion=0`` is served from the API server's cache and may be older than a write the operator
+    just put into the copy: the copy keeps that write (the watch from the list's version replays it) rather than going
+    back to the listed version meanwhile. The list stands in for the API server here: only its answer's body is read."""
+    listing = {"metadata": {"resourceVersion": "100"},
+               "items": [{"metadata": {"name": "a", "resourceVersion": "90", "labels": {"v": "listed"}}},
+                         {"metadata": {"name": "c", "resourceVersion": "95", "labels": {"v": "listed"}}}]}
+    answer = type("Answer", (), {"data": json.dumps(listing).encode()})()
+    cache = WatchCache("nodes", lambda *args, **kwargs: answer)
+    cache.observe({"metadata": {"name": "a", "resourceVersion": "120", "labels": {"v": "written"}}})
+    cache.observe({"metadata": {"name": "b", "resourceVersion": "110"}})
+    cache.observe({"metadata": {"name": "c", "resourceVersion": "80", "labels": {"v": "written"}}})
+    cache._list()
+    assert cache.get("", "a")["metadata"]["labels"]["v"] == "written", "a write newer than the list stays"
+    assert cache.get("", "b") is not None, "an object created after the list's version stays"
+    assert cache.get("", "c")["metadata"]["labels"]["v"] == "listed", "the list is newer than this write"
+    cache.observe({"metadata": {"name": "d", "resourceVersion": "99"}})
+    assert cache.get("", "d") is None, "not in a list at 100: deleted by then"
+
+
 def test_the_operators_pod_delete_is_read_back_at_once_so_a_restart_waits_for_that_pod(
         api: kubernetes.client.ApiClient, watched: KubernetesStore, namespace: str) -> None:
     """A restart deletes the attempt's pods and waits until they have stopped. A pod whose container failed and that
