@@ -48,7 +48,7 @@ install: $(STAMP)
 # The Kubernetes tests' control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
 # training-operator, JobSet, Trainer, Kueue) and the real nodes' kubelet, containerd and image tools, built
 # from Go modules into ~/.cache/unbroken/control-plane/ once per version (tests/controlplane/build.py;
-# ~8 min the first time here, nothing after that).
+# ~13 min the first time here with the real nodes' components, nothing after that).
 # Needs Go >= 1.24 (`go`, or /usr/local/go/bin/go) and its module proxy; Debian's golang-go is too old.
 control-plane:
 	$(PYTHON) tests/controlplane/build.py
