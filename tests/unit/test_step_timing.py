@@ -157,6 +157,25 @@ def test_a_slow_node_scores_its_peers_median_over_its_own_and_names_its_slow_sec
     assert scores["n1"].score == 1.0
 
 
+def test_a_slowdown_spread_over_every_section_names_no_section() -> None:
+    """Each step one of four sections takes 50 ms more (in turn): the work's median doubles, no section's median moves.
+    Naming the "slowest" section then named one as fast as its peers' (CI: "slowest section 'forward' at 1")."""
+    names = ("data", "forward", "compute", "optimizer")
+
+    def node_timing(node: str, extra: float) -> Worker:
+        clock = RankClock()
+        for s in range(WARMUP_STEPS + 12):
+            clock.observe(s + 1, s * 0.2, {f"section:{n}": 0.01 + (extra if i == s % 4 else 0.0) for i, n in enumerate(names)})
+        timing = worker_timing({0: clock})
+        assert timing is not None
+        return worker(node, replace(timing, steps=20), step=20)
+
+    scores = stragglers.scores([node_timing("n1", 0.0), node_timing("n2", 0.05)])
+    assert scores["n2"].score == pytest.approx(0.04 / 0.09, abs=0.001), "the work's median: 90 ms against 40 ms"
+    assert (scores["n2"].section, scores["n2"].section_score) == (None, None), scores["n2"]
+    assert stragglers.describe(scores["n2"]) == "rank 0 scores 0.444"
+
+
 def test_two_nodes_suffice_and_a_node_whose_ranks_all_slow_together_is_still_found() -> None:
     scores = stragglers.scores([timed("n1", 0.1, 0.1, 0.1, 0.1), timed("n2", 0.15, 0.15, 0.15, 0.15)])
     assert scores["n2"].score == pytest.approx(0.667, abs=0.01)

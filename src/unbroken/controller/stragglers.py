@@ -59,7 +59,8 @@ class NodeScore:
     rank: int
     """The node's slowest rank."""
     section: str | None
-    """That rank's slowest scored section relative to its peers (None: no per-section figures)."""
+    """That rank's slowest scored section relative to its peers (None: no per-section figures, or no section slower
+    than its peers': the time is spread over them)."""
     section_score: float | None = None
     reported_step: int | None = None
     """The last step of the node's own report (its worker's): a new one is a new measurement of the node."""
@@ -88,13 +89,17 @@ def scores(workers: list[Worker]) -> dict[str, NodeScore]:
     for node, reference in zip(nodes, references, strict=True):
         slowest = timed[node].slowest
         assert slowest is not None and slowest.work_s  # filtered above
+        # The section named is the one the rank is slowest in against its peers, and only one it is slower in: each
+        # section's time is its own median, so a slowdown that lands in a different section each step (a node
+        # stopped for part of every 50 ms) can lift the work's median while no section's median moves. CI once named
+        # 'forward' "at 1" then, a section exactly as fast as its peers': no section is named instead.
         worst: tuple[str | None, float | None] = (None, None)
         for name, seconds in slowest.sections.items():
             peers = sections.get(name, {}).get(node)
-            if peers is not None and seconds > 0 and (worst[1] is None or peers / seconds < worst[1]):
+            if peers is not None and seconds > peers and (worst[1] is None or peers / seconds < worst[1]):
                 worst = (name, peers / seconds)
         out[node] = NodeScore(node, round(min(1.0, reference / slowest.work_s), 3), slowest.rank, worst[0],
-                              None if worst[1] is None else round(min(1.0, worst[1]), 3), reported.get(node))
+                              None if worst[1] is None else round(worst[1], 3), reported.get(node))
     return out
 
 
