@@ -176,6 +176,15 @@ def test_a_slowdown_spread_over_every_section_names_no_section() -> None:
     assert stragglers.describe(scores["n2"]) == "rank 0 scores 0.444"
 
 
+def test_a_section_barely_slower_than_its_peers_is_not_named() -> None:
+    """CI: a node at 0.738 whose slowest section, 'data', was at 0.967: noise, not where the time went."""
+    def slower(compute: float) -> stragglers.NodeScore:
+        return stragglers.scores([timed("n1", 0.1, sections={"data": 0.03, "compute": 0.07}),
+                                  timed("n2", 0.1, sections={"data": 0.031, "compute": compute})])["n2"]
+    assert slower(0.075).section is None, "data at 0.97 and compute at 0.93: neither is named"
+    assert (slower(0.1).section, slower(0.1).section_score) == ("compute", 0.7)
+
+
 def test_two_nodes_suffice_and_a_node_whose_ranks_all_slow_together_is_still_found() -> None:
     scores = stragglers.scores([timed("n1", 0.1, 0.1, 0.1, 0.1), timed("n2", 0.15, 0.15, 0.15, 0.15)])
     assert scores["n2"].score == pytest.approx(0.667, abs=0.01)

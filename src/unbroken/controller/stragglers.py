@@ -48,6 +48,10 @@ EVIDENCE = 0.15
 after 15 s of it. A CPU scheduler's imbalance on a shared machine dips a score for a second or two and is
 paid back by the healthy reports after it; a slow GPU or a noisy neighbour stays."""
 RECOVER_MARGIN = 0.1
+SECTION_NAMED_BELOW = 0.8
+"""A section is named as the slow one only where the rank's score in it is under this (it takes 1.25x its peers'
+time or more): a section within a quarter of its peers' is within a shared machine's noise, and naming it would
+send the user to the wrong part of the step."""
 MIN_MEASURED_STEPS = 5
 """A worker's timing counts once its ranks have measured this many steps after their warm-up."""
 
@@ -89,14 +93,15 @@ def scores(workers: list[Worker]) -> dict[str, NodeScore]:
     for node, reference in zip(nodes, references, strict=True):
         slowest = timed[node].slowest
         assert slowest is not None and slowest.work_s  # filtered above
-        # The section named is the one the rank is slowest in against its peers, and only one it is slower in: each
-        # section's time is its own median, so a slowdown that lands in a different section each step (a node
-        # stopped for part of every 50 ms) can lift the work's median while no section's median moves. CI once named
-        # 'forward' "at 1" then, a section exactly as fast as its peers': no section is named instead.
+        # The section named is the one the rank is slowest in against its peers, and only one clearly slower
+        # (SECTION_NAMED_BELOW): each section's time is its own median, so a slowdown that lands in a different
+        # section each step (a node stopped for part of every 50 ms) can lift the work's median while no section's
+        # moves. CI named 'forward' "at 1" then, and 'data' at 0.967 beside a node at 0.738: no section is named now.
         worst: tuple[str | None, float | None] = (None, None)
         for name, seconds in slowest.sections.items():
             peers = sections.get(name, {}).get(node)
-            if peers is not None and seconds > peers and (worst[1] is None or peers / seconds < worst[1]):
+            if peers is not None and seconds > 0 and peers / seconds < SECTION_NAMED_BELOW \
+                    and (worst[1] is None or peers / seconds < worst[1]):
                 worst = (name, peers / seconds)
         out[node] = NodeScore(node, round(min(1.0, reference / slowest.work_s), 3), slowest.rank, worst[0],
                               None if worst[1] is None else round(worst[1], 3), reported.get(node))
