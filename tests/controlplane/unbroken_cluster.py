@@ -113,7 +113,8 @@ class Cluster:
         assert not self.kubelet.errors, self.kubelet.errors
         log = self.operator_log() if (self.workdir / "operator.log").exists() else ""
         assert "reconcile pass failed" not in log and "Logging error" not in log, log[-3000:]
-        refused = [line for line in log.splitlines() if (" 403" in line or "Forbidden" in line)
+        # 403 as a word: a port such as 40362 in a log line is not a refusal (CI once failed a teardown on one)
+        refused = [line for line in log.splitlines() if (_STATUS_403.search(line) or "Forbidden" in line)
                    and not self._while_the_api_server_restarted(line)]
         assert not refused, f"the operator was refused something: {refused[:5]}\n{log[-3000:]}"
 
@@ -129,6 +130,9 @@ class Cluster:
         except (ValueError, KeyError, TypeError):
             return False
         return restarted[0] <= at <= restarted[1] + 10
+
+
+_STATUS_403 = re.compile(r"\b403\b")
 
 
 def cluster_file(remediations: Path) -> str:
@@ -293,6 +297,7 @@ def rank_process(cluster: Cluster, pod: str) -> psutil.Process:
 
 
 _RUN_DIR = re.compile(r'"run_dir": "([^"]+)"')
+_START_LINE = re.compile(r"resumed at step|restor|first step|no checkpoint|attempt")
 
 
 def rank_pids(cluster: Cluster, pod: str) -> list[int]:
@@ -342,10 +347,13 @@ def job_state(cluster: Cluster, name: str) -> str:
              "deleting" if p.metadata.deletion_timestamp else "",
              [e.value for c in p.spec.containers for e in c.env or [] if e.name == "MASTER_PORT"],
              [(c.state.to_dict(), c.restart_count) for c in p.status.container_statuses or []]) for p in cluster.pods(name)]
-    tails = {pod: rank_log(cluster, f"{name}-{pod}")[-1200:] for pod in ("master-0", "worker-0")}
+    logs = {pod: rank_log(cluster, f"{name}-{pod}") for pod in ("master-0", "worker-0")}
+    # where each attempt started from: a resume that never came is read from these, which the tails no longer hold
+    starts = {pod: [line[-300:] for line in log.splitlines() if _START_LINE.search(line)][-6:] for pod, log in logs.items()}
+    tails = {pod: log[-1200:] for pod, log in logs.items()}
     operator = cluster.operator_log()[-2500:] if (cluster.workdir / "operator.log").exists() else ""
     training_operator = cluster.plane.processes.get("training-operator")
-    return (f"pods {pods}; events {cluster.events(name)[-8:]}; logs {tails}; operator {operator}; "
+    return (f"pods {pods}; events {cluster.events(name)[-8:]}; starts {starts}; logs {tails}; operator {operator}; "
             f"training-operator {training_operator.tail(15) if training_operator else None}")
 
 
