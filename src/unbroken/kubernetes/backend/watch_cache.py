@@ -68,10 +68,8 @@ def key_of(obj: Obj) -> Key:
 
 def _newer(candidate: str | None, known: str | None) -> bool:
     """Whether ``candidate`` may replace ``known`` (etcd revisions; anything unparseable counts as newer)."""
-    try:
-        return int(candidate or "") >= int(known or "")
-    except ValueError:
-        return True
+    candidate_revision, known_revision = _revision(candidate), _revision(known)
+    return candidate_revision is None or known_revision is None or candidate_revision >= known_revision
 
 
 def _revision(version: str | None) -> int | None:
@@ -146,15 +144,7 @@ class WatchCache:
     def observe(self, obj: Obj) -> None:
         """Put an object the operator just wrote (the write's answer) into the copy, unless the copy has a newer one,
         or has read past that version and no longer holds the object (deleted since: it stays deleted)."""
-        key, revision = key_of(obj), _revision(_version(obj))
-        with self._lock:
-            known = self._objects.get(key)
-            if known is not None and not _newer(_version(obj), _version(known)):
-                return
-            if known is None and revision is not None and self._horizon is not None and revision <= self._horizon:
-                return
-            self._objects[key] = obj
-        self._changed()
+        self._apply("MODIFIED", obj, written=True)
 
     # -- keeping -------------------------------------------------------------------------
 
@@ -242,7 +232,7 @@ class WatchCache:
                     if obj.get("code") == 410:
                         raise _Expired()
                     raise ValueError(f"watch error {obj.get('code')}: {obj.get('message')}")
-                version = str((obj.get("metadata") or {}).get("resourceVersion") or version)
+                version = str(_version(obj) or version)
                 if kind != "BOOKMARK":
                     self._apply(str(kind), self._typed(obj))
                 self._read_up_to(version)
@@ -268,13 +258,17 @@ class WatchCache:
             obj.setdefault("apiVersion", self._api_version)
         return obj
 
-    def _apply(self, kind: str, obj: Obj) -> None:
+    def _apply(self, kind: str, obj: Obj, *, written: bool = False) -> None:
+        """An event of the watch, or (``written``) the answer of the operator's own write."""
         key = key_of(obj)
         with self._lock:
             known = self._objects.get(key)
-            version = (obj.get("metadata") or {}).get("resourceVersion")
-            if known is not None and not _newer(version, (known.get("metadata") or {}).get("resourceVersion")):
+            if known is not None and not _newer(_version(obj), _version(known)):
                 return  # an event older than what we wrote ourselves
+            revision = _revision(_version(obj))
+            if written and known is None and revision is not None and self._horizon is not None \
+                    and revision <= self._horizon:
+                return  # the watch has read past this write and holds no such object: deleted since
             if kind == "DELETED":
                 self._objects.pop(key, None)
             else:
