@@ -16,6 +16,8 @@ from pathlib import Path
 import kubernetes
 import pytest
 
+from kube_objects import make_job
+
 from unbroken.errors import ConfigError, NotFoundError
 from unbroken.kubernetes.backend import annotations, names
 from unbroken.kubernetes.backend.annotations import AnnotationError
@@ -58,18 +60,6 @@ def make_node(api: kubernetes.client.ApiClient, ready: str = "True", *, startup_
         "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
         "spec": {"taints": taints},
         "status": {"conditions": [{"type": "Ready", "status": ready}], "addresses": [{"type": "InternalIP", "address": "10.0.0.7"}]},
-    })
-    return name
-
-
-def make_job(api: kubernetes.client.ApiClient, namespace: str, job_annotations: dict[str, str] | None) -> str:
-    name = f"train-{uuid.uuid4().hex[:6]}"
-    replica = {"replicas": 1, "restartPolicy": "OnFailure",
-               "template": {"spec": {"containers": [{"name": "pytorch", "image": "img", "command": ["python", "train.py"]}]}}}
-    kubernetes.client.CustomObjectsApi(api).create_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", {
-        "apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
-        "metadata": {"name": name, "annotations": job_annotations or {}},
-        "spec": {"nprocPerNode": "2", "pytorchReplicaSpecs": {"Master": replica, "Worker": {**replica, "replicas": 2}}},
     })
     return name
 

@@ -12,6 +12,7 @@ import kubernetes
 import pytest
 
 from controlplane.cluster import ControlPlane
+from kube_objects import make_job
 from unbroken.kubernetes.backend import names
 from unbroken.kubernetes.backend.backend import ConditionRemediator, KubernetesBackend
 from unbroken.kubernetes.backend.client import api_client
@@ -46,18 +47,6 @@ def make_node(api: kubernetes.client.ApiClient) -> str:
         "metadata": {"name": name},
         "status": {"conditions": [{"type": "Ready", "status": "True"}]},
     })
-    return name
-
-
-def make_annotated_job(api: kubernetes.client.ApiClient, namespace: str) -> str:
-    """A PyTorchJob opted in to unbroken (its pods are made by the test: no training-operator runs here)."""
-    name = f"train-{uuid.uuid4().hex[:6]}"
-    replica = {"replicas": 1, "restartPolicy": "OnFailure",
-               "template": {"spec": {"containers": [{"name": "pytorch", "image": "img"}]}}}
-    kubernetes.client.CustomObjectsApi(api).create_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", {
-        "apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
-        "metadata": {"name": name, "annotations": {names.AUTO_RESUME: "true", names.MAX_RETRY: "2"}},
-        "spec": {"pytorchReplicaSpecs": {"Master": replica, "Worker": replica}}})
     return name
 
 
@@ -167,7 +156,7 @@ def test_the_operators_pod_delete_is_read_back_at_once_so_a_restart_waits_for_th
     """A restart deletes the attempt's pods and waits until they have stopped. A pod whose container failed and that
     the kubelet restarts in place (OnFailure) reads as stopped when it is not being deleted; read as it was before
     the delete (the watch not there yet), the next pass launched the next attempt beside the old container."""
-    job = make_annotated_job(api, namespace)
+    job = make_job(api, namespace, {names.AUTO_RESUME: "true", names.MAX_RETRY: "2"})
     pod = f"{job}-worker-0"
     core = kubernetes.client.CoreV1Api(api)
     core.create_namespaced_pod(namespace, {
